@@ -1,0 +1,3 @@
+from dfcache.cli import _entry
+
+_entry()

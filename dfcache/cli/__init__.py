@@ -1,0 +1,117 @@
+"""The `dfcache` command line: a thin layer over the Python API.
+
+Commands live in modules that each define ``register(app)``; the runner's ``plan``/``run`` come
+in through the ``dfcache.commands`` entry point group, so this package knows nothing about
+DFlash. Errors print one line (no traceback unless ``--debug``) and exit with the code the
+design assigns (see ``dfcache.errors``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+import typer
+
+from .. import __version__
+from ..errors import EXIT_INTERNAL, EXIT_USAGE, DfcacheError
+from ._common import err, state
+
+app = typer.Typer(name="dfcache", no_args_is_help=True, add_completion=False,
+                  pretty_exceptions_enable=False, rich_markup_mode=None,
+                  help="Content-addressed artifact cache and offline-first eval runner for "
+                       "speculative-decoding drafters.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        print(f"dfcache {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global(store: Optional[str] = typer.Option(None, "--store", help="Store path or URL (else $DFCACHE_STORE, else ./store)."),
+            json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
+            debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
+            offline: bool = typer.Option(False, "--offline", help="Never touch the network."),
+            version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                         help="Print the version and exit.")) -> None:
+    state.store_location = store
+    state.json = state.json or json_out
+    state.debug = state.debug or debug
+    state.offline = state.offline or offline
+
+
+def _register_all() -> None:
+    from . import _cache_cmds
+
+    _cache_cmds.register(app)
+    for mod in ("_diff_cmd", "_transfer_cmds"):
+        try:
+            m = __import__(f"dfcache.cli.{mod}", fromlist=["register"])
+        except ImportError:
+            continue
+        m.register(app)
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="dfcache.commands"):
+        try:
+            ep.load()(app)
+        except Exception as e:  # a broken plugin must not take `ls`/`verify` down with it
+            _plugin_errors.append(f"command plugin {ep.value} failed to load: {type(e).__name__}: {e}")
+
+
+_plugin_errors: list[str] = []
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --json/--debug are accepted anywhere on the line (scripts put them last).
+    for flag in ("--json", "--debug"):
+        if flag in argv and argv.index(flag) > 0:
+            setattr(state, flag[2:], True)
+    if os.environ.get("DFCACHE_DEBUG"):
+        state.debug = True
+    try:
+        _register_all()
+        if _plugin_errors and any(a in ("run", "plan") for a in argv):
+            for line in _plugin_errors:
+                err(f"error: {line}")
+            return EXIT_INTERNAL
+        app(args=argv, prog_name="dfcache", standalone_mode=False)
+        return 0
+    except DfcacheError as e:
+        if state.debug:
+            raise
+        err(f"error: {e}")
+        return e.exit_code
+    except KeyboardInterrupt:
+        if state.debug:
+            raise
+        err("interrupted: committed artifacts are kept; run the same command again to resume.")
+        return 130
+    except typer.Exit as e:
+        return e.exit_code
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 0
+    except Exception as e:  # click usage errors and the unexpected
+        import click
+
+        if isinstance(e, click.exceptions.Abort):
+            err("aborted.")
+            return 130
+        if isinstance(e, click.ClickException):
+            if state.debug:
+                raise
+            e.show()
+            return EXIT_USAGE
+        if state.debug:
+            raise
+        err(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and "
+            "report it)")
+        return EXIT_INTERNAL
+
+
+def _entry() -> None:
+    sys.exit(main())

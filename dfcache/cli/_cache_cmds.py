@@ -1,0 +1,174 @@
+"""`dfcache ls / show / verify / gc`: audit and maintain a store. Reads manifests, not arrays
+(except `verify`, whose job is to re-hash them)."""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from ..errors import IntegrityError, UsageError
+from ..maintenance import backend_summary, gc_plan, input_summary, manifest_row
+from ._common import emit_json, get_store, human_bytes, state
+
+
+def _json_flag(local: bool) -> bool:
+    return local or state.json
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("ls")
+    def ls(stage: Optional[str] = typer.Option(None, "--stage", help="Only this stage."),
+           backend: Optional[str] = typer.Option(None, "--backend", help="Only hidden states of this kernel family (fla|torch)."),
+           remote: Optional[str] = typer.Option(None, "--remote", help="List a remote store instead (URL or configured name)."),
+           endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
+           json_out: bool = typer.Option(False, "--json", help="Print a JSON list.")) -> None:
+        """List artifacts: key, stage, size, created, backend, inputs."""
+        if remote:
+            from ..config import load_config
+            from ..store import open_store
+
+            cfg = load_config().remote_urls([remote])[0]
+            store = open_store(cfg.url, create=False, endpoint_url=endpoint_url or cfg.endpoint_url)
+        else:
+            store = get_store()
+        errors: list = []
+        manifests = store.list_manifests(stage=stage, errors=errors)
+        if backend:
+            manifests = [m for m in manifests if (m.backend or {}).get("kernel") == backend]
+        manifests.sort(key=lambda m: (m.created, m.key))
+        rows = [manifest_row(m) for m in manifests]
+        if _json_flag(json_out):
+            emit_json(rows)
+            return
+        if not rows:
+            print(f"no artifacts in {store.url}" + (f" (stage {stage})" if stage else ""))
+        else:
+            print(f"{'KEY':<12}  {'STAGE':<14}  {'SIZE':>9}  {'CREATED':<19}  {'BACKEND':<18}  INPUTS")
+            for m, r in zip(manifests, rows):
+                print(f"{m.key[:12]}  {m.stage:<14}  {human_bytes(m.size_bytes):>9}  "
+                      f"{m.created[:19].replace('T', ' '):<19}  {backend_summary(m):<18}  {input_summary(m)}")
+        total = sum(m.size_bytes for m in manifests)
+        print(f"{len(rows)} artifact(s), {human_bytes(total)} in {store.url}")
+        if errors:
+            print(f"warning: {len(errors)} manifest(s) failed validation and are not listed; run "
+                  "`dfcache verify` to see them.")
+
+    @app.command("show")
+    def show(key: str = typer.Argument(..., help="A key or unique key prefix."),
+             json_out: bool = typer.Option(False, "--json")) -> None:
+        """Show one artifact's manifest and its upstream chain."""
+        store = get_store()
+        full = store.resolve(key)
+        m = store.manifest(full)
+        chain = []
+        seen = set()
+        stack = [(k, 1) for k in m.upstream_keys]
+        while stack:
+            k, depth = stack.pop(0)
+            if k in seen:
+                continue
+            seen.add(k)
+            if store.has(k):
+                um = store.manifest(k)
+                chain.append({"key": k, "stage": um.stage, "depth": depth, "present": True,
+                              "summary": um.summary})
+                stack.extend((u, depth + 1) for u in um.upstream_keys)
+            else:
+                chain.append({"key": k, "stage": None, "depth": depth, "present": False, "summary": ""})
+        if _json_flag(json_out):
+            emit_json({**m.to_dict(), "upstream_chain": chain})
+            return
+        print(f"key:          {m.key}")
+        print(f"stage:        {m.stage} (version {m.stage_version})")
+        print(f"created:      {m.created}  by dfcache {m.dfcache_version}")
+        print(f"size:         {human_bytes(m.size_bytes)}")
+        if m.summary:
+            print(f"summary:      {m.summary}")
+        if m.backend:
+            print(f"backend:      {backend_summary(m)}")
+        print("inputs:")
+        for k, v in sorted(m.inputs.items()):
+            print(f"  {k}: {v}")
+        print("provenance:")
+        for k, v in sorted(m.provenance.items()):
+            print(f"  {k}: {v}")
+        print("arrays:")
+        for name, a in sorted(m.arrays.items()):
+            print(f"  {name}: {a.dtype} {a.shape} chunks of {a.chunk_rows} rows, codec {a.codec}, "
+                  f"{human_bytes(a.nbytes)}, digest {a.digest[:12]}")
+        if m.blobs:
+            print("documents: " + ", ".join(sorted(m.blobs)))
+        print("upstream chain:")
+        if not chain:
+            print("  (none)")
+        for c in chain:
+            mark = "" if c["present"] else "  (not in this store)"
+            print(f"  {'  ' * (c['depth'] - 1)}{c['key'][:12]} {c['stage'] or '?'}{mark}")
+
+    @app.command("verify")
+    def verify(keys: Optional[List[str]] = typer.Argument(None, help="Keys or prefixes (default: all)."),
+               json_out: bool = typer.Option(False, "--json")) -> None:
+        """Re-hash artifacts against their manifests; exit 5 if any is corrupt or incomplete."""
+        store = get_store()
+        errors: list = []
+        if keys:
+            targets = [store.resolve(k) for k in keys]
+        else:
+            targets = [m.key for m in store.list_manifests(errors=errors)]
+        bad = {k: [msg] for k, msg in errors}
+        progress = None
+        if not _json_flag(json_out) and len(targets) > 20:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(targets), desc="verifying", unit="artifact", leave=False)
+        for k in targets:
+            problems = store.verify(k)
+            if problems:
+                bad[k] = problems
+            if progress:
+                progress.update(1)
+        if progress:
+            progress.close()
+        if _json_flag(json_out):
+            emit_json({"checked": len(targets) + len(errors),
+                       "bad": [{"key": k, "problems": p} for k, p in bad.items()]})
+        else:
+            for k, problems in bad.items():
+                print(f"BAD {k}: " + "; ".join(problems))
+            print(f"{len(targets) + len(errors)} artifact(s) checked, {len(bad)} bad")
+        if bad:
+            raise IntegrityError(f"{len(bad)} artifact(s) are corrupt or incomplete; delete them with "
+                                 "`dfcache gc --key KEY --yes` and recompute, or pull them again.")
+
+    @app.command("gc")
+    def gc(dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be removed."),
+           yes: bool = typer.Option(False, "--yes", help="Remove it."),
+           tmp: bool = typer.Option(False, "--tmp", help="Stale temporaries: crashed writers' staging areas (the default scope)."),
+           stage: Optional[str] = typer.Option(None, "--stage", help="Every artifact of this stage."),
+           older_than: Optional[float] = typer.Option(None, "--older-than", help="Artifacts created more than DAYS ago."),
+           key: Optional[List[str]] = typer.Option(None, "--key", help="These artifacts (keys or prefixes)."),
+           bad: bool = typer.Option(False, "--bad", help="Artifacts that fail verification."),
+           grace: float = typer.Option(60.0, "--grace", help="Keep temporaries younger than this many seconds."),
+           json_out: bool = typer.Option(False, "--json")) -> None:
+        """Remove stale temporaries and, with a scope, artifacts. Needs --dry-run or --yes."""
+        if dry_run == yes:
+            raise UsageError("gc needs exactly one of --dry-run (show what would go) or --yes (remove it).")
+        store = get_store()
+        plan = gc_plan(store, tmp=tmp or not (stage or older_than is not None or key or bad),
+                       stage=stage, older_than_days=older_than,
+                       keys=[store.resolve(k) for k in (key or [])], bad=bad, grace_s=grace)
+        removed = plan.execute(store, grace_s=grace) if yes else []
+        if _json_flag(json_out):
+            emit_json({"dry_run": dry_run, "items": [i.__dict__ for i in plan.items],
+                       "bytes": plan.total_bytes, "removed": removed})
+            return
+        for item in plan.items:
+            verb = "would remove" if dry_run else ("removed" if item.name in removed else "kept (in use)")
+            print(f"{verb}: {item.kind} {item.name} ({human_bytes(item.size_bytes)})")
+        freed = sum(i.size_bytes for i in plan.items if i.name in removed)
+        if dry_run:
+            print(f"{len(plan.items)} item(s), {human_bytes(plan.total_bytes)} would be freed; run with --yes to remove.")
+        else:
+            print(f"removed {len(removed)} item(s), {human_bytes(freed)} freed.")
+

@@ -1,0 +1,43 @@
+"""State shared by CLI commands: global options, the store, output helpers."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+
+
+@dataclass
+class GlobalState:
+    store_location: str | None = None
+    json: bool = False
+    debug: bool = False
+    offline: bool = False
+
+
+state = GlobalState()
+
+
+def get_store(create: bool = True):
+    """Open the store named by --store, $DFCACHE_STORE or ./store."""
+    from ..store import open_store
+
+    return open_store(state.store_location, create=create)
+
+
+def emit_json(obj) -> None:
+    sys.stdout.write(json.dumps(obj, indent=1, sort_keys=False, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def err(message: str) -> None:
+    sys.stderr.write(message.rstrip() + "\n")
+    sys.stderr.flush()

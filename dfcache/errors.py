@@ -1,0 +1,147 @@
+"""Every exception dfcache raises on purpose, and the exit code each one maps to.
+
+The tree (exit code in brackets)::
+
+    DfcacheError (Exception)                         [1]
+    ├── UsageError (ValueError)                      [2]  wrong flags or arguments
+    ├── OfflineMissingError (ConnectionError)        [3]  needs the network while offline
+    │     (carries the list of missing nodes)
+    ├── NetworkError (ConnectionError)               [4]
+    │   ├── OfflineModeIsEnabled                          a URL was asked for while offline
+    │   ├── ServerUnreachable                             DNS failure or no route
+    │   ├── ConnectionRefused                             nothing listens on the port
+    │   ├── ServerTimeout                                 connect or read timed out
+    │   ├── ServerNotReady                                answers, but not ready (503, loading)
+    │   └── ServerHTTPError                               4xx/5xx, malformed body, wrong model
+    ├── IntegrityError (OSError)                     [5]  digest mismatch, corrupt or partial artifact
+    │   └── UntrustedManifestError                        a manifest that fails validation
+    ├── BadInputError (ValueError)                   [6]  prompts, model, checkpoint, layer ids
+    │   └── ModelNotFoundError (FileNotFoundError)
+    └── ArtifactNotFoundError (KeyError, LookupError) [2] no artifact with that key or prefix
+        └── AmbiguousKeyError                              a prefix that matches several keys
+
+Each exception also subclasses the stdlib class a caller would naturally catch. Messages name
+the thing that is wrong and end with the fix.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_USAGE = 2
+EXIT_OFFLINE_MISSING = 3
+EXIT_NETWORK = 4
+EXIT_INTEGRITY = 5
+EXIT_BAD_INPUT = 6
+
+
+class DfcacheError(Exception):
+    """Base class of every error dfcache raises on purpose."""
+
+    exit_code = EXIT_INTERNAL
+
+    def __init__(self, message: str = "", *args: object) -> None:
+        super().__init__(message, *args)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UsageError(DfcacheError, ValueError):
+    """The command line or the call was wrong: a flag, a missing argument."""
+
+    exit_code = EXIT_USAGE
+
+
+class OfflineMissingError(DfcacheError, ConnectionError):
+    """Artifacts are missing and producing them needs the network, which offline mode forbids."""
+
+    exit_code = EXIT_OFFLINE_MISSING
+
+    def __init__(self, message: str, missing: list | None = None) -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])
+
+
+class NetworkError(DfcacheError, ConnectionError):
+    """A network request failed."""
+
+    exit_code = EXIT_NETWORK
+
+    def __init__(self, message: str, url: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class OfflineModeIsEnabled(NetworkError):
+    """Code asked for a URL while offline mode is on; no socket was opened."""
+
+
+class ServerUnreachable(NetworkError):
+    """The host could not be reached (name resolution or routing failed)."""
+
+
+class ConnectionRefused(NetworkError):
+    """The host answered that nothing listens on the port."""
+
+
+class ServerTimeout(NetworkError):
+    """Connecting or reading timed out."""
+
+
+class ServerNotReady(NetworkError):
+    """The server answers but is not ready yet (for example still loading the model)."""
+
+
+class ServerHTTPError(NetworkError):
+    """The server answered with an HTTP error, a malformed body or an unexpected model."""
+
+    def __init__(self, message: str, url: str | None = None, status: int | None = None,
+                 server_message: str | None = None) -> None:
+        super().__init__(message, url)
+        self.status = status
+        self.server_message = server_message
+
+
+class IntegrityError(DfcacheError, OSError):
+    """An artifact's bytes do not match its manifest, or the artifact is incomplete."""
+
+    exit_code = EXIT_INTEGRITY
+
+    def __init__(self, message: str, key: str | None = None) -> None:
+        DfcacheError.__init__(self, message)
+        self.key = key
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class UntrustedManifestError(IntegrityError):
+    """A manifest (usually from a remote) failed validation and was not used."""
+
+
+class BadInputError(DfcacheError, ValueError):
+    """Input the user gave is wrong: a prompt file, a model directory, a checkpoint, layer ids."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class ModelNotFoundError(BadInputError, FileNotFoundError):
+    """A model or checkpoint was not found where dfcache looked."""
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ArtifactNotFoundError(DfcacheError, KeyError):
+    """No artifact with that key (or key prefix) is in the store."""
+
+    exit_code = EXIT_USAGE
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return self.message
+
+
+class AmbiguousKeyError(ArtifactNotFoundError):
+    """A key prefix matches more than one artifact."""

@@ -1,0 +1,121 @@
+"""Listing and cleaning a store as plain data: what `dfcache ls` and `dfcache gc` print.
+
+``gc`` is two-phase, like huggingface_hub's ``DeleteCacheStrategy``: :func:`gc_plan` lists what
+would go and how many bytes; :meth:`GcPlan.execute` removes it.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass, field
+
+from .manifest import Manifest
+
+
+def backend_summary(m: Manifest) -> str:
+    b = m.backend
+    if not b:
+        return "-"
+    parts = [str(b.get("kernel", "?")), str(b.get("device", "?")), str(b.get("dtype", "?"))]
+    return "/".join(parts)
+
+
+def input_summary(m: Manifest, width: int = 60) -> str:
+    if m.summary:
+        text = m.summary
+    else:
+        skip = {"backend"}
+        text = " ".join(f"{k}={_short(v)}" for k, v in sorted(m.inputs.items()) if k not in skip)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _short(v) -> str:
+    if isinstance(v, str) and len(v) == 32 and all(c in "0123456789abcdef" for c in v):
+        return v[:8]
+    if isinstance(v, (list, dict)):
+        s = str(v)
+        return s if len(s) < 24 else s[:23] + "…"
+    return str(v)
+
+
+def manifest_row(m: Manifest) -> dict:
+    """The `ls --json` object of one artifact (a documented contract, see docs/cli.md)."""
+    return {"key": m.key, "stage": m.stage, "stage_version": m.stage_version, "size_bytes": m.size_bytes,
+            "created": m.created, "backend": m.backend, "inputs": m.inputs, "upstream": m.upstream,
+            "provenance": m.provenance, "summary": m.summary,
+            "arrays": {n: {"shape": a.shape, "dtype": a.dtype} for n, a in m.arrays.items()}}
+
+
+@dataclass
+class GcItem:
+    kind: str  # "temporary" | "artifact"
+    name: str  # staging path or key
+    size_bytes: int
+    reason: str
+
+
+@dataclass
+class GcPlan:
+    items: list[GcItem] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(i.size_bytes for i in self.items)
+
+    def execute(self, store, grace_s: float = 60.0) -> list[str]:
+        removed = []
+        for item in self.items:
+            if item.kind == "temporary":
+                if store.backend.remove_temporary(item.name, grace_s=grace_s):
+                    removed.append(item.name)
+            elif store.delete(item.name):
+                removed.append(item.name)
+        return removed
+
+
+def _age_days(created: str) -> float:
+    try:
+        t = _dt.datetime.fromisoformat(created)
+    except ValueError:
+        return 0.0
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=_dt.timezone.utc)
+    return (_dt.datetime.now(_dt.timezone.utc) - t).total_seconds() / 86400
+
+
+def gc_plan(store, *, tmp: bool = True, stage: str | None = None, older_than_days: float | None = None,
+            keys: list[str] | None = None, bad: bool = False, grace_s: float = 60.0) -> GcPlan:
+    """What gc would remove. Temporaries held by a live writer are never listed."""
+    plan = GcPlan()
+    if tmp:
+        for t in store.backend.list_temporaries():
+            if t.in_use or (t.age_s < grace_s and not t.name.endswith(".deleted")):
+                continue
+            reason = "resumable progress of an interrupted run" if t.resumable else "left by a crashed writer"
+            plan.items.append(GcItem("temporary", t.name, t.size_bytes, reason))
+    chosen: dict[str, str] = {}
+    if stage or older_than_days is not None:
+        for m in store.list_manifests():
+            if stage and m.stage != stage:
+                continue
+            if older_than_days is not None and _age_days(m.created) < older_than_days:
+                continue
+            chosen[m.key] = "scope"
+    for k in keys or []:
+        chosen[k] = "named"
+    if bad:
+        errors: list = []
+        for m in store.list_manifests(errors=errors):
+            if store.verify(m.key):
+                chosen[m.key] = "fails verification"
+        for k, _msg in errors:
+            chosen[k] = "invalid manifest"
+    sizes = {}
+    for k in chosen:
+        try:
+            sizes[k] = store.manifest(k).size_bytes
+        except Exception:
+            sizes[k] = sum(store.backend.list_files(k).values())
+    for k, reason in chosen.items():
+        plan.items.append(GcItem("artifact", k, sizes[k], reason))
+    return plan

@@ -1,0 +1,202 @@
+"""The manifest: what an artifact is, written last, and validated before use.
+
+A manifest is a JSON file (``manifest.json``) beside the artifact's zarr group. Its presence is
+what makes an artifact exist. Manifests from anywhere (a remote especially) are validated with
+:func:`validate_manifest` before anything in them is used as a path or a size.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .errors import UntrustedManifestError
+from .keys import KEY_PATTERN
+
+FORMAT_VERSION = 1
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
+STAGE_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+DIGEST_PATTERN = re.compile(r"^[0-9a-f]{32}$")
+
+# Logical dtypes and how they are stored (zarr v3 has no bfloat16: its bits go in uint16).
+STORAGE_DTYPE = {
+    "bfloat16": "uint16", "float16": "float16", "float32": "float32", "float64": "float64",
+    "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
+    "uint8": "uint8", "uint16": "uint16", "uint32": "uint32", "uint64": "uint64", "bool": "bool",
+}
+CODECS = ("none", "zstd")
+MAX_ARRAY_BYTES = 1 << 44  # 16 TiB: anything larger in a manifest is hostile or broken
+MAX_NDIM = 8
+
+
+@dataclass
+class ArraySpec:
+    """One array of an artifact."""
+
+    shape: list[int]
+    dtype: str  # logical dtype, e.g. "bfloat16"
+    chunk_rows: int
+    digest: str  # xxh3-128 over the per-chunk digests, see docs/format.md
+    nbytes: int  # logical bytes (shape x itemsize)
+    codec: str = "none"
+    chunk_digests: list[str] = field(default_factory=list)
+
+    @property
+    def storage_dtype(self) -> str:
+        return STORAGE_DTYPE[self.dtype]
+
+    @property
+    def num_chunks(self) -> int:
+        rows = self.shape[0] if self.shape else 1
+        return -(-rows // self.chunk_rows) if rows else 0
+
+
+@dataclass
+class BlobSpec:
+    """A small JSON document stored with the artifact (prompt records, texts, reports)."""
+
+    digest: str
+    nbytes: int
+
+
+@dataclass
+class Manifest:
+    key: str
+    stage: str
+    stage_version: int
+    inputs: dict[str, Any]
+    upstream: dict[str, Any]
+    provenance: dict[str, Any]
+    arrays: dict[str, ArraySpec]
+    blobs: dict[str, BlobSpec]
+    created: str
+    size_bytes: int
+    dfcache_version: str
+    format_version: int = FORMAT_VERSION
+    summary: str = ""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True, indent=1)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def upstream_keys(self) -> list[str]:
+        out: list[str] = []
+        for v in self.upstream.values():
+            out.extend(v if isinstance(v, list) else [v])
+        return out
+
+    @property
+    def backend(self) -> dict | None:
+        b = self.inputs.get("backend")
+        return b if isinstance(b, dict) else None
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, expect_key: str | None = None) -> "Manifest":
+        try:
+            data = json.loads(text)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise UntrustedManifestError(f"manifest{' of ' + expect_key if expect_key else ''} is not "
+                                         f"valid JSON ({e}); delete the artifact and recompute or pull "
+                                         "it again.", key=expect_key) from None
+        return validate_manifest(data, expect_key=expect_key)
+
+
+def _bad(msg: str, key: str | None) -> UntrustedManifestError:
+    where = f"manifest of {key}" if key else "manifest"
+    return UntrustedManifestError(f"{where} refused: {msg}. Delete it and recompute, or pull it "
+                                  "again from a trusted remote.", key=key)
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def validate_manifest(data: Any, *, expect_key: str | None = None) -> Manifest:
+    """Check every field a reader relies on and build a :class:`Manifest`.
+
+    Keys and names must match strict patterns (no path separators, no ``..``), shapes and sizes
+    must be sane, digests present. Raises :class:`UntrustedManifestError` otherwise.
+    """
+    k = expect_key
+    if not isinstance(data, dict):
+        raise _bad("not a JSON object", k)
+    key = data.get("key")
+    if not isinstance(key, str) or not KEY_PATTERN.match(key):
+        raise _bad(f"key {key!r} is not 32 hex digits", k)
+    if expect_key is not None and key != expect_key:
+        raise _bad(f"it says key {key} but is stored under {expect_key}", k)
+    k = key
+    fmt = data.get("format_version")
+    if fmt != FORMAT_VERSION:
+        raise _bad(f"format_version {fmt!r} is not {FORMAT_VERSION} (written by another dfcache "
+                   "version)", k)
+    stage = data.get("stage")
+    if not isinstance(stage, str) or not STAGE_PATTERN.match(stage):
+        raise _bad(f"stage {stage!r} is not a valid stage name", k)
+    if not _int(data.get("stage_version")):
+        raise _bad("stage_version is not an integer", k)
+    for name in ("inputs", "upstream", "provenance", "arrays", "blobs"):
+        if not isinstance(data.get(name), dict):
+            raise _bad(f"{name} is not an object", k)
+    for role, v in data["upstream"].items():
+        vals = v if isinstance(v, list) else [v]
+        if not all(isinstance(x, str) and KEY_PATTERN.match(x) for x in vals):
+            raise _bad(f"upstream {role!r} is not a key", k)
+    arrays: dict[str, ArraySpec] = {}
+    for name, spec in data["arrays"].items():
+        if not NAME_PATTERN.match(name) or ".." in name:
+            raise _bad(f"array name {name!r} is not allowed", k)
+        if not isinstance(spec, dict):
+            raise _bad(f"array {name} is not an object", k)
+        shape, dtype = spec.get("shape"), spec.get("dtype")
+        if (not isinstance(shape, list) or not 1 <= len(shape) <= MAX_NDIM
+                or not all(_int(s) and 0 <= s < 1 << 40 for s in shape)):
+            raise _bad(f"array {name} has shape {shape!r}", k)
+        if dtype not in STORAGE_DTYPE:
+            raise _bad(f"array {name} has dtype {dtype!r}", k)
+        cr = spec.get("chunk_rows")
+        if not _int(cr) or not 1 <= cr <= 1 << 30:
+            raise _bad(f"array {name} has chunk_rows {cr!r}", k)
+        import numpy as np
+
+        nbytes = int(np.prod(shape, dtype=np.float64)) * np.dtype(STORAGE_DTYPE[dtype]).itemsize
+        if nbytes > MAX_ARRAY_BYTES or spec.get("nbytes") != nbytes:
+            raise _bad(f"array {name} claims {spec.get('nbytes')!r} bytes for shape {shape}", k)
+        if spec.get("codec", "none") not in CODECS:
+            raise _bad(f"array {name} has codec {spec.get('codec')!r}", k)
+        digest = spec.get("digest")
+        if not isinstance(digest, str) or not DIGEST_PATTERN.match(digest):
+            raise _bad(f"array {name} has no valid digest", k)
+        cds = spec.get("chunk_digests", [])
+        a = ArraySpec(shape=list(shape), dtype=dtype, chunk_rows=cr, digest=digest, nbytes=nbytes,
+                      codec=spec.get("codec", "none"), chunk_digests=list(cds))
+        if (not isinstance(cds, list) or len(cds) != a.num_chunks
+                or not all(isinstance(d, str) and DIGEST_PATTERN.match(d) for d in cds)):
+            raise _bad(f"array {name} has {len(cds) if isinstance(cds, list) else 'no'} chunk digests "
+                       f"for {a.num_chunks} chunks", k)
+        arrays[name] = a
+    blobs: dict[str, BlobSpec] = {}
+    for name, spec in data["blobs"].items():
+        if not NAME_PATTERN.match(name) or ".." in name:
+            raise _bad(f"blob name {name!r} is not allowed", k)
+        if (not isinstance(spec, dict) or not isinstance(spec.get("digest"), str)
+                or not DIGEST_PATTERN.match(spec["digest"]) or not _int(spec.get("nbytes"))
+                or not 0 <= spec["nbytes"] <= 1 << 34):
+            raise _bad(f"blob {name} has no valid digest or size", k)
+        blobs[name] = BlobSpec(digest=spec["digest"], nbytes=spec["nbytes"])
+    if not _int(data.get("size_bytes")) or data["size_bytes"] < 0:
+        raise _bad("size_bytes is not a non-negative integer", k)
+    for name in ("created", "dfcache_version"):
+        if not isinstance(data.get(name), str):
+            raise _bad(f"{name} is not a string", k)
+    return Manifest(key=key, stage=stage, stage_version=data["stage_version"], inputs=data["inputs"],
+                    upstream=data["upstream"], provenance=data["provenance"], arrays=arrays,
+                    blobs=blobs, created=data["created"], size_bytes=data["size_bytes"],
+                    dfcache_version=data["dfcache_version"], format_version=fmt,
+                    summary=str(data.get("summary", ""))[:500])

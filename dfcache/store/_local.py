@@ -1,0 +1,340 @@
+"""A store in a local (or shared POSIX) directory.
+
+Layout::
+
+    <root>/dfcache-store.json            {"format_version": 1}
+    <root>/artifacts/<key[:2]>/<key>/    one committed artifact (zarr v3 group + manifest.json)
+    <root>/staging/<key>.<uuid>.tmp/     a writer's private staging area
+    <root>/staging/<key>.resume/         a resumable writer's staging area (kept across crashes)
+    <root>/locks/<key>.lock              serialises resumable writers of one key
+
+A writer assembles everything, manifest last, in its staging directory and publishes it with one
+``rename`` onto ``artifacts/..``: atomic on POSIX, and it fails if the target exists, so two
+writers of one key both succeed and exactly one copy stays. Each staging directory is held with
+``flock`` by its live writer; ``gc`` removes only those no live process holds (a crashed writer's
+lock dies with it). Locks are an optimisation of cleanup, never what makes commits safe
+(huggingface_hub PR #4228).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import IntegrityError, UsageError
+from ._backend import MANIFEST, Backend, Staging, Temporary
+
+STORE_MARKER = "dfcache-store.json"
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _dir_size(path: Path) -> int:
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def _try_lock(fd: int) -> bool:
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+
+
+class _LocalStaging(Staging):
+    def __init__(self, backend: "LocalBackend", key: str, resumable: bool) -> None:
+        self.backend = backend
+        self.key = key
+        self.resumable = resumable
+        self._lock_fd: int | None = None
+        staging_root = backend.root / "staging"
+        if resumable:
+            self._lock_fd = backend._acquire_key_lock(key)
+            self.path = staging_root / f"{key}.resume"
+            self.path.mkdir(parents=True, exist_ok=True)
+        else:
+            self.path = staging_root / f"{key}.{uuid.uuid4().hex[:12]}.tmp"
+            self.path.mkdir(parents=True)
+        self._dir_fd = os.open(self.path, os.O_RDONLY)
+        fcntl.flock(self._dir_fd, fcntl.LOCK_EX)
+        self._made_dirs: set[str] = set()
+
+    def _target(self, relpath: str) -> Path:
+        p = self.path / relpath
+        parent = os.path.dirname(relpath)
+        if parent and parent not in self._made_dirs:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            self._made_dirs.add(parent)
+        return p
+
+    def put(self, relpath: str, data) -> int:
+        p = self._target(relpath)
+        # Resumable staging is visible to the next attempt, so each file is written whole or not
+        # at all; a private staging directory is never read before publish.
+        tmp = p.with_name(p.name + ".part") if self.resumable else p
+        parts = data if isinstance(data, (list, tuple)) else [data]
+        with open(tmp, "wb") as f:
+            n = sum(f.write(part) for part in parts)
+            if self.resumable:
+                f.flush()
+                os.fsync(f.fileno())
+        if self.resumable:
+            os.replace(tmp, p)
+        return n
+
+    def get(self, relpath: str) -> bytes | None:
+        try:
+            return (self.path / relpath).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def publish(self, manifest_bytes: bytes) -> bool:
+        # Make the data durable before the manifest, and the manifest before the rename.
+        for root, _dirs, files in os.walk(self.path):
+            for f in files:
+                fd = os.open(os.path.join(root, f), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        self.put(MANIFEST, manifest_bytes)
+        fd = os.open(self.path / MANIFEST, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        final = self.backend._artifact_dir(self.key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        won = False
+        for _attempt in range(3):
+            try:
+                os.rename(self.path, final)
+                won = True
+                break
+            except OSError as e:
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                if (final / MANIFEST).exists():
+                    break  # another writer published this key first: keep theirs
+                # A directory without a manifest is a leftover, not an artifact: move it aside.
+                grave = self.backend.root / "staging" / f"{self.key}.{uuid.uuid4().hex[:12]}.deleted"
+                try:
+                    os.rename(final, grave)
+                except OSError:
+                    pass
+        if not won:
+            shutil.rmtree(self.path, ignore_errors=True)
+        _fsync_dir(final.parent)
+        self._release()
+        return won
+
+    def _release(self) -> None:
+        if self._dir_fd is not None:
+            os.close(self._dir_fd)
+            self._dir_fd = None
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def abort(self) -> None:
+        if not self.resumable:
+            shutil.rmtree(self.path, ignore_errors=True)
+        self._release()
+
+    def discard(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        self._release()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self._release()
+        except Exception:
+            pass
+
+
+class LocalBackend(Backend):
+    is_local = True
+
+    def __init__(self, root: str | os.PathLike, create: bool = True) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.url = str(self.root)
+        marker = self.root / STORE_MARKER
+        if not marker.exists():
+            if self.root.exists() and any(p.name not in {"README.md", ".gitignore", ".gitkeep"}
+                                          for p in self.root.iterdir()):
+                raise UsageError(f"{self.root} exists and is not a dfcache store (no {STORE_MARKER}); "
+                                 "pass an empty or new directory with --store.")
+            if not create:
+                raise UsageError(f"no dfcache store at {self.root}; pass an existing store with --store.")
+            try:
+                for sub in ("artifacts", "staging", "locks"):
+                    (self.root / sub).mkdir(parents=True, exist_ok=True)
+                tmp = marker.with_name(f"{STORE_MARKER}.{uuid.uuid4().hex}.tmp")
+                tmp.write_text(json.dumps({"format_version": 1, "kind": "dfcache-store"}) + "\n")
+                os.replace(tmp, marker)
+            except OSError as e:
+                raise UsageError(f"cannot create a store at {self.root}: {e.strerror}; pass a "
+                                 "writable directory with --store.") from None
+        else:
+            try:
+                info = json.loads(marker.read_text())
+            except (OSError, ValueError):
+                raise IntegrityError(f"{marker} is unreadable; the store is damaged. Restore the file "
+                                     '(content {"format_version": 1}) or use another store.') from None
+            if info.get("format_version") != 1:
+                raise UsageError(f"store {self.root} has format {info.get('format_version')}; this "
+                                 "dfcache reads format 1. Upgrade dfcache or use another store.")
+
+    def _artifact_dir(self, key: str) -> Path:
+        return self.root / "artifacts" / key[:2] / key
+
+    def read_manifest(self, key: str) -> bytes | None:
+        try:
+            with open(self._artifact_dir(key) / MANIFEST, "rb") as f:
+                return f.read()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def iter_manifests(self) -> Iterator[tuple[str, bytes]]:
+        base = self.root / "artifacts"
+        try:
+            shards = sorted(os.scandir(base), key=lambda e: e.name)
+        except FileNotFoundError:
+            return
+        for shard in shards:
+            if not shard.is_dir(follow_symlinks=False):
+                continue
+            for entry in sorted(os.scandir(shard.path), key=lambda e: e.name):
+                try:
+                    with open(os.path.join(entry.path, MANIFEST), "rb") as f:
+                        yield entry.name, f.read()
+                except (FileNotFoundError, NotADirectoryError):
+                    # A directory without a manifest is not an artifact (e.g. a manual copy
+                    # that was interrupted); gc --tmp removes it.
+                    continue
+
+    def orphan_dirs(self) -> list[Path]:
+        """Artifact directories that have no manifest (not artifacts; cleaned by gc)."""
+        out = []
+        base = self.root / "artifacts"
+        if not base.exists():
+            return out
+        for shard in os.scandir(base):
+            if shard.is_dir(follow_symlinks=False):
+                for entry in os.scandir(shard.path):
+                    if not os.path.exists(os.path.join(entry.path, MANIFEST)):
+                        out.append(Path(entry.path))
+        return out
+
+    def read_file(self, key: str, relpath: str) -> bytes:
+        with open(self._artifact_dir(key) / relpath, "rb") as f:
+            return f.read()
+
+    def local_file_path(self, key: str, relpath: str) -> Path:
+        return self._artifact_dir(key) / relpath
+
+    def list_files(self, key: str) -> dict[str, int]:
+        base = self._artifact_dir(key)
+        out = {}
+        for root, _dirs, files in os.walk(base):
+            for f in files:
+                full = os.path.join(root, f)
+                out[os.path.relpath(full, base).replace(os.sep, "/")] = os.lstat(full).st_size
+        return out
+
+    def delete(self, key: str) -> bool:
+        src = self._artifact_dir(key)
+        # Rename first so that no reader ever sees a half-deleted artifact.
+        grave = self.root / "staging" / f"{key}.{uuid.uuid4().hex[:12]}.deleted"
+        try:
+            os.rename(src, grave)
+        except FileNotFoundError:
+            return False
+        shutil.rmtree(grave, ignore_errors=True)
+        return True
+
+    def open_staging(self, key: str, resumable: bool = False) -> Staging:
+        return _LocalStaging(self, key, resumable)
+
+    def _acquire_key_lock(self, key: str) -> int:
+        """Blocking exclusive lock for a key's resumable staging; robust to gc unlinking it."""
+        path = self.root / "locks" / f"{key}.lock"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                    return fd
+            except FileNotFoundError:
+                pass
+            os.close(fd)  # gc removed the file between open and lock: take the new one
+
+    def list_temporaries(self) -> list[Temporary]:
+        out = []
+        staging = self.root / "staging"
+        now = time.time()
+        if staging.exists():
+            for entry in os.scandir(staging):
+                try:
+                    fd = os.open(entry.path, os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    held = not _try_lock(fd)
+                    age = now - os.fstat(fd).st_mtime
+                finally:
+                    os.close(fd)
+                out.append(Temporary(name=f"staging/{entry.name}", size_bytes=_dir_size(Path(entry.path)),
+                                     age_s=age, in_use=held, resumable=entry.name.endswith(".resume")))
+        for orphan in self.orphan_dirs():
+            out.append(Temporary(name=str(orphan.relative_to(self.root)), size_bytes=_dir_size(orphan),
+                                 age_s=now - orphan.stat().st_mtime, in_use=False, resumable=False))
+        return out
+
+    def remove_temporary(self, name: str, grace_s: float = 60.0) -> bool:
+        path = self.root / name
+        if not (name.startswith("staging/") or name.startswith("artifacts/")) or ".." in name:
+            return False
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            if not _try_lock(fd):
+                return False  # a live writer holds it
+            if time.time() - os.fstat(fd).st_mtime < grace_s and not name.endswith(".deleted"):
+                return False  # may be a writer between mkdir and flock
+            if name.startswith("artifacts/") and (path / MANIFEST).exists():
+                return False  # became an artifact meanwhile
+            shutil.rmtree(path, ignore_errors=True)
+            return True
+        finally:
+            os.close(fd)

@@ -1,0 +1,168 @@
+"""`dfcache plan` and `dfcache run`: the eval graph on the command line.
+
+Registered into the `dfcache` app through the ``dfcache.commands`` entry point. Building the
+plan imports neither torch nor transformers; a run whose every artifact is cached never does.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import List, Optional
+
+import typer
+
+from dfcache.cli._common import emit_json, get_store, state
+from dfcache.errors import UsageError
+
+from .options import EvalOptions
+
+RUN_TARGETS = {"eval": "eval", "prompts": "prompts", "completions": "completions", "tokens": "tokens",
+               "hidden-states": "hidden-states", "hidden_states": "hidden-states"}
+
+
+def _make_command(mode: str):
+    def command(
+        target: str = typer.Argument("eval", help="eval, or a stage to stop at: prompts, completions, tokens, hidden-states."),
+        example: bool = typer.Option(False, "--example", help="Build and use the embedded tiny example (target, drafters, prompts)."),
+        model: Optional[str] = typer.Option(None, "--target", help="Target model: a local directory or a Hugging Face id in the local cache."),
+        revision: Optional[str] = typer.Option(None, "--revision", help="Revision of a Hugging Face id (commit or branch in the local cache)."),
+        drafter: Optional[List[str]] = typer.Option(None, "--drafter", help="A DFlash drafter checkpoint directory (repeatable)."),
+        trained_on: Optional[str] = typer.Option(None, "--trained-on", help="Backend the drafters were trained on: fla|torch."),
+        prompts: str = typer.Option("builtin:coding", "--prompts", help="A JSONL file or builtin:NAME (coding, reasoning)."),
+        num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first N prompts."),
+        max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+        max_blocks: Optional[int] = typer.Option(None, "--max-blocks", help="Evaluate at most N blocks per response."),
+        completions: str = typer.Option("local", "--completions", help="server|local"),
+        server: Optional[str] = typer.Option(None, "--server", help="Base URL of an OpenAI-compatible or SGLang server."),
+        server_api: str = typer.Option("openai", "--server-api", help="openai|sglang"),
+        served_model: Optional[str] = typer.Option(None, "--served-model", help="Model name the server must serve (default: its only model)."),
+        wait_server: float = typer.Option(0.0, "--wait-server", help="Seconds to wait for the server to be ready (checked once, up front)."),
+        concurrency: int = typer.Option(8, "--concurrency", help="Concurrent requests to the server."),
+        temperature: float = typer.Option(0.0, "--temperature"),
+        top_p: float = typer.Option(1.0, "--top-p"),
+        seed: Optional[int] = typer.Option(None, "--seed"),
+        enable_thinking: bool = typer.Option(False, "--enable-thinking/--no-enable-thinking"),
+        layers: Optional[List[int]] = typer.Option(None, "--layer", help="Layer ids to extract (run hidden-states without a drafter)."),
+        backend: str = typer.Option("auto", "--backend", help="auto|fla|torch"),
+        device: str = typer.Option("auto", "--device", help="auto|cuda|cpu"),
+        dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16|float32"),
+        batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Tokens per extraction batch."),
+        compression: str = typer.Option("none", "--compression", help="none|zstd (lossless) for hidden states."),
+        tree_budget: Optional[List[int]] = typer.Option(None, "--tree-budget", help="DDTree budget (repeatable)."),
+        end_rule: str = typer.Option("within", "--end-rule", help="within|continuation: how the last block of a completion counts."),
+        offline: bool = typer.Option(False, "--offline", help="Never touch the network; report what is missing."),
+        remote: Optional[List[str]] = typer.Option(None, "--remote", help="A remote store to look in before computing (repeatable)."),
+        endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
+        json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
+        no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
+    ) -> None:
+        from dfcache.config import offline_from_env
+
+        if target not in RUN_TARGETS:
+            raise UsageError(f"unknown target {target!r}; use eval, prompts, completions, tokens or hidden-states.")
+        for name, value, allowed in (("--completions", completions, ("server", "local")),
+                                     ("--server-api", server_api, ("openai", "sglang")),
+                                     ("--backend", backend, ("auto", "fla", "torch")),
+                                     ("--device", device, ("auto", "cuda", "cpu")),
+                                     ("--dtype", dtype, ("bfloat16", "float32")),
+                                     ("--compression", compression, ("none", "zstd")),
+                                     ("--end-rule", end_rule, ("within", "continuation"))):
+            if value not in allowed:
+                raise UsageError(f"{name} {value!r} is not one of {', '.join(allowed)}.")
+        if trained_on not in (None, "fla", "torch"):
+            raise UsageError(f"--trained-on {trained_on!r} is not one of fla, torch.")
+        opts = EvalOptions(
+            example=example, target=model, target_revision=revision, drafters=list(drafter or []),
+            trained_on=trained_on, prompts=prompts, num_prompts=num_prompts, completions=completions,
+            server=server, server_api=server_api, served_model=served_model, wait_server=wait_server,
+            concurrency=concurrency, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            seed=seed, enable_thinking=enable_thinking, layers=list(layers) if layers else None,
+            backend=backend, device=device, dtype=dtype, batch_tokens=batch_tokens,
+            compression=compression, tree_budgets=list(tree_budget or []), max_blocks=max_blocks,
+            end_rule=end_rule, offline=offline or state.offline or offline_from_env(),
+            remotes=list(remote or []), endpoint_url=endpoint_url, json=json_out or state.json,
+            progress=not no_progress and sys.stderr.isatty() and not (json_out or state.json))
+        run_pipeline(mode, RUN_TARGETS[target], opts)
+
+    command.__doc__ = ("Show the graph and each node's status; does no work." if mode == "plan" else
+                       "Run the graph up to TARGET, reusing everything cached.")
+    return command
+
+
+def register(app: typer.Typer) -> None:
+    app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
+    app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
+
+
+def open_remotes(opts: EvalOptions) -> list:
+    """The remotes to look in: --remote flags, else the config's default remotes."""
+    from dfcache.config import load_config
+
+    cfg = load_config()
+    names = opts.remotes or cfg.default_remotes
+    if not names:
+        return []
+    from dfcache.store import open_store
+
+    remotes = []
+    for rc in cfg.remote_urls(names):
+        url = rc.url
+        needs_network = "://" in url and not url.startswith("file://")
+        if opts.offline and needs_network:
+            from dfcache.errors import OfflineMissingError
+
+            raise OfflineMissingError(
+                f"offline mode is on and remote {url} needs the network; drop --remote {rc.name}, use a "
+                "file:// remote (a shared directory), or turn offline mode off.")
+        remotes.append(open_store(url, create=False, endpoint_url=opts.endpoint_url or rc.endpoint_url))
+    return remotes
+
+
+def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None = None):
+    """Plan (and for mode "run", execute) the graph. Returns (ctx, nodes)."""
+    from .graph import RunContext, check_offline, execute, resolve
+    from .pipeline import build_graph
+
+    started = time.perf_counter()
+    store = get_store()
+    if opts.example:
+        from .example import apply_example
+
+        apply_example(store, opts, log=lambda m: print(m, file=sys.stderr, flush=True))
+    ctx = RunContext(store, opts, remotes=open_remotes(opts), argv=argv)
+    nodes = resolve(ctx, build_graph(ctx, upto))
+    if mode == "plan":
+        _print_plan(nodes, opts)
+        if opts.offline:
+            check_offline(ctx, nodes)
+        return ctx, nodes
+    check_offline(ctx, nodes)
+    execute(ctx, nodes)
+    elapsed = time.perf_counter() - started
+    final = nodes[-1]
+    if upto == "eval":
+        from .stages import report
+
+        report.print_result(ctx, final, elapsed=elapsed)
+    elif opts.json:
+        emit_json({"nodes": [n.to_plan_dict() for n in nodes], "computed": ctx.work_done,
+                   "seconds": round(elapsed, 3)})
+    else:
+        for n in nodes:
+            verb = "computed" if n.key in ctx.work_done else ("pulled" if n.status == "remote" else "cached")
+            print(f"{n.label or n.stage:<28} {n.key[:12]}  {verb}")
+        print(f"{len(ctx.work_done)} computed, {len(nodes) - len(ctx.work_done)} reused in {elapsed:.1f} s")
+    return ctx, nodes
+
+
+def _print_plan(nodes, opts: EvalOptions) -> None:
+    if opts.json:
+        emit_json([n.to_plan_dict() for n in nodes])
+        return
+    print(f"{'STAGE':<28} {'KEY':<12}  {'STATUS':<14} NEEDS")
+    for n in nodes:
+        extra = f"  ({n.contacts})" if n.status == "network" and n.contacts else ""
+        print(f"{n.label or n.stage:<28} {n.key[:12]}  {n.status:<14} {n.needs}{extra}")
+    todo = sum(1 for n in nodes if n.status != "cached")
+    print(f"{len(nodes)} node(s), {len(nodes) - todo} cached, {todo} to produce")

@@ -1,0 +1,121 @@
+"""Stage `prompts`: the prompt records of a set.
+
+Key recipe::
+
+    key = xxh3_128(canonical({stage: "prompts", stage_version: VERSION,
+                              inputs: {content: xxh3_128 of the canonical records after --num-prompts},
+                              upstream: {}}))
+
+The path of a prompt file is never key material: the same records from two paths are one
+artifact, and an edited file is a new one. Output: the document ``records`` (list of
+``{"id", "messages"}``; a ``prompt`` string becomes one user message).
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from pathlib import Path
+
+from dfcache.errors import BadInputError
+from dfcache.keys import canonical_encode, fingerprint_text
+
+from ..graph import Node, RunContext
+
+NAME = "prompts"
+VERSION = 1
+
+BUILTIN_SETS = {"coding": "coding.jsonl", "reasoning": "reasoning.jsonl"}
+
+
+def _builtin_names() -> str:
+    return ", ".join(f"builtin:{n}" for n in BUILTIN_SETS)
+
+
+def parse_records(text: str, source: str) -> list[dict]:
+    """Parse JSONL prompt records; every problem names the file and line."""
+    records: list[dict] = []
+    seen: dict[str, int] = {}
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError as e:
+            raise BadInputError(f"{source}:{lineno}: not valid JSON ({e.msg}); each line must be "
+                                '{"id": ..., "messages": [...]} or {"id": ..., "prompt": "..."}.') from None
+        if not isinstance(rec, dict):
+            raise BadInputError(f"{source}:{lineno}: a line must be a JSON object with \"id\" and "
+                                "\"messages\" or \"prompt\".")
+        pid = rec.get("id")
+        if not isinstance(pid, (str, int)) or isinstance(pid, bool) or str(pid) == "":
+            raise BadInputError(f"{source}:{lineno}: missing or invalid \"id\" (a non-empty string or "
+                                "integer); give every prompt a unique id.")
+        pid = str(pid)
+        if pid in seen:
+            raise BadInputError(f"{source}:{lineno}: duplicate id {pid!r} (first on line {seen[pid]}); "
+                                "ids must be unique.")
+        seen[pid] = lineno
+        if "messages" in rec:
+            msgs = rec["messages"]
+            if (not isinstance(msgs, list) or not msgs or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str) for m in msgs)):
+                raise BadInputError(f"{source}:{lineno}: \"messages\" must be a non-empty list of "
+                                    '{"role": str, "content": str} objects.')
+            messages = [{"role": m["role"], "content": m["content"]} for m in msgs]
+        elif "prompt" in rec:
+            if not isinstance(rec["prompt"], str) or not rec["prompt"].strip():
+                raise BadInputError(f"{source}:{lineno}: \"prompt\" must be a non-empty string.")
+            messages = [{"role": "user", "content": rec["prompt"]}]
+        else:
+            raise BadInputError(f"{source}:{lineno}: the record has neither \"messages\" nor \"prompt\".")
+        records.append({"id": pid, "messages": messages})
+    if not records:
+        raise BadInputError(f"{source}: the prompt set is empty; give at least one prompt record.")
+    return records
+
+
+def load_records(spec: str) -> list[dict]:
+    """Read ``builtin:NAME`` or a JSONL file."""
+    if spec.startswith("builtin:"):
+        name = spec.split(":", 1)[1]
+        if name not in BUILTIN_SETS:
+            raise BadInputError(f"unknown prompt set {spec!r}; built-in sets are {_builtin_names()}.")
+        text = resources.files("runner").joinpath("data", BUILTIN_SETS[name]).read_text()
+        return parse_records(text, spec)
+    path = Path(spec)
+    if not path.is_file():
+        raise BadInputError(f"prompt file {spec} does not exist; pass a JSONL file or one of "
+                            f"{_builtin_names()} with --prompts.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInputError(f"prompt file {spec} cannot be read ({e}); pass a UTF-8 JSONL file.") from None
+    return parse_records(text, spec)
+
+
+def build(ctx: RunContext) -> Node:
+    opts = ctx.options
+    records = load_records(opts.prompts)
+    if opts.num_prompts is not None:
+        if opts.num_prompts < 1:
+            raise BadInputError(f"--num-prompts {opts.num_prompts}: give a positive number.")
+        records = records[: opts.num_prompts]
+    content = fingerprint_text(canonical_encode(records).decode())
+    return Node.make(NAME, VERSION, inputs={"content": content}, needs="cpu",
+                     label="prompts", payload=records,
+                     summary=f"{len(records)} prompts from {opts.prompts}")
+
+
+def produce(ctx: RunContext, nodes: list[Node]) -> None:
+    for node in nodes:
+        with ctx.store.writer(node.key, stage=NAME, stage_version=VERSION, inputs=node.inputs,
+                              upstream=node.upstream, summary=node.summary,
+                              provenance={"source": "builtin" if ctx.options.prompts.startswith("builtin:")
+                                          else "file"}) as w:
+            w.put_json("records", node.payload)
+
+
+def read_records(store, key: str) -> list[dict]:
+    return store.open(key).json("records")

@@ -1,0 +1,77 @@
+"""`dfcache ls / show / verify / gc` through the real command line."""
+
+import json
+
+import pytest
+
+from dfcache.store import open_store
+from dfcache.testing.store_conformance import write_example
+
+from cli_util import dfcache
+
+
+@pytest.fixture
+def filled(tmp_path):
+    store = open_store(tmp_path / "store")
+    keys = [write_example(store, i=i, rows=200, chunk_rows=50)[0] for i in range(3)]
+    return tmp_path / "store", keys
+
+
+def test_ls_json_schema(filled):
+    store, keys = filled
+    r = dfcache("ls", "--json", store=store)
+    assert r.code == 0, r.err
+    rows = json.loads(r.out)
+    assert sorted(row["key"] for row in rows) == sorted(keys)
+    for row in rows:
+        assert {"key", "stage", "size_bytes", "created", "backend", "inputs", "provenance"} <= set(row)
+        assert row["stage"] == "conformance" and row["size_bytes"] > 0 and row["backend"] is None
+
+
+def test_ls_table_and_filters(filled):
+    store, keys = filled
+    r = dfcache("ls", store=store)
+    assert r.code == 0 and "3 artifact(s)" in r.out and keys[0][:12] in r.out
+    r = dfcache("ls", "--stage", "tokens", "--json", store=store)
+    assert json.loads(r.out) == []
+
+
+def test_show_prefix_and_errors(filled):
+    store, keys = filled
+    r = dfcache("show", keys[0][:8], "--json", store=store)
+    assert r.code == 0 and json.loads(r.out)["key"] == keys[0]
+    r = dfcache("show", "zz", store=store)
+    assert r.code == 2 and "Traceback" not in r.err and "zz" in r.err
+
+
+def test_verify_flipped_byte_and_deleted_chunk(filled):
+    store, keys = filled
+    assert dfcache("verify", store=store).code == 0
+    chunk = store / "artifacts" / keys[1][:2] / keys[1] / "hidden" / "c" / "1" / "0"
+    data = bytearray(chunk.read_bytes())
+    data[10] ^= 1
+    chunk.write_bytes(bytes(data))
+    (store / "artifacts" / keys[2][:2] / keys[2] / "hidden" / "c" / "0" / "0").unlink()
+    r = dfcache("verify", store=store)
+    assert r.code == 5, r.err
+    assert keys[1] in r.out and keys[2] in r.out and keys[0] not in r.out
+    assert "Traceback" not in r.err and "recompute" in r.err
+
+
+def test_gc_needs_a_flag_and_dry_run_changes_nothing(filled):
+    store, keys = filled
+    before = sorted(p.name for p in store.rglob("*"))
+    r = dfcache("gc", store=store)
+    assert r.code == 2 and "--dry-run" in r.err
+    r = dfcache("gc", "--dry-run", "--stage", "conformance", store=store)
+    assert r.code == 0 and "would be freed" in r.out
+    assert sorted(p.name for p in store.rglob("*")) == before
+    r = dfcache("gc", "--yes", "--key", keys[0][:10], store=store)
+    assert r.code == 0
+    assert not open_store(store).has(keys[0]) and open_store(store).has(keys[1])
+
+
+def test_store_from_environment(filled, tmp_path):
+    store, keys = filled
+    r = dfcache("ls", "--json", env={"DFCACHE_STORE": str(store)})
+    assert r.code == 0 and len(json.loads(r.out)) == 3

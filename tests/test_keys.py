@@ -1,0 +1,95 @@
+"""Keys: canonical, stable across processes and dict orders, sensitive to every input."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dfcache.keys import KeyMaterialError, canonical_encode, compute_key, fingerprint_path
+
+INPUTS = {"target": "ab" * 16, "layer": 3, "backend": {"kernel": "torch", "device": "cpu", "dtype": "bfloat16"},
+          "temperature": 0.0, "seed": None, "budgets": [4, 16], "thinking": False}
+
+
+def test_dict_order_does_not_matter():
+    shuffled = dict(reversed(list(INPUTS.items())))
+    shuffled["backend"] = dict(reversed(list(INPUTS["backend"].items())))
+    assert compute_key("s", 1, INPUTS) == compute_key("s", 1, shuffled)
+
+
+def test_same_key_in_another_process():
+    code = ("from dfcache.keys import compute_key; import json,sys; "
+            "print(compute_key('s', 1, json.loads(sys.argv[1])))")
+    import json
+
+    out = subprocess.run([sys.executable, "-c", code, json.dumps(INPUTS)], capture_output=True, text=True,
+                         check=True, env={**os.environ, "PYTHONHASHSEED": "123"})
+    assert out.stdout.strip() == compute_key("s", 1, INPUTS)
+
+
+@pytest.mark.parametrize("change", [
+    ("layer", 4), ("temperature", 0.5), ("seed", 0), ("budgets", [16, 4]), ("thinking", True),
+    ("backend", {"kernel": "fla", "device": "cpu", "dtype": "bfloat16"}), ("target", "cd" * 16),
+])
+def test_any_changed_input_changes_the_key(change):
+    name, value = change
+    assert compute_key("s", 1, {**INPUTS, name: value}) != compute_key("s", 1, INPUTS)
+
+
+def test_stage_version_and_upstream_are_keyed():
+    base = compute_key("s", 1, INPUTS)
+    assert compute_key("s", 2, INPUTS) != base
+    assert compute_key("t", 1, INPUTS) != base
+    assert compute_key("s", 1, INPUTS, {"tokens": "0" * 32}) != base
+    assert compute_key("s", 1, INPUTS, {"tokens": "0" * 32}) != compute_key("s", 1, INPUTS, {"tokens": "1" * 32})
+
+
+def test_one_encoding_per_value():
+    assert canonical_encode(1) != canonical_encode(1.0)
+    assert canonical_encode(True) != canonical_encode(1)
+    assert canonical_encode(0.1) == canonical_encode(float("0.1000"))
+    assert canonical_encode([1, 2]) == canonical_encode((1, 2))
+    assert canonical_encode(None) != canonical_encode("None")
+
+
+@pytest.mark.parametrize("bad", [
+    {"model": "/home/me/models/qwen"}, {"model": "C:\\models\\qwen"}, {"mtime": 123}, {"nested": {"mtime_ns": 1}},
+    {"host": "gpu-1"}, {"x": float("nan")}, {"x": float("inf")}, {"x": object()},
+])
+def test_machine_local_material_refused(bad):
+    with pytest.raises(KeyMaterialError):
+        compute_key("s", 1, bad)
+
+
+def test_fingerprint_by_content_not_path(tmp_path):
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        (tmp_path / d / "config.json").write_text('{"x": 1}')
+        (tmp_path / d / "model.safetensors").write_bytes(b"\0" * 1000)
+        (tmp_path / d / "README.md").write_text(f"card {d}")  # not model content
+    assert fingerprint_path(tmp_path / "a") == fingerprint_path(tmp_path / "b")
+    (tmp_path / "b" / "model.safetensors").write_bytes(b"\1" + b"\0" * 999)
+    assert fingerprint_path(tmp_path / "a") != fingerprint_path(tmp_path / "b")
+
+
+def test_fingerprint_memoized(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFCACHE_HOME", str(tmp_path / "home"))
+    import dfcache.keys as keys
+
+    monkeypatch.setattr(keys, "_memo_loaded", None)
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text("{}")
+    (d / "model.safetensors").write_bytes(os.urandom(64 << 20))
+    t0 = time.perf_counter()
+    first = fingerprint_path(d)
+    t1 = time.perf_counter()
+    second = fingerprint_path(d)
+    t2 = time.perf_counter()
+    assert first == second
+    assert (t2 - t1) < (t1 - t0)
+    # a changed file (new mtime/size) is re-hashed
+    (d / "model.safetensors").write_bytes(os.urandom(64 << 20))
+    assert fingerprint_path(d) != first
