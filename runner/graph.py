@@ -2,7 +2,8 @@
 
 A *stage* is a module in ``runner/stages/`` with, at its top, ``NAME``, ``VERSION`` and its key
 recipe, a ``build(ctx, ...)`` function returning its node(s) and a ``produce(ctx, nodes)``
-function doing the work. ``build`` resolves inputs (fingerprints, parameters) and computes keys
+function doing the work (and optionally ``preflight(ctx, nodes)``, run before any stage starts,
+for checks of what is outside such as a server's readiness). ``build`` resolves inputs (fingerprints, parameters) and computes keys
 without doing any work and without importing torch; ``produce`` writes one artifact per node
 through ``ctx.store``. Nodes of one stage that share a ``group`` are produced by one call (all
 missing hidden-state layers come from one forward pass).
@@ -170,6 +171,11 @@ def check_offline(ctx: RunContext, nodes: list[Node]) -> None:
 def execute(ctx: RunContext, nodes: list[Node]) -> None:
     """Produce every node that is not cached, in dependency order."""
     pending = [n for n in nodes if n.status != "cached"]
+    # Stages that talk to something outside (a server) check it once, before any work starts.
+    for stage in dict.fromkeys(n.stage for n in pending if n.status != "remote"):
+        check = getattr(stage_module(stage), "preflight", None)
+        if check is not None:
+            check(ctx, [n for n in pending if n.stage == stage])
     done: set[str] = set()
     for n in pending:
         if n.key in done or ctx.store.has(n.key):

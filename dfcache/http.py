@@ -1,0 +1,332 @@
+"""The one HTTP client of the project, and the bounded readiness check.
+
+Every request dfcache or the runner makes goes through :class:`HttpClient`, so this is where
+offline mode is enforced: with offline on (the ``offline`` flag, ``DFCACHE_OFFLINE`` or
+``HF_HUB_OFFLINE``), a request raises :class:`~dfcache.errors.OfflineModeIsEnabled` before a
+socket is opened. A per-call-site check is not enough (huggingface_hub needed a transport-level
+hook for the same reason, PR #3942).
+
+The client never retries. The seed failure of this project was an eval that died in connection
+retries against a server that was still loading; a retry loop hides that state and burns time.
+The only loop is :func:`wait_ready`: one readiness check before any work, bounded by
+``--wait-server SECONDS`` and visible on stderr.
+
+Failures map to distinct errors (all :class:`~dfcache.errors.NetworkError`, exit code 4)::
+
+    name resolution failed, no route, connection dropped  ServerUnreachable
+    nothing listens on the port                           ConnectionRefused
+    connect or read timed out                             ServerTimeout
+    HTTP 503, or a body that says the model is loading    ServerNotReady
+    other 4xx/5xx, a body that is not JSON                ServerHTTPError (status, server message)
+
+Each message names the URL and ends with the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import http.client
+import socket
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import urlsplit
+
+import requests
+from requests.adapters import HTTPAdapter
+
+from .config import offline_from_env
+from .errors import (ConnectionRefused, NetworkError, OfflineModeIsEnabled, ServerHTTPError,
+                     ServerNotReady, ServerTimeout, ServerUnreachable, UsageError)
+
+DEFAULT_TIMEOUT = 600.0
+DEFAULT_CONNECT_TIMEOUT = 10.0
+READY_INTERVAL = 0.5
+_BODY_SNIPPET = 300
+
+ProgressArg = bool | Callable[[str], None]
+DfcacheErrorLike = NetworkError | UsageError
+
+
+def normalize_base_url(url: str) -> str:
+    """``host:port``, ``http://host:port/``, ``http://host:port/v1`` → ``http://host:port``.
+
+    People paste the OpenAI base URL (ending in ``/v1``); endpoints are joined to the root.
+    """
+    url = (url or "").strip()
+    if not url:
+        raise UsageError("the server URL is empty; pass --server http://HOST:PORT.")
+    if "://" not in url:
+        url = "http://" + url
+    url = url.rstrip("/")
+    if url.endswith("/v1"):
+        url = url[: -len("/v1")]
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"--server {url!r} is not an http(s) URL; pass --server http://HOST:PORT.")
+    return url
+
+
+def _causes(exc: BaseException):
+    """The exception and everything it wraps (requests → urllib3 → socket errors)."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        for nxt in (getattr(e, "reason", None), e.__cause__, e.__context__, *getattr(e, "args", ())):
+            if isinstance(nxt, BaseException):
+                todo.append(nxt)
+
+
+def _host_port(url: str) -> str:
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"{parts.hostname}:{port}"
+
+
+def _server_message(resp: requests.Response) -> str:
+    """The server's own words: FastAPI ``detail``, OpenAI ``error.message``, else the body."""
+    try:
+        body = resp.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict):
+        for key in ("detail", "message", "error"):
+            val = body.get(key)
+            if isinstance(val, dict):
+                val = val.get("message") or val
+            if val:
+                return str(val)[:_BODY_SNIPPET]
+    text = (resp.text or "").strip()
+    return text[:_BODY_SNIPPET] or (resp.reason or "")
+
+
+class HttpClient:
+    """A ``requests`` session with no retries, offline enforcement and mapped errors.
+
+    Args:
+        offline: refuse every request. ``None`` or ``False`` still honours ``DFCACHE_OFFLINE``
+            and ``HF_HUB_OFFLINE``, read at each request.
+        timeout: read timeout in seconds (a whole generation may take minutes).
+        connect_timeout: connect timeout in seconds.
+        pool_size: connections kept per host; at least the request concurrency.
+    """
+
+    def __init__(self, offline: bool | None = None, *, timeout: float = DEFAULT_TIMEOUT,
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, pool_size: int = 16) -> None:
+        self.offline = bool(offline)
+        self.timeout = float(timeout)
+        self.connect_timeout = float(connect_timeout)
+        self.session = requests.Session()
+        # max_retries=0: urllib3 would otherwise retry failed connects on its own.
+        adapter = HTTPAdapter(max_retries=0, pool_connections=4, pool_maxsize=max(1, int(pool_size)))
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
+
+    def is_offline(self) -> bool:
+        return self.offline or offline_from_env()
+
+    def close(self) -> None:
+        self.session.close()
+
+    def __enter__(self) -> "HttpClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------ requests
+
+    def request(self, method: str, url: str, *, json: Any = None,
+                timeout: float | None = None) -> requests.Response:
+        """Send one request; return the response if its status is < 400, else raise."""
+        if self.is_offline():
+            raise OfflineModeIsEnabled(
+                f"offline mode is on (--offline, DFCACHE_OFFLINE or HF_HUB_OFFLINE), so dfcache did "
+                f"not contact {url}; use artifacts already in the store, or turn offline mode off "
+                "to reach the server.", url=url)
+        read = self.timeout if timeout is None else float(timeout)
+        try:
+            resp = self.session.request(method, url, json=json,
+                                        timeout=(min(self.connect_timeout, read), read))
+        except requests.exceptions.RequestException as e:
+            raise self._map_exception(e, method, url, read) from None
+        if resp.status_code >= 400:
+            raise self._map_status(resp, method, url)
+        return resp
+
+    def get_json(self, url: str, *, timeout: float | None = None) -> Any:
+        return self._json(self.request("GET", url, timeout=timeout), "GET", url)
+
+    def post_json(self, url: str, body: Any, *, timeout: float | None = None) -> Any:
+        return self._json(self.request("POST", url, json=body, timeout=timeout), "POST", url)
+
+    # ------------------------------------------------------------------------------ mapping
+
+    @staticmethod
+    def _json(resp: requests.Response, method: str, url: str) -> Any:
+        try:
+            return resp.json()
+        except ValueError:
+            snippet = (resp.text or "").strip()[:120]
+            raise ServerHTTPError(
+                f"{method} {url} answered HTTP {resp.status_code} with a body that is not valid JSON "
+                f"({snippet!r}); check that --server points at an OpenAI-compatible or SGLang server "
+                "and look at its log.", url=url, status=resp.status_code, server_message=snippet) from None
+
+    @staticmethod
+    def _map_status(resp: requests.Response, method: str, url: str) -> NetworkError:
+        status = resp.status_code
+        msg = _server_message(resp)
+        if status == 503 or "loading" in msg.lower():
+            return ServerNotReady(
+                f"the server at {url} is not ready (HTTP {status}: {msg}); wait until it has loaded "
+                "the model, or pass --wait-server SECONDS to wait for it.", url=url)
+        if status in (404, 405):
+            fix = "check that --server points at the right server and --server-api matches it."
+        elif 400 <= status < 500:
+            fix = "check the request options (--served-model, sampling options) against the server's log."
+        else:
+            fix = "the server failed; look at its log and fix or restart it, then run again."
+        return ServerHTTPError(f"{method} {url} failed with HTTP {status}: {msg}; {fix}", url=url,
+                               status=status, server_message=msg)
+
+    @staticmethod
+    def _map_exception(e: requests.exceptions.RequestException, method: str, url: str,
+                       read_timeout: float) -> DfcacheErrorLike:
+        where = _host_port(url)
+        if isinstance(e, requests.exceptions.ConnectTimeout):
+            return ServerTimeout(f"connecting to {url} timed out; check that {where} is the right "
+                                 "address and that a firewall does not drop the connection.", url=url)
+        if isinstance(e, (requests.exceptions.ReadTimeout, requests.exceptions.Timeout)):
+            return ServerTimeout(f"{method} {url} got no answer within {read_timeout:g} s; the server "
+                                 "may be hung or overloaded: check its log, lower --concurrency or raise "
+                                 "--request-timeout.", url=url)
+        if isinstance(e, (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema,
+                          requests.exceptions.InvalidSchema)):
+            return UsageError(f"{url} is not a valid URL ({e}); pass --server http://HOST:PORT.")
+        causes = list(_causes(e))
+        if any(isinstance(c, ConnectionRefusedError) or getattr(c, "errno", None) == errno.ECONNREFUSED
+               for c in causes):
+            return ConnectionRefused(
+                f"connection refused by {url}: nothing listens on {where}; start the server there or "
+                "pass the right --server URL (if it is starting, pass --wait-server SECONDS).", url=url)
+        if any(isinstance(c, socket.gaierror) or type(c).__name__ == "NameResolutionError" for c in causes):
+            return ServerUnreachable(f"cannot resolve the host of {url}; check the host name in --server "
+                                     "and the network.", url=url)
+        if any(getattr(c, "errno", None) in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EHOSTDOWN)
+               for c in causes):
+            return ServerUnreachable(f"no route to {where} for {url}; check --server and the network "
+                                     "(VPN, firewall).", url=url)
+        if any(isinstance(c, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError,
+                              http.client.RemoteDisconnected, http.client.IncompleteRead)) for c in causes) \
+                or isinstance(e, requests.exceptions.ChunkedEncodingError):
+            return ServerUnreachable(f"the server at {where} closed the connection during {method} {url} "
+                                     "without a full answer (it stopped or crashed); check that it is "
+                                     "running and run again: finished work is kept.", url=url)
+        return ServerUnreachable(f"{method} {url} failed: {e}; check that the server is running and "
+                                 "--server is right.", url=url)
+
+
+def _short_reason(e: BaseException) -> str:
+    if isinstance(e, ConnectionRefused):
+        return "connection refused"
+    if isinstance(e, ServerNotReady):
+        return "not ready"
+    if isinstance(e, ServerTimeout):
+        return "timed out"
+    if isinstance(e, ServerHTTPError):
+        return f"HTTP {e.status}" if e.status else "bad answer"
+    if isinstance(e, ServerUnreachable):
+        return "unreachable"
+    return type(e).__name__
+
+
+def _ready_once(client: HttpClient, base: str, timeout: float) -> str:
+    """One readiness check: ``/health``, else ``/v1/models`` where there is no ``/health``."""
+    try:
+        client.request("GET", base + "/health", timeout=timeout)
+        return "health"
+    except ServerHTTPError as e:
+        if e.status not in (404, 405):
+            raise
+    client.request("GET", base + "/v1/models", timeout=timeout)
+    return "models"
+
+
+def wait_ready(base_url: str, wait_seconds: float = 0.0, progress: ProgressArg = True, *,
+               client: HttpClient | None = None, offline: bool | None = None, out=None,
+               interval: float = READY_INTERVAL) -> str:
+    """Check once that the server answers, polling up to ``wait_seconds`` while it does not.
+
+    ``wait_seconds=0`` makes one check. Otherwise the check repeats about every ``interval``
+    seconds until the deadline, printing ``waiting for server at URL: 2.5/10 s (connection
+    refused)`` to stderr (or calling ``progress(line)``). On failure the last error is raised
+    (ConnectionRefused, ServerNotReady, ...) with how long it waited. Returns which endpoint
+    answered (``"health"`` or ``"models"``).
+    """
+    base = normalize_base_url(base_url)
+    own = client is None
+    client = client or HttpClient(offline=offline)
+    out = out or sys.stderr
+    wait = max(0.0, float(wait_seconds or 0.0))
+    start = time.monotonic()
+    deadline = start + wait
+    is_tty = hasattr(out, "isatty") and out.isatty()
+    last_print = -1.0
+
+    def show(line: str, final: bool = False) -> None:
+        nonlocal last_print
+        if not progress:
+            return
+        if callable(progress):
+            progress(line)
+            return
+        now = time.monotonic()
+        if is_tty:
+            out.write("\r" + line + ("\n" if final else ""))
+            out.flush()
+        elif final or now - last_print >= 1.0:  # a log file gets a line a second, not a flood
+            out.write(line + "\n")
+            out.flush()
+            last_print = now
+
+    try:
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                # A single check gets a generous timeout; polling never overshoots the deadline much.
+                timeout = 10.0 if wait == 0 else max(0.5, min(10.0, remaining))
+                found = _ready_once(client, base, timeout)
+                if wait > 0 and time.monotonic() - start >= interval:
+                    show(f"server at {base} is ready after {time.monotonic() - start:.1f} s", final=True)
+                return found
+            except OfflineModeIsEnabled:
+                raise
+            except ServerHTTPError as e:
+                if e.status is not None and 400 <= e.status < 500:
+                    raise  # a client error does not heal by waiting
+                last = e
+            except NetworkError as e:
+                last = e
+            elapsed = time.monotonic() - start
+            if wait == 0:
+                raise last
+            if elapsed >= wait:
+                show(f"waiting for server at {base}: {min(elapsed, wait):.1f}/{wait:g} s "
+                     f"({_short_reason(last)})", final=True)
+                message = f"the server at {base} was not ready after waiting {wait:g} s; last check: {last.message}"
+                if isinstance(last, ServerHTTPError):
+                    raise ServerHTTPError(message, url=last.url, status=last.status,
+                                          server_message=last.server_message)
+                raise type(last)(message, url=last.url)
+            show(f"waiting for server at {base}: {elapsed:.1f}/{wait:g} s ({_short_reason(last)})")
+            time.sleep(max(0.0, min(interval, deadline - time.monotonic())))
+    finally:
+        if own:
+            client.close()

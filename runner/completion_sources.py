@@ -1,0 +1,397 @@
+"""Where completions come from: an OpenAI-compatible server, SGLang's native API, or local greedy
+generation with transformers.
+
+Every source has the same shape: ``prepare()`` once (readiness and model-name check for a
+server, model loading for local), then ``complete(record) -> Completion`` per prompt record,
+which either returns a usable completion or raises. A source never retries and never returns
+an empty or failed completion, so nothing broken reaches the store.
+
+Kinds (``Completion.tokens_source`` says where the completion's token ids come from):
+
+``openai``  ``POST /v1/chat/completions`` (SGLang, vLLM, ``transformers serve``). The server
+            applies the chat template. Only text comes back (``transformers serve`` and SGLang
+            give no ids; vLLM gives ``token_ids`` only when asked), so ids are ``retokenized``
+            later unless the server sent them (``server``).
+``sglang``  SGLang's native ``POST /generate``. The prompt goes through the target's chat
+            template here and is sent as ``input_ids``, so the server sees exactly the prompt
+            ids the tokens stage records. SGLang returns ``output_ids`` (``server``).
+``local``   ``model.generate(do_sample=False)`` with transformers from the target directory:
+            exact greedy ids (``local``). The first generated token is the prefill argmax; it is
+            kept, the completion is exactly the greedy output.
+
+Prompt rendering is shared (:func:`encode_prompt`) so the sglang and local sources and the
+tokens stage agree on every prompt id.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dfcache.errors import BadInputError, ServerHTTPError, UsageError
+from dfcache.http import HttpClient, normalize_base_url, wait_ready
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    seed: int | None = None
+    enable_thinking: bool = False
+
+
+@dataclass
+class Completion:
+    """One finished completion. ``token_ids`` is None when the source gave only text."""
+
+    text: str
+    finish_reason: str
+    token_ids: list[int] | None
+    tokens_source: str  # server | local | retokenized
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    extra: dict = field(default_factory=dict)
+
+    def to_doc(self, index: int, record_id: str) -> dict:
+        doc = {"index": index, "id": record_id, "text": self.text, "finish_reason": self.finish_reason,
+               "token_ids": self.token_ids, "tokens_source": self.tokens_source,
+               "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        doc.update(self.extra)
+        return doc
+
+
+# ----------------------------------------------------------------------------- prompts
+
+
+def load_tokenizer(target_dir: str | Path, shared: dict | None = None):
+    """``AutoTokenizer`` of the target, loaded once per run when ``shared`` is given."""
+    key = ("tokenizer", str(target_dir))
+    if shared is not None and key in shared:
+        return shared[key]
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    if shared is not None:
+        shared[key] = tok
+    return tok
+
+
+def render_prompt(tokenizer, messages: list[dict], enable_thinking: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         enable_thinking=enable_thinking)
+
+
+def encode_prompt(tokenizer, messages: list[dict], enable_thinking: bool) -> list[int]:
+    """Prompt ids: the chat template rendered as text, then encoded without added special tokens
+    (the template already holds them; adding a BOS again would shift every position)."""
+    text = render_prompt(tokenizer, messages, enable_thinking)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+# ----------------------------------------------------------------------------- servers
+
+
+def check_served_model(client: HttpClient, base: str, wanted: str | None, api: str = "openai") -> str:
+    """The model name to request, checked against what the server lists at ``/v1/models``.
+
+    With ``wanted`` given it must be listed; without, the server must serve exactly one model.
+    SGLang servers without ``/v1/models`` are asked ``/get_model_info`` instead.
+    """
+    try:
+        data = client.get_json(base + "/v1/models", timeout=60)
+        entries = data.get("data") if isinstance(data, dict) else None
+        names = [str(m["id"]) for m in entries or [] if isinstance(m, dict) and m.get("id")]
+    except ServerHTTPError as e:
+        if api != "sglang" or e.status != 404:
+            raise
+        info = client.get_json(base + "/get_model_info", timeout=60)
+        names = [str(info["model_path"])] if isinstance(info, dict) and info.get("model_path") else []
+    if not names:
+        raise ServerHTTPError(f"the server at {base} lists no models at /v1/models; check that it has "
+                              "loaded the target and that --server points at it.", url=base + "/v1/models")
+    if wanted is not None:
+        if wanted in names:
+            return wanted
+        raise ServerHTTPError(
+            f"the server at {base} serves {', '.join(repr(n) for n in names)}, not the requested model "
+            f"{wanted!r}; pass --served-model {names[0]!r} if that is the target, or point --server at "
+            f"the server of {wanted!r}.", url=base + "/v1/models")
+    if len(names) == 1:
+        return names[0]
+    raise ServerHTTPError(f"the server at {base} serves {len(names)} models ({', '.join(names[:8])}); "
+                          "choose one with --served-model NAME.", url=base + "/v1/models")
+
+
+def _int_list(value: Any) -> list[int] | None:
+    if isinstance(value, list) and value and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+        return [int(x) for x in value]
+    return None
+
+
+class _ServerSource:
+    kind = "server"
+
+    def __init__(self, base_url: str, params: SamplingParams, *, served_model: str | None = None,
+                 client: HttpClient | None = None, wait_seconds: float = 0.0, progress=True,
+                 out=None, request_timeout: float | None = None, shared: dict | None = None) -> None:
+        self.shared = shared if shared is not None else {}
+        self.base = normalize_base_url(base_url)
+        self.params = params
+        self.wanted_model = served_model
+        self.model: str | None = None
+        self.client = client or HttpClient()
+        self.wait_seconds = wait_seconds
+        self.progress = progress
+        self.out = out
+        self.request_timeout = request_timeout
+
+    def check_server(self) -> str:
+        """Readiness, then the model name: once per run and server, before any generation request."""
+        key = ("server_checked", self.base, self.kind, self.wanted_model)
+        if key not in self.shared:
+            wait_ready(self.base, self.wait_seconds, self.progress, client=self.client, out=self.out)
+            self.shared[key] = check_served_model(self.client, self.base, self.wanted_model, self.kind)
+        self.model = self.shared[key]
+        return self.model
+
+    def prepare(self) -> None:
+        self.check_server()
+
+    @property
+    def provenance(self) -> dict:
+        return {"endpoint": self.kind, "server": self.base, "served_model": self.model}
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _bad(self, url: str, what: str, record_id: str) -> ServerHTTPError:
+        return ServerHTTPError(f"{url} answered prompt {record_id!r} with {what}; nothing was cached for "
+                               "it. Check the server's log and run again (finished completions are kept).",
+                               url=url, status=200)
+
+
+class OpenAIChatSource(_ServerSource):
+    """``/v1/chat/completions``; the server applies its chat template."""
+
+    kind = "openai"
+
+    def request_body(self, record: dict) -> dict:
+        p = self.params
+        body = {"model": self.model, "messages": record["messages"], "temperature": p.temperature,
+                "top_p": p.top_p, "max_tokens": p.max_new_tokens, "stream": False,
+                "chat_template_kwargs": {"enable_thinking": p.enable_thinking}}
+        if p.seed is not None:
+            body["seed"] = p.seed
+        return body
+
+    def complete(self, record: dict) -> Completion:
+        url = self.base + "/v1/chat/completions"
+        resp = self.client.post_json(url, self.request_body(record), timeout=self.request_timeout)
+        rid = record["id"]
+        choices = resp.get("choices") if isinstance(resp, dict) else None
+        if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+            raise self._bad(url, "no choices", rid)
+        choice = choices[0]
+        message = choice.get("message") if isinstance(choice.get("message"), dict) else {}
+        content = message.get("content")
+        finish = choice.get("finish_reason")
+        if finish not in FINISH_REASONS:
+            raise self._bad(url, f"finish_reason {finish!r} (expected stop or length)", rid)
+        if not isinstance(content, str) or not content:
+            raise self._bad(url, "an empty completion", rid)
+        ids = _int_list(choice.get("token_ids"))  # vLLM's return_token_ids; others send none
+        usage = resp.get("usage") if isinstance(resp.get("usage"), dict) else {}
+        extra = {}
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        if isinstance(reasoning, str) and reasoning:
+            # A server-side reasoning parser moved the thinking out of the content; keep it so the
+            # artifact shows that the text alone is not the whole generation.
+            extra["reasoning_content"] = reasoning
+        return Completion(text=content, finish_reason=finish, token_ids=ids,
+                          tokens_source="server" if ids else "retokenized",
+                          prompt_tokens=usage.get("prompt_tokens"),
+                          completion_tokens=usage.get("completion_tokens"), extra=extra)
+
+
+class SGLangNativeSource(_ServerSource):
+    """SGLang ``/generate`` with the prompt rendered by the target's chat template here.
+
+    Request and response as SGLang documents them (docs: basic_usage/native_api and
+    sampling_params; code: python/sglang/srt/entrypoints/http_server.py, managers/io_struct.py
+    ``GenerateReqInput``, tokenizer_manager.py)::
+
+        {"input_ids": [...], "sampling_params": {"temperature", "top_p", "max_new_tokens",
+         "sampling_seed"?}, "stream": false}
+        → {"text": "...", "output_ids": [...],
+           "meta_info": {"finish_reason": {"type": "stop"|"length"|"abort", "matched"?: id|str},
+                         "prompt_tokens": n, "completion_tokens": m, ...}}
+    """
+
+    kind = "sglang"
+
+    def __init__(self, base_url: str, params: SamplingParams, *, target_dir: str | Path, **kw) -> None:
+        super().__init__(base_url, params, **kw)
+        self.target_dir = target_dir
+        self.tokenizer = None
+        self._lock = threading.Lock()  # HF fast tokenizers are not safe to call from many threads
+
+    def prepare(self) -> None:
+        super().prepare()
+        self.tokenizer = load_tokenizer(self.target_dir, self.shared)
+
+    def request_body(self, record: dict) -> dict:
+        p = self.params
+        with self._lock:
+            ids = encode_prompt(self.tokenizer, record["messages"], p.enable_thinking)
+        sampling = {"temperature": p.temperature, "top_p": p.top_p, "max_new_tokens": p.max_new_tokens}
+        if p.seed is not None:
+            sampling["sampling_seed"] = p.seed
+        return {"input_ids": ids, "sampling_params": sampling, "stream": False}
+
+    def complete(self, record: dict) -> Completion:
+        url = self.base + "/generate"
+        resp = self.client.post_json(url, self.request_body(record), timeout=self.request_timeout)
+        rid = record["id"]
+        if isinstance(resp, list):
+            resp = resp[0] if resp else None
+        if not isinstance(resp, dict):
+            raise self._bad(url, "a body that is not a generate result", rid)
+        meta = resp.get("meta_info") if isinstance(resp.get("meta_info"), dict) else {}
+        fr = meta.get("finish_reason")
+        ftype = fr.get("type") if isinstance(fr, dict) else fr
+        if ftype not in FINISH_REASONS:
+            detail = fr.get("message") if isinstance(fr, dict) and fr.get("message") else fr
+            raise self._bad(url, f"finish_reason {detail!r} (expected stop or length)", rid)
+        ids = _int_list(resp.get("output_ids")) or _int_list(meta.get("output_ids"))
+        text = resp.get("text")
+        extra: dict = {}
+        if ids is not None and ftype == "stop" and isinstance(fr, dict):
+            matched = fr.get("matched")
+            # Greedy output ends with the stop token (transformers' generate keeps it); keep the
+            # ids in that form whether or not this SGLang version listed it in output_ids.
+            if isinstance(matched, int) and not isinstance(matched, bool) and ids[-1] != matched:
+                ids = ids + [matched]
+                extra["stop_token_appended"] = True
+        if not isinstance(text, str):
+            if ids is None:
+                raise self._bad(url, "neither text nor output_ids", rid)
+            with self._lock:
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)  # --skip-tokenizer-init
+        if not text and not ids:
+            raise self._bad(url, "an empty completion", rid)
+        return Completion(text=text, finish_reason=ftype, token_ids=ids,
+                          tokens_source="server" if ids else "retokenized",
+                          prompt_tokens=meta.get("prompt_tokens"),
+                          completion_tokens=meta.get("completion_tokens"), extra=extra)
+
+
+# ----------------------------------------------------------------------------- local
+
+
+class LocalGreedySource:
+    """Greedy generation with transformers on this machine, one prompt at a time (batch 1 keeps
+    the ids independent of padding and of which prompts share a batch).
+
+    The model is loaded by :func:`runner.models.target.load_target` for the backend class that
+    planning resolved (kernel family, device, dtype, attention implementation), so the ids come
+    from the numerics the key names, and it is shared with the hidden-states stage of the same
+    run instead of being loaded twice.
+    """
+
+    kind = "local"
+
+    def __init__(self, target_dir: str | Path, params: SamplingParams, backend, *,
+                 shared: dict | None = None) -> None:
+        if params.temperature != 0:
+            raise UsageError(f"local completions are greedy, but --temperature is {params.temperature:g}; "
+                             "pass --temperature 0, or use --completions server to sample.")
+        self.target_dir = Path(target_dir)
+        self.params = params
+        self.backend = backend
+        self.shared = shared if shared is not None else {}
+        self.target = None
+        self.tokenizer = None
+        self.eos_ids: list[int] = []
+
+    def prepare(self) -> None:
+        from .models.resolve import eos_token_ids
+        from .models.target import load_target
+
+        # Same ctx.shared key as the hidden-states stage: one copy of the target per run.
+        key = ("hidden_states.target", str(self.target_dir), self.backend.label)
+        if key not in self.shared:
+            self.shared[key] = load_target(self.target_dir, self.backend)
+        self.target = self.shared[key]
+        self.tokenizer = load_tokenizer(self.target_dir, self.shared)
+        self.eos_ids = eos_token_ids(self.target_dir)
+        if not self.eos_ids and self.tokenizer.eos_token_id is not None:
+            self.eos_ids = [int(self.tokenizer.eos_token_id)]
+
+    @property
+    def provenance(self) -> dict:
+        return {"endpoint": "local", "backend": self.backend.label, **(self.target.provenance or {})}
+
+    def complete(self, record: dict) -> Completion:
+        import torch
+
+        ids = encode_prompt(self.tokenizer, record["messages"], self.params.enable_thinking)
+        inp = torch.tensor([ids], dtype=torch.long, device=self.target.device)
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = self.eos_ids[0] if self.eos_ids else 0
+        self.target.rebind()  # kernel bindings are module globals; another stage may have moved them
+        with torch.no_grad():
+            out = self.target.model.generate(input_ids=inp, attention_mask=torch.ones_like(inp),
+                                             do_sample=False, max_new_tokens=self.params.max_new_tokens,
+                                             pad_token_id=pad)
+        new = [int(t) for t in out[0, len(ids):].tolist()]
+        if not new:
+            raise BadInputError(f"local generation produced no token for prompt {record['id']!r}; "
+                                "check --max-new-tokens and the target.")
+        finish = "stop" if new[-1] in self.eos_ids else "length"
+        text = self.tokenizer.decode(new, skip_special_tokens=True)
+        return Completion(text=text, finish_reason=finish, token_ids=new, tokens_source="local",
+                          prompt_tokens=len(ids), completion_tokens=len(new))
+
+    def close(self) -> None:
+        pass
+
+
+def local_backend(opts, target_dir: str | Path):
+    """The backend class local generation runs with, resolved without importing torch."""
+    from .models.target import read_model_info, resolve_backend
+
+    info = read_model_info(target_dir)
+    return resolve_backend(opts.backend, opts.device, opts.dtype,
+                           getattr(opts, "attn_implementation", "sdpa"),
+                           has_linear_attention=info.has_linear_attention)
+
+
+def make_source(ctx, target_dir: str | Path, client: HttpClient | None = None):
+    """The completion source ``ctx.options`` asks for (not prepared yet)."""
+    o = ctx.options
+    params = SamplingParams(temperature=float(o.temperature), top_p=float(o.top_p),
+                            max_new_tokens=int(o.max_new_tokens), seed=o.seed,
+                            enable_thinking=bool(o.enable_thinking))
+    if o.completions == "local":
+        return LocalGreedySource(target_dir, params, local_backend(o, target_dir), shared=ctx.shared)
+    if o.completions != "server":
+        raise UsageError(f"--completions {o.completions}: choose server or local.")
+    if not o.server:
+        raise UsageError("--completions server needs --server URL (e.g. --server http://127.0.0.1:30000).")
+    client = client or HttpClient(offline=o.offline, timeout=o.request_timeout,
+                                  pool_size=max(1, int(o.concurrency)))
+    # The readiness wait is reported even without progress bars: it is the one place a run may
+    # sit still, and the user must see why.
+    kw = dict(served_model=o.served_model, client=client, wait_seconds=o.wait_server,
+              progress=True, out=ctx.out, request_timeout=o.request_timeout, shared=ctx.shared)
+    if o.server_api == "openai":
+        return OpenAIChatSource(o.server, params, **kw)
+    if o.server_api == "sglang":
+        return SGLangNativeSource(o.server, params, target_dir=target_dir, **kw)
+    raise UsageError(f"--server-api {o.server_api}: choose openai or sglang.")

@@ -1,0 +1,184 @@
+"""Resolve ``--target`` to a local model directory, and read what keys need from it.
+
+A target is a local directory, or a Hugging Face id looked up in the local hub cache
+(``$HF_HUB_CACHE``, else ``$HF_HOME/hub``, else ``~/.cache/huggingface/hub``)::
+
+    models--<org>--<name>/refs/<branch>          holds the commit hash
+    models--<org>--<name>/snapshots/<commit>/    the files of that commit
+
+Nothing is ever downloaded: a model that is not there is a :class:`ModelNotFoundError`
+(exit 6) that says where dfcache looked and how to fetch it.
+
+Everything here reads files as text or JSON and never imports torch or transformers, because
+planning (``build``) uses it and a fully cached run must not pay for those imports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from dfcache.errors import BadInputError, ModelNotFoundError, UsageError
+from dfcache.keys import canonical_encode, fingerprint_path, fingerprint_text, hash_file
+
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+# Files that decide how text becomes ids (and back). Weights and config are left out, so that a
+# fine-tuned model with the same tokenizer shares token artifacts.
+_TOKENIZER_FILES = re.compile(
+    r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|.*\.model|"
+    r"chat_template.*)$")
+
+
+def hub_cache_dir() -> Path:
+    """Where huggingface_hub keeps models, by the same environment variables it reads."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "huggingface" / "hub"
+
+
+def _hub_snapshot(repo_id: str, revision: str | None) -> tuple[Path | None, list[str]]:
+    """The snapshot directory of ``repo_id`` at ``revision`` in the hub cache, and where we looked."""
+    cache = hub_cache_dir()
+    repo_dir = cache / ("models--" + repo_id.replace("/", "--"))
+    rev = revision or "main"
+    looked = []
+    if _COMMIT.match(rev):
+        snap = repo_dir / "snapshots" / rev
+        looked.append(str(snap))
+        return (snap if snap.is_dir() else None), looked
+    ref = repo_dir / "refs" / rev
+    looked.append(str(ref))
+    try:
+        commit = ref.read_text().strip()
+    except OSError:
+        return None, looked
+    snap = repo_dir / "snapshots" / commit
+    looked.append(str(snap))
+    return (snap if snap.is_dir() else None), looked
+
+
+def resolve_target(target: str | None, revision: str | None = None) -> Path:
+    """The absolute local directory of ``--target`` (a directory or a cached Hugging Face id).
+
+    Raises:
+        UsageError: no target given, or a revision given with a local directory.
+        ModelNotFoundError: neither a directory nor in the local hub cache.
+    """
+    if not target:
+        raise UsageError("no target model: pass --target with a local model directory or a Hugging "
+                         "Face id that is in the local cache (e.g. --target Qwen/Qwen3-8B).")
+    path = Path(target).expanduser()
+    if path.is_dir():
+        if revision:
+            raise UsageError(f"--target-revision {revision} applies to a Hugging Face id, but --target "
+                             f"{target} is a local directory; drop --target-revision.")
+        return path.absolute()
+    if path.exists():
+        raise BadInputError(f"--target {target} is a file; pass the model directory that holds "
+                            "config.json and the weights.")
+    if not _REPO_ID.match(target) or target.startswith((".", "/", "~")):
+        raise ModelNotFoundError(f"model directory {target} does not exist; pass an existing directory "
+                                 "or a Hugging Face id (org/name) with --target.")
+    snap, looked = _hub_snapshot(target, revision)
+    if snap is None:
+        rev = revision or "main"
+        raise ModelNotFoundError(
+            f"model {target} (revision {rev}) is neither a local directory nor in the local Hugging "
+            f"Face cache (looked at {', '.join(looked)}). dfcache never downloads models: fetch it "
+            f"first with `hf download {target} --revision {rev}` (or set HF_HUB_CACHE / HF_HOME to the "
+            "cache that has it), or pass a local directory with --target.")
+    return snap
+
+
+def chat_template_text(model_dir: str | os.PathLike) -> str:
+    """The chat template as stored in the model directory (text, not rendered).
+
+    Looks at ``chat_template.jinja`` (transformers ≥ 4.43 writes it), ``chat_template.json``
+    (processors), then the ``chat_template`` field of ``tokenizer_config.json`` (a string, or a
+    list of named templates: all of them are returned, canonically encoded).
+    """
+    d = Path(model_dir)
+    jinja = d / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    for name in ("chat_template.json", "tokenizer_config.json"):
+        f = d / name
+        if not f.is_file():
+            continue
+        try:
+            data = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise BadInputError(f"{f} cannot be read as JSON ({e}); repair or replace the file.") from None
+        tmpl = data.get("chat_template") if isinstance(data, dict) else None
+        if isinstance(tmpl, str) and tmpl:
+            return tmpl
+        if isinstance(tmpl, list) and tmpl:
+            return canonical_encode(tmpl).decode()
+    raise BadInputError(f"model {d} has no chat template (looked at chat_template.jinja, "
+                        "chat_template.json and tokenizer_config.json); use a chat/instruct model or "
+                        "add its template as chat_template.jinja.")
+
+
+def chat_template_hash(model_dir: str | os.PathLike) -> str:
+    return fingerprint_text(chat_template_text(model_dir))
+
+
+def tokenizer_fingerprint(model_dir: str | os.PathLike) -> str:
+    """xxh3-128 over the names and contents of the tokenizer files in ``model_dir``."""
+    d = Path(model_dir)
+    entries = {f.name: hash_file(f) for f in sorted(d.iterdir())
+               if f.is_file() and _TOKENIZER_FILES.match(f.name)}
+    if not any(n.startswith("tokenizer") for n in entries):
+        raise BadInputError(f"model {d} has no tokenizer files (tokenizer.json, tokenizer_config.json); "
+                            "pass a model directory that includes its tokenizer.")
+    return fingerprint_text(canonical_encode(entries).decode())
+
+
+def eos_token_ids(model_dir: str | os.PathLike) -> list[int]:
+    """End-of-sequence ids as generation uses them: generation_config.json, else config.json."""
+    d = Path(model_dir)
+    for name in ("generation_config.json", "config.json"):
+        try:
+            data = json.loads((d / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        eos = data.get("eos_token_id")
+        if eos is None and isinstance(data.get("text_config"), dict):
+            eos = data["text_config"].get("eos_token_id")
+        if isinstance(eos, int):
+            return [eos]
+        if isinstance(eos, list) and eos:
+            return [int(x) for x in eos]
+    return []
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """A target resolved for keying: where it is (never keyed) and what it is (keyed)."""
+
+    dir: Path
+    fingerprint: str
+    chat_template_hash: str
+    tokenizer_fingerprint: str
+
+
+def resolved_target(ctx) -> ResolvedTarget:
+    """Resolve and fingerprint ``ctx.options.target`` once per run (cached in ``ctx.shared``)."""
+    opts = ctx.options
+    cache_key = ("resolved_target", opts.target, opts.target_revision)
+    hit = ctx.shared.get(cache_key)
+    if hit is None:
+        d = resolve_target(opts.target, opts.target_revision)
+        hit = ResolvedTarget(dir=d, fingerprint=fingerprint_path(d), chat_template_hash=chat_template_hash(d),
+                             tokenizer_fingerprint=tokenizer_fingerprint(d))
+        ctx.shared[cache_key] = hit
+    return hit

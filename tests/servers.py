@@ -1,0 +1,383 @@
+"""Real servers for tests, and a helper that runs the stage graph.
+
+- :class:`TransformersServe`: ``transformers serve`` (a real OpenAI-compatible server) on a free
+  port, as a subprocess; counts requests from its own log.
+- :class:`SGLangTestServer`: a small server that speaks SGLang's native API (``/generate``,
+  ``/v1/models``, ``/get_model_info``, ``/health``) with the request and response shapes SGLang
+  documents, backed by the tiny model's greedy generation. SGLang itself cannot run here (it
+  needs a GPU build); this stands in for it.
+- :class:`ScriptedServer`: an OpenAI-shaped server whose chat endpoint fails on purpose
+  (HTTP 500, garbage JSON, hanging, empty answer, 503 while "loading").
+- :class:`RecordingListener`: a TCP listener that counts connection attempts, to prove that a
+  run opened none.
+- :func:`run_pipeline`: build the graph up to a stage, resolve it and execute it, as the CLI does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http_ok(url: str, timeout: float = 1.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+# ----------------------------------------------------------------------------- transformers serve
+
+
+class TransformersServe:
+    """``transformers serve MODEL_DIR --host 127.0.0.1 --port P --device cpu`` as a subprocess.
+
+    The served model name is ``str(model_dir)`` (the server is pinned to it). Its log goes to
+    ``log_path``; :meth:`chat_requests` counts the chat requests it received.
+    """
+
+    def __init__(self, model_dir: str | Path, log_path: str | Path, port: int | None = None) -> None:
+        self.model_dir = str(model_dir)
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def model_name(self) -> str:
+        return self.model_dir
+
+    def start(self, timeout: float = 120.0) -> "TransformersServe":
+        return self.launch().wait_ready(timeout)
+
+    def launch(self) -> "TransformersServe":
+        """Start the process without waiting (start several, then wait for each)."""
+        exe = Path(sys.executable).with_name("transformers")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_UPDATE_CHECK="1", PYTHONUNBUFFERED="1")
+        env.pop("DFCACHE_OFFLINE", None)
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([str(exe), "serve", self.model_dir, "--host", "127.0.0.1",
+                                      "--port", str(self.port), "--device", "cpu"],
+                                     stdout=self._log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = 120.0) -> "TransformersServe":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"transformers serve exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if _http_ok(self.url + "/health"):
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"transformers serve did not answer /health within {timeout} s:\n{self.log_tail()}")
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, n: int = 30) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def chat_requests(self) -> int:
+        """Chat requests the server received (it logs each one before generating)."""
+        return self.log_text().count("[Request received]")
+
+    def kill_after(self, received: int) -> threading.Thread:
+        """SIGKILL the server as soon as it has received ``received`` chat requests."""
+
+        def watch() -> None:
+            while self.proc is not None and self.proc.poll() is None:
+                if self.chat_requests() >= received:
+                    self.kill()
+                    return
+                time.sleep(0.005)
+
+        t = threading.Thread(target=watch, daemon=True)
+        t.start()
+        return t
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
+
+    def __enter__(self) -> "TransformersServe":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+# ----------------------------------------------------------------------------- in-process servers
+
+
+class _Server:
+    """A threaded HTTP server on a free port; subclasses route requests in ``handle``."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.requests: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+        self.released = threading.Event()  # frees handlers that hang on purpose
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a) -> None:
+                pass
+
+            def _serve(self, method: str) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(n) if n else b""
+                with outer._lock:
+                    outer.requests.append((method, self.path))
+                try:
+                    body = json.loads(raw) if raw else None
+                except ValueError:
+                    body = None
+                status, payload = outer.handle(method, self.path, body)
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:
+                self._serve("GET")
+
+            def do_POST(self) -> None:
+                self._serve("POST")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def count(self, method: str, path: str) -> int:
+        with self._lock:
+            return sum(1 for m, p in self.requests if m == method and p == path)
+
+    def handle(self, method: str, path: str, body) -> tuple[int, object]:
+        raise NotImplementedError
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.released.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+class SGLangTestServer(_Server):
+    """SGLang's native API over the tiny model's greedy generation.
+
+    Shapes follow SGLang's docs (basic_usage/native_api, sampling_params) and code
+    (entrypoints/http_server.py, managers/tokenizer_manager.py): ``/generate`` takes ``text`` or
+    ``input_ids`` and ``sampling_params``; it answers ``{"text", "output_ids", "meta_info":
+    {"id", "finish_reason": {"type": "length", "length": n} | {"type": "stop", "matched": id},
+    "prompt_tokens", "completion_tokens", ...}}``. ``/v1/models`` lists the served model name,
+    ``/get_model_info`` its path.
+    """
+
+    def __init__(self, model_dir: str | Path, served_name: str = "tiny-qwen") -> None:
+        super().__init__()
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.model_dir = str(model_dir)
+        self.served_name = served_name
+        self.tok = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        self.eos = self.model.generation_config.eos_token_id
+        self._gen_lock = threading.Lock()
+
+    def handle(self, method, path, body):
+        if path == "/health":
+            return 200, b""
+        if path == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": self.served_name, "object": "model", "created": 0,
+                                                     "owned_by": "sglang", "root": self.model_dir,
+                                                     "max_model_len": 4096}]}
+        if path == "/get_model_info":
+            return 200, {"model_path": self.model_dir, "tokenizer_path": self.model_dir, "is_generation": True}
+        if path == "/generate" and method == "POST":
+            return self._generate(body or {})
+        return 404, {"detail": "Not Found"}
+
+    def _generate(self, body: dict):
+        sp = body.get("sampling_params") or {}
+        if float(sp.get("temperature", 1.0)) != 0.0:
+            return 400, {"error": {"message": "this test server is greedy only (temperature 0)"}}
+        if body.get("input_ids") is not None:
+            ids = list(body["input_ids"])
+        elif isinstance(body.get("text"), str):
+            ids = self.tok(body["text"])["input_ids"]
+        else:
+            return 400, {"error": {"message": "Either text or input_ids should be provided."}}
+        n = int(sp.get("max_new_tokens", 128))
+        torch = self.torch
+        with self._gen_lock, torch.no_grad():
+            inp = torch.tensor([ids])
+            out = self.model.generate(input_ids=inp, attention_mask=torch.ones_like(inp), do_sample=False,
+                                      max_new_tokens=n, pad_token_id=self.tok.pad_token_id)
+        new = out[0, len(ids):].tolist()
+        eos = self.eos if isinstance(self.eos, list) else [self.eos]
+        if new and new[-1] in eos:
+            finish = {"type": "stop", "matched": new[-1]}
+        else:
+            finish = {"type": "length", "length": len(new)}
+        return 200, {"text": self.tok.decode(new, skip_special_tokens=True), "output_ids": new,
+                     "meta_info": {"id": f"req-{len(self.requests)}", "finish_reason": finish,
+                                   "prompt_tokens": len(ids), "completion_tokens": len(new),
+                                   "cached_tokens": 0, "e2e_latency": 0.01}}
+
+
+class ScriptedServer(_Server):
+    """OpenAI-shaped server whose chat endpoint misbehaves as told.
+
+    ``chat``: ``"500"`` (HTTP 500 with an OpenAI error body), ``"garbage"`` (HTTP 200, not JSON),
+    ``"hang"`` (never answers until stopped), ``"empty"`` (HTTP 200, empty content),
+    ``"loading"`` (HTTP 503 while loading), ``"ok"`` (a short answer), ``"slow"`` (a short answer
+    after 0.2 s; ``max_in_flight`` records the most requests served at once).
+    ``health``: ``"ok"``, ``"loading"`` (503) or ``"missing"`` (404, so clients use /v1/models).
+    """
+
+    def __init__(self, chat: str = "ok", health: str = "ok", models: tuple[str, ...] = ("scripted-model",),
+                 port: int = 0):
+        super().__init__(port)
+        self.chat = chat
+        self.health = health
+        self.models = list(models)
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    def handle(self, method, path, body):
+        if path == "/health":
+            if self.health == "loading":
+                return 503, {"error": "model is loading"}
+            if self.health == "missing":
+                return 404, {"detail": "Not Found"}
+            return 200, {"status": "ok"}
+        if path == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]}
+        if path == "/v1/chat/completions":
+            mode = self.chat
+            if mode == "500":
+                return 500, {"error": {"message": "CUDA out of memory (scripted)", "type": "InternalError"}}
+            if mode == "garbage":
+                return 200, b"<html>upstream proxy error</html>"
+            if mode == "hang":
+                self.released.wait(30)
+                return 200, {}
+            if mode == "loading":
+                return 503, {"error": {"message": "Model is loading"}}
+            if mode == "slow":  # answers after 0.2 s and records how many requests overlapped
+                with self._lock:
+                    self.in_flight += 1
+                    self.max_in_flight = max(self.max_in_flight, self.in_flight)
+                time.sleep(0.2)
+                with self._lock:
+                    self.in_flight -= 1
+            content = "" if mode == "empty" else "hello"
+            return 200, {"choices": [{"index": 0, "finish_reason": "stop",
+                                      "message": {"role": "assistant", "content": content}}],
+                         "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+        return 404, {"detail": "Not Found"}
+
+
+class RecordingListener:
+    """Accepts TCP connections on a port, counts them and closes them at once."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port or 0))
+        self.sock.listen(64)
+        self.sock.settimeout(0.1)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.connections = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except (socket.timeout, OSError):
+                continue
+            self.connections += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close()
+
+    def __enter__(self) -> "RecordingListener":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------- running stages
+
+
+def run_pipeline(store_dir, upto: str = "tokens", **options):
+    """Build the graph up to ``upto``, resolve it and execute it. Returns ``(ctx, {stage: node})``."""
+    from dfcache import open_store
+    from runner.graph import RunContext, execute, resolve
+    from runner.options import EvalOptions
+    from runner.pipeline import build_graph
+
+    options.setdefault("progress", False)
+    ctx = RunContext(open_store(store_dir), EvalOptions(**options), argv=["run", upto])
+    nodes = build_graph(ctx, upto=upto)
+    resolve(ctx, nodes)
+    execute(ctx, nodes)
+    return ctx, {n.stage: n for n in nodes}

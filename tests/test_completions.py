@@ -1,0 +1,275 @@
+"""The completions stage against real servers: transformers serve, an SGLang-native test server,
+scripted failures, and local greedy generation."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from servers import (RecordingListener, ScriptedServer, SGLangTestServer, TransformersServe,
+                     free_port, run_pipeline)
+
+from dfcache import open_store
+from dfcache.errors import (EXIT_NETWORK, ConnectionRefused, NetworkError, OfflineMissingError,
+                            OfflineModeIsEnabled, ServerHTTPError, ServerTimeout)
+from runner.stages.completions import read_completions
+from runner.stages.tokens import read_tokens
+
+N = 4
+
+
+@pytest.fixture(autouse=True)
+def _online(monkeypatch):
+    monkeypatch.delenv("DFCACHE_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_target, tmp_path_factory):
+    """Two transformers serve processes, launched together to share the startup time: one that
+    lives for the module, one that a test kills."""
+    logs = tmp_path_factory.mktemp("serve")
+    live = TransformersServe(tiny_target, logs / "live.log").launch()
+    dying = TransformersServe(tiny_target, logs / "dying.log").launch()
+    try:
+        live.wait_ready()
+        dying.wait_ready()
+        yield live, dying
+    finally:
+        live.stop()
+        dying.stop()
+
+
+@pytest.fixture
+def serve(servers):
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def local_greedy(tiny_target, tmp_path_factory):
+    """Local greedy completions of the N prompts, produced once for the comparisons below."""
+    ctx, nodes = run_pipeline(tmp_path_factory.mktemp("local") / "store", "completions",
+                              **_local_opts(tiny_target))
+    return nodes["completions"].key, read_completions(ctx.store, nodes["completions"].key)
+
+
+def _server_opts(target, url, **kw):
+    opts = dict(target=str(target), completions="server", server=url, num_prompts=N, max_new_tokens=8)
+    opts.update(kw)
+    return opts
+
+
+def _local_opts(target, **kw):
+    opts = dict(target=str(target), completions="local", num_prompts=N, max_new_tokens=8,
+                dtype="float32", device="cpu")
+    opts.update(kw)
+    return opts
+
+
+def test_server_completions_are_cached_and_replayed_without_the_server(serve, local_greedy, tiny_target,
+                                                                       tmp_path):
+    before = serve.chat_requests()
+    ctx, nodes = run_pipeline(tmp_path / "store", "completions", **_server_opts(tiny_target, serve.url))
+    assert serve.chat_requests() - before == N
+    comps = read_completions(ctx.store, nodes["completions"].key)
+    assert [c.id for c in comps] == [f"code-{i:02d}" for i in range(N)]
+    assert all(c.text and c.finish_reason in ("stop", "length") for c in comps)
+    assert all(c.tokens_source == "retokenized" and c.token_ids is None for c in comps)
+    index = ctx.store.open(nodes["completions"].key).json("index")
+    assert index["served_model"] == serve.model_name and index["endpoint"] == "openai"
+
+    # The server is gone (a listener that counts connections stands at another address; the
+    # URL is not key material): completions come from the store, tokens are computed locally.
+    with RecordingListener() as listener:
+        ctx2, nodes2 = run_pipeline(tmp_path / "store", "tokens",
+                                    **_server_opts(tiny_target, listener.url, wait_server=5))
+        time.sleep(0.2)
+        assert listener.connections == 0
+    assert nodes2["completions"].key == nodes["completions"].key
+    assert nodes2["completions"].status == "cached"
+    assert ctx2.work_done == [nodes2["tokens"].key]
+    toks = read_tokens(ctx2.store, nodes2["tokens"].key)
+    tok = _tokenizer(tiny_target)
+    for i, c in enumerate(comps):
+        expect = tok(c.text, add_special_tokens=False)["input_ids"]
+        if c.finish_reason == "stop":
+            expect = expect + [tok.eos_token_id]
+        assert toks.completion(i).tolist() == expect
+
+    # transformers serve is greedy at temperature 0: its text is our local greedy text, except
+    # that it trims the content's whitespace (why retokenized ids are only a fallback).
+    local_key, local = local_greedy
+    assert local_key != nodes["completions"].key  # server and local completions differ
+    assert [c.text.strip() for c in local] == [c.text.strip() for c in comps]
+
+
+def test_wrong_served_model_name_is_clear_and_sends_no_generation(serve, tiny_target, tmp_path):
+    before = serve.chat_requests()
+    with pytest.raises(ServerHTTPError) as e:
+        run_pipeline(tmp_path / "store", "completions",
+                     **_server_opts(tiny_target, serve.url, served_model="Qwen/Qwen3-8B"))
+    msg = str(e.value)
+    assert "'Qwen/Qwen3-8B'" in msg and repr(serve.model_name) in msg and "--served-model" in msg
+    assert e.value.exit_code == EXIT_NETWORK
+    assert serve.chat_requests() == before
+
+
+def test_killed_server_keeps_finished_and_resume_fetches_only_the_rest(servers, tiny_target, tmp_path, capsys):
+    serve, dying = servers
+    n, k = 6, 3
+    store = tmp_path / "store"
+    try:
+        dying.kill_after(k)  # SIGKILL while it generates the k-th completion
+        with pytest.raises(NetworkError) as e:
+            run_pipeline(store, "completions", **_server_opts(tiny_target, dying.url, num_prompts=n,
+                                                              concurrency=1))
+        assert e.value.exit_code == EXIT_NETWORK
+    finally:
+        dying.stop()
+    msg = str(e.value)
+    assert dying.url in msg and ("closed the connection" in msg or "connection refused" in msg)
+    assert not any(m.stage == "completions" for m in open_store(store).list_manifests())
+
+    before = serve.chat_requests()
+    capsys.readouterr()
+    ctx, nodes = run_pipeline(store, "completions", **_server_opts(tiny_target, serve.url, num_prompts=n))
+    fetched = serve.chat_requests() - before
+    saved = n - fetched
+    assert k - 1 <= saved <= k  # everything that finished before the kill was kept
+    assert f"resuming, {saved} of {n} already saved, {fetched} to go" in capsys.readouterr().err
+    comps = read_completions(ctx.store, nodes["completions"].key)
+    assert len(comps) == n and all(c.text for c in comps)
+
+    # Same port as the killed server, now a listener: a cached run opens no connection at all.
+    with RecordingListener(port=dying.port) as listener:
+        _, nodes2 = run_pipeline(store, "completions",
+                                 **_server_opts(tiny_target, dying.url, num_prompts=n, wait_server=3))
+        time.sleep(0.2)
+        assert listener.connections == 0
+    assert nodes2["completions"].status == "cached"
+
+
+@pytest.mark.parametrize("mode, error, words", [
+    ("500", ServerHTTPError, ["HTTP 500", "CUDA out of memory (scripted)"]),
+    ("garbage", ServerHTTPError, ["not valid JSON"]),
+    ("empty", ServerHTTPError, ["empty completion", "nothing was cached"]),
+    ("hang", ServerTimeout, ["no answer within 1 s", "--request-timeout"]),
+])
+def test_failed_answers_are_never_cached(mode, error, words, tiny_target, tmp_path):
+    store = tmp_path / "store"
+    with ScriptedServer(chat=mode) as bad:
+        with pytest.raises(error) as e:
+            run_pipeline(store, "completions", **_server_opts(tiny_target, bad.url, request_timeout=1.0,
+                                                              concurrency=2))
+        assert bad.count("POST", "/v1/chat/completions") <= 2  # stopped at the first failure
+    for w in words:
+        assert w in str(e.value)
+    with ScriptedServer(chat="ok") as good:
+        ctx, nodes = run_pipeline(store, "completions", **_server_opts(tiny_target, good.url))
+        assert good.count("POST", "/v1/chat/completions") == N  # nothing bad was kept
+    assert [c.text for c in read_completions(ctx.store, nodes["completions"].key)] == ["hello"] * N
+
+
+def test_requests_run_concurrently_within_the_bound(tiny_target, tmp_path):
+    with ScriptedServer(chat="slow") as s:
+        run_pipeline(tmp_path / "store", "completions",
+                     **_server_opts(tiny_target, s.url, num_prompts=8, concurrency=3))
+    assert s.max_in_flight == 3
+
+
+def test_closed_port_fails_at_once_and_wait_server_waits(tiny_target, tmp_path, capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    t = time.monotonic()
+    with pytest.raises(ConnectionRefused):
+        run_pipeline(tmp_path / "store", "completions", **_server_opts(tiny_target, url))
+    assert time.monotonic() - t < 2
+    t = time.monotonic()
+    with pytest.raises(ConnectionRefused):
+        run_pipeline(tmp_path / "store", "completions", **_server_opts(tiny_target, url, wait_server=2))
+    assert time.monotonic() - t >= 2
+    assert f"waiting for server at {url}: 2.0/2 s (connection refused)" in capsys.readouterr().err
+
+
+def test_offline_makes_no_connection(tiny_target, tmp_path, monkeypatch):
+    with RecordingListener() as listener:
+        # Planning reports the missing artifact with the command that produces it.
+        from runner.graph import RunContext, check_offline, resolve
+        from runner.options import EvalOptions
+        from runner.pipeline import build_graph
+
+        opts = EvalOptions(**_server_opts(tiny_target, listener.url), offline=True)
+        ctx = RunContext(open_store(tmp_path / "store"), opts,
+                         argv=["run", "completions", "--server", listener.url, "--offline"])
+        nodes = resolve(ctx, build_graph(ctx, upto="completions"))
+        with pytest.raises(OfflineMissingError) as e:
+            check_offline(ctx, nodes)
+        node = [n for n in nodes if n.stage == "completions"][0]
+        assert node.key in str(e.value) and listener.url in str(e.value)
+        assert node.fix == f"dfcache run completions --server {listener.url}"
+        # Whatever path reaches the transport while offline is refused there.
+        monkeypatch.setenv("DFCACHE_OFFLINE", "1")
+        with pytest.raises(OfflineModeIsEnabled):
+            run_pipeline(tmp_path / "store", "completions", **_server_opts(tiny_target, listener.url))
+        time.sleep(0.2)
+        assert listener.connections == 0
+
+
+def test_sglang_native_gives_server_token_ids_equal_to_local_greedy(tiny_target, local_greedy, tmp_path):
+    with SGLangTestServer(tiny_target, served_name="tiny-qwen") as s:
+        ctx, nodes = run_pipeline(tmp_path / "store", "tokens",
+                                  **_server_opts(tiny_target, s.url, server_api="sglang",
+                                                 served_model="tiny-qwen"))
+        assert s.count("POST", "/generate") == N
+    comps = read_completions(ctx.store, nodes["completions"].key)
+    assert all(c.tokens_source == "server" and c.token_ids for c in comps)
+    assert [c.token_ids for c in comps] == [c.token_ids for c in local_greedy[1]]
+    toks = read_tokens(ctx.store, nodes["tokens"].key)
+    assert [toks.completion(i).tolist() for i in range(N)] == [c.token_ids for c in comps]
+
+
+def test_local_greedy_equals_transformers_generate(tiny_target, local_greedy):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runner.stages.prompts import load_records
+
+    comps = local_greedy[1]
+    assert all(c.tokens_source == "local" for c in comps)
+    tok = _tokenizer(tiny_target)
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32).eval()
+    for rec, c in zip(load_records("builtin:coding")[:N], comps):
+        ids = tok.apply_chat_template(rec["messages"], add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, do_sample=False, max_new_tokens=8, pad_token_id=tok.pad_token_id)
+        assert c.token_ids == out[0, ids.shape[1]:].tolist()
+        assert c.finish_reason == ("stop" if c.token_ids[-1] == tok.eos_token_id else "length")
+
+
+def _tokenizer(target):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(target))
+
+
+def test_preflight_checks_the_server_once_before_any_work(tiny_target, tmp_path):
+    from runner.graph import RunContext, execute, resolve
+    from runner.options import EvalOptions
+    from runner.pipeline import build_graph
+    from runner.stages import completions
+
+    def plan(url):
+        ctx = RunContext(open_store(tmp_path / "store"), EvalOptions(progress=False, **_server_opts(tiny_target, url)))
+        return ctx, resolve(ctx, build_graph(ctx, upto="tokens"))
+
+    ctx, nodes = plan(f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(ConnectionRefused):
+        completions.preflight(ctx, nodes)
+    assert ctx.store.list_manifests() == []  # failed before any stage ran
+    with ScriptedServer(chat="ok") as s:
+        ctx, nodes = plan(s.url)
+        completions.preflight(ctx, nodes)
+        execute(ctx, nodes)
+        assert (s.count("GET", "/health"), s.count("GET", "/v1/models")) == (1, 1)
+        assert s.count("POST", "/v1/chat/completions") == N
+

@@ -1,0 +1,146 @@
+"""dfcache.http: offline enforcement, error mapping, the bounded readiness check."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from servers import RecordingListener, ScriptedServer, free_port
+
+from dfcache.errors import (EXIT_NETWORK, ConnectionRefused, NetworkError, OfflineModeIsEnabled,
+                            ServerHTTPError, ServerNotReady, ServerTimeout, ServerUnreachable)
+from dfcache.http import HttpClient, normalize_base_url, wait_ready
+
+
+@pytest.fixture(autouse=True)
+def _online(monkeypatch):
+    monkeypatch.delenv("DFCACHE_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+
+
+@pytest.mark.parametrize("how", ["flag", "DFCACHE_OFFLINE", "HF_HUB_OFFLINE"])
+def test_offline_refuses_before_any_connection(how, monkeypatch):
+    with RecordingListener() as listener:
+        if how != "flag":
+            monkeypatch.setenv(how, "1")
+        client = HttpClient(offline=how == "flag")
+        with pytest.raises(OfflineModeIsEnabled) as e:
+            client.get_json(listener.url + "/v1/models")
+        with pytest.raises(OfflineModeIsEnabled):
+            wait_ready(listener.url, 2, progress=False, client=client)
+        time.sleep(0.2)
+        assert listener.connections == 0
+    assert listener.url in str(e.value) and "offline mode" in str(e.value)
+    assert e.value.exit_code == EXIT_NETWORK
+
+
+def test_client_reaches_a_listening_port():
+    # The counterpart of the offline test: the listener does see a client that is online.
+    with RecordingListener() as listener:
+        with pytest.raises(NetworkError):
+            HttpClient().get_json(listener.url + "/health", timeout=2)
+        time.sleep(0.2)
+        assert listener.connections >= 1
+
+
+def test_closed_port_is_connection_refused_at_once():
+    url = f"http://127.0.0.1:{free_port()}"
+    t = time.monotonic()
+    with pytest.raises(ConnectionRefused) as e:
+        wait_ready(url, 0)
+    assert time.monotonic() - t < 1.0
+    msg = str(e.value)
+    assert url in msg and "nothing listens" in msg and "--wait-server" in msg
+    assert e.value.exit_code == EXIT_NETWORK
+
+
+def test_wait_ready_waits_the_bound_with_visible_progress(capsys):
+    url = f"http://127.0.0.1:{free_port()}"
+    t = time.monotonic()
+    with pytest.raises(ConnectionRefused) as e:
+        wait_ready(url, 3)
+    took = time.monotonic() - t
+    assert 2.9 <= took < 4.5
+    err = capsys.readouterr().err
+    assert f"waiting for server at {url}:" in err and "/3 s (connection refused)" in err
+    assert "3.0/3 s" in err
+    assert "not ready after waiting 3 s" in str(e.value)
+
+
+def test_wait_ready_returns_once_the_server_answers():
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    started = []
+
+    def later():  # a restarting server: nothing listens for a second, then it answers
+        time.sleep(1.0)
+        started.append(ScriptedServer(port=port).start())
+
+    threading.Thread(target=later, daemon=True).start()
+    lines = []
+    try:
+        assert wait_ready(url, 10, progress=lines.append) == "health"
+    finally:
+        for s in started:
+            s.stop()
+    assert lines and "connection refused" in lines[0]
+    assert "ready after" in lines[-1]
+
+
+def test_not_ready_503_then_models_fallback():
+    with ScriptedServer(health="loading") as s:
+        with pytest.raises(ServerNotReady) as e:
+            wait_ready(s.url, 0)
+        assert "not ready" in str(e.value) and "--wait-server" in str(e.value)
+    with ScriptedServer(health="missing") as s:
+        assert wait_ready(s.url, 0) == "models"
+
+
+def test_http_500_names_status_and_server_message():
+    with ScriptedServer(chat="500") as s:
+        with pytest.raises(ServerHTTPError) as e:
+            HttpClient().post_json(s.url + "/v1/chat/completions", {"messages": []})
+    assert e.value.status == 500
+    assert "HTTP 500" in str(e.value) and "CUDA out of memory (scripted)" in str(e.value)
+    assert s.url + "/v1/chat/completions" in str(e.value)
+
+
+def test_malformed_json_is_its_own_error():
+    with ScriptedServer(chat="garbage") as s:
+        with pytest.raises(ServerHTTPError) as e:
+            HttpClient().post_json(s.url + "/v1/chat/completions", {"messages": []})
+    assert "not valid JSON" in str(e.value) and "<html>upstream proxy error" in str(e.value)
+
+
+def test_read_timeout_is_server_timeout():
+    with ScriptedServer(chat="hang") as s:
+        t = time.monotonic()
+        with pytest.raises(ServerTimeout) as e:
+            HttpClient(timeout=1.0).post_json(s.url + "/v1/chat/completions", {"messages": []})
+        assert time.monotonic() - t < 5
+    assert "no answer within 1 s" in str(e.value)
+
+
+def test_loading_503_on_a_request_is_not_ready():
+    with ScriptedServer(chat="loading") as s:
+        with pytest.raises(ServerNotReady):
+            HttpClient().post_json(s.url + "/v1/chat/completions", {"messages": []})
+
+
+def test_unresolvable_host_is_unreachable():
+    with pytest.raises(ServerUnreachable) as e:
+        HttpClient(connect_timeout=3).get_json("http://dfcache-no-such-host.invalid/health")
+    assert "dfcache-no-such-host.invalid" in str(e.value)
+
+
+def test_no_retries_one_request_per_call():
+    with ScriptedServer(chat="500") as s:
+        with pytest.raises(ServerHTTPError):
+            HttpClient().post_json(s.url + "/v1/chat/completions", {})
+        assert s.count("POST", "/v1/chat/completions") == 1
+
+
+def test_normalize_base_url():
+    assert normalize_base_url("http://h:1/v1/") == "http://h:1"
+    assert normalize_base_url("h:30000") == "http://h:30000"
