@@ -23,22 +23,24 @@ RUN_TARGETS = {"eval": "eval", "prompts": "prompts", "completions": "completions
 
 def _make_command(mode: str):
     def command(
+        ctx: typer.Context,
         target: str = typer.Argument("eval", help="eval, or a stage to stop at: prompts, completions, tokens, hidden-states."),
         example: bool = typer.Option(False, "--example", help="Build and use the embedded tiny example (target, drafters, prompts)."),
         model: Optional[str] = typer.Option(None, "--target", help="Target model: a local directory or a Hugging Face id in the local cache."),
-        revision: Optional[str] = typer.Option(None, "--revision", help="Revision of a Hugging Face id (commit or branch in the local cache)."),
+        revision: Optional[str] = typer.Option(None, "--revision", "--target-revision", help="Revision of a Hugging Face id (commit or branch in the local cache)."),
         drafter: Optional[List[str]] = typer.Option(None, "--drafter", help="A DFlash drafter checkpoint directory (repeatable)."),
         trained_on: Optional[str] = typer.Option(None, "--trained-on", help="Backend the drafters were trained on: fla|torch."),
         prompts: str = typer.Option("builtin:coding", "--prompts", help="A JSONL file or builtin:NAME (coding, reasoning)."),
         num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first N prompts."),
         max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
         max_blocks: Optional[int] = typer.Option(None, "--max-blocks", help="Evaluate at most N blocks per response."),
-        completions: str = typer.Option("local", "--completions", help="server|local"),
+        completions: str = typer.Option("local", "--completions", help="server|local (server when --server is given)."),
         server: Optional[str] = typer.Option(None, "--server", help="Base URL of an OpenAI-compatible or SGLang server."),
         server_api: str = typer.Option("openai", "--server-api", help="openai|sglang"),
         served_model: Optional[str] = typer.Option(None, "--served-model", help="Model name the server must serve (default: its only model)."),
         wait_server: float = typer.Option(0.0, "--wait-server", help="Seconds to wait for the server to be ready (checked once, up front)."),
         concurrency: int = typer.Option(8, "--concurrency", help="Concurrent requests to the server."),
+        request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds to wait for one server answer (a whole generation)."),
         temperature: float = typer.Option(0.0, "--temperature"),
         top_p: float = typer.Option(1.0, "--top-p"),
         seed: Optional[int] = typer.Option(None, "--seed"),
@@ -59,6 +61,15 @@ def _make_command(mode: str):
     ) -> None:
         from dfcache.config import offline_from_env
 
+        if server is not None:
+            # --server alone means "completions from that server": silently generating locally
+            # (the default) while a server was named would cost hours on a large target.
+            source = ctx.get_parameter_source("completions")
+            if source is None or source.name != "COMMANDLINE":
+                completions = "server"
+            elif completions == "local":
+                raise UsageError("--completions local does not use --server; drop --server, or pass "
+                                 "--completions server to take completions from it.")
         if target not in RUN_TARGETS:
             raise UsageError(f"unknown target {target!r}; use eval, prompts, completions, tokens or hidden-states.")
         for name, value, allowed in (("--completions", completions, ("server", "local")),
@@ -72,22 +83,70 @@ def _make_command(mode: str):
                 raise UsageError(f"{name} {value!r} is not one of {', '.join(allowed)}.")
         if trained_on not in (None, "fla", "torch"):
             raise UsageError(f"--trained-on {trained_on!r} is not one of fla, torch.")
+        if not request_timeout > 0:
+            raise UsageError(f"--request-timeout {request_timeout:g}: give a positive number of seconds.")
+        if wait_server < 0:
+            raise UsageError(f"--wait-server {wait_server:g}: give 0 (check once) or a positive number of seconds.")
         opts = EvalOptions(
             example=example, target=model, target_revision=revision, drafters=list(drafter or []),
             trained_on=trained_on, prompts=prompts, num_prompts=num_prompts, completions=completions,
             server=server, server_api=server_api, served_model=served_model, wait_server=wait_server,
-            concurrency=concurrency, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+            concurrency=concurrency, request_timeout=request_timeout, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p,
             seed=seed, enable_thinking=enable_thinking, layers=list(layers) if layers else None,
             backend=backend, device=device, dtype=dtype, batch_tokens=batch_tokens,
             compression=compression, tree_budgets=list(tree_budget or []), max_blocks=max_blocks,
             end_rule=end_rule, offline=offline or state.offline or offline_from_env(),
             remotes=list(remote or []), endpoint_url=endpoint_url, json=json_out or state.json,
             progress=not no_progress and sys.stderr.isatty() and not (json_out or state.json))
-        run_pipeline(mode, RUN_TARGETS[target], opts)
+        run_pipeline(mode, RUN_TARGETS[target], opts, argv=_run_argv(ctx, target))
 
     command.__doc__ = ("Show the graph and each node's status; does no work." if mode == "plan" else
                        "Run the graph up to TARGET, reusing everything cached.")
     return command
+
+
+def _arg(v) -> str:
+    if isinstance(v, float):
+        return str(int(v)) if v.is_integer() else repr(v)
+    return str(v)
+
+
+def _run_argv(ctx: typer.Context, target: str) -> list[str]:
+    """This invocation as ``run`` arguments, rebuilt from what the command line gave.
+
+    Fix messages ("produce it with: dfcache run ...") are built from it. Rebuilt rather than
+    taken from ``sys.argv``, which is not this command's when ``dfcache.cli.main([...])`` is
+    called from Python, and is a ``plan`` line when planning. Only options given on the command
+    line appear, in declaration order.
+    """
+    args: list[str] = []
+
+    def add(c, skip: tuple[str, ...] = ()) -> None:
+        for p in c.command.params:
+            opts = getattr(p, "opts", None)
+            if p.param_type_name != "option" or not opts or p.name in skip or p.name not in c.params:
+                continue
+            source = c.get_parameter_source(p.name)
+            if source is None or source.name != "COMMANDLINE":
+                continue
+            value = c.params[p.name]
+            if p.is_flag:
+                if value:
+                    args.append(opts[0])
+                elif p.secondary_opts:
+                    args.append(p.secondary_opts[0])
+                continue
+            for v in (value if p.multiple else [value]):
+                if v is not None:
+                    args.extend([opts[0], _arg(v)])
+
+    root = ctx.find_root()
+    if root is not ctx:
+        add(root, skip=("version", "debug"))
+    args += ["run", target]
+    add(ctx)
+    return args
 
 
 def register(app: typer.Typer) -> None:
@@ -96,27 +155,17 @@ def register(app: typer.Typer) -> None:
 
 
 def open_remotes(opts: EvalOptions) -> list:
-    """The remotes to look in: --remote flags, else the config's default remotes."""
+    """The remotes to look in: --remote flags, else the config's default remotes. Offline,
+    a remote that needs the network is refused (a file:// remote is fine)."""
     from dfcache.config import load_config
 
-    cfg = load_config()
-    names = opts.remotes or cfg.default_remotes
+    names = opts.remotes or load_config().default_remotes
     if not names:
         return []
-    from dfcache.store import open_store
+    from dfcache.transfer import open_remote
 
-    remotes = []
-    for rc in cfg.remote_urls(names):
-        url = rc.url
-        needs_network = "://" in url and not url.startswith("file://")
-        if opts.offline and needs_network:
-            from dfcache.errors import OfflineMissingError
-
-            raise OfflineMissingError(
-                f"offline mode is on and remote {url} needs the network; drop --remote {rc.name}, use a "
-                "file:// remote (a shared directory), or turn offline mode off.")
-        remotes.append(open_store(url, create=False, endpoint_url=opts.endpoint_url or rc.endpoint_url))
-    return remotes
+    return [open_remote(name, endpoint_url=opts.endpoint_url, offline=opts.offline, create=False)
+            for name in names]
 
 
 def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None = None):

@@ -96,21 +96,25 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 0
     except Exception as e:  # click usage errors and the unexpected
-        import click
-
-        if isinstance(e, click.exceptions.Abort):
+        if _is_click_error(e, "Abort"):
             err("aborted.")
             return 130
-        if isinstance(e, click.ClickException):
+        if _is_click_error(e, "ClickException"):
             if state.debug:
                 raise
             e.show()
-            return EXIT_USAGE
+            return getattr(e, "exit_code", EXIT_USAGE) or EXIT_USAGE
         if state.debug:
             raise
         err(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and "
             "report it)")
         return EXIT_INTERNAL
+
+
+def _is_click_error(e: Exception, name: str) -> bool:
+    # typer vendors its own copy of click, so match either copy's class by name.
+    return any(cls.__name__ == name and cls.__module__.split(".")[-1] == "exceptions"
+               for cls in type(e).__mro__)
 
 
 def _entry() -> None:

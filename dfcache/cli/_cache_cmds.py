@@ -24,15 +24,13 @@ def register(app: typer.Typer) -> None:
            endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
            json_out: bool = typer.Option(False, "--json", help="Print a JSON list.")) -> None:
         """List artifacts: key, stage, size, created, backend, inputs."""
+        errors: list = []
         if remote:
-            from ..config import load_config
-            from ..store import open_store
+            from ..transfer import open_remote
 
-            cfg = load_config().remote_urls([remote])[0]
-            store = open_store(cfg.url, create=False, endpoint_url=endpoint_url or cfg.endpoint_url)
+            store = open_remote(remote, endpoint_url=endpoint_url, offline=state.offline or None, create=False)
         else:
             store = get_store()
-        errors: list = []
         manifests = store.list_manifests(stage=stage, errors=errors)
         if backend:
             manifests = [m for m in manifests if (m.backend or {}).get("kernel") == backend]

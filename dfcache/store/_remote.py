@@ -1,0 +1,884 @@
+"""Remote stores: S3 object stores, and ``file://`` directories read without following symlinks.
+
+``open_remote_backend(url)`` gives the backend for a remote URL:
+
+- ``s3://bucket/prefix``: :class:`ObjectStoreBackend`, built on zarr's own
+  ``zarr.storage.ObjectStore`` over an obstore ``S3Store``. Endpoint, region and credentials come
+  from the usual AWS variables (``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``,
+  ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+  ``AWS_SESSION_TOKEN``), overridden by the ``endpoint_url``/``region`` arguments (``--endpoint-url``,
+  ``[remote.NAME] endpoint_url/region`` in the config).
+- ``file:///path``: :class:`FileRemoteBackend`, the local directory backend (a shared
+  filesystem is a fine remote) whose reads refuse symbolic links anywhere below the store root.
+  A remote is someone else's directory: a symlink in it could make a pull copy any file this user
+  can read (``~/.ssh/id_rsa`` as a "chunk") into the store, so no path is ever followed through one.
+
+Why obstore (``zarr.storage.ObjectStore``) and not s3fs (``zarr.storage.FsspecStore``):
+
+- Publishing needs a real create-if-absent write. ``ObjectStore.set_if_not_exists`` is one
+  conditional PUT (``If-None-Match: *``) that the server decides atomically; ``FsspecStore``
+  inherits zarr's generic ``exists()`` then ``set()``, two requests with a race between them.
+- Retries and timeouts are bounded and configurable (``retry_config``, ``client_options``), so a
+  dead endpoint fails in seconds with a clear error instead of a retry storm (nix #1990).
+- It is about twice as fast as s3fs against the same server (shared/reference/stack-notes.md §6).
+
+Layout under ``s3://bucket/prefix`` (artifacts exactly as in a local store)::
+
+    dfcache-store.json                   {"format_version": 1}, written on the first publish
+    artifacts/<key[:2]>/<key>/           one committed artifact: zarr v3 group + manifest.json
+    locks/<key>.lease                    held by the one writer allowed under artifacts/../<key>/
+    staging/<key>.<writer>/              uploads of a writer that found the lease taken
+
+Publishing without rename. Object stores cannot rename, so ``manifest.json``, written last with
+create-if-absent (``If-None-Match: *``), is what makes an artifact exist: readers never see a
+partial artifact. Uploading straight under ``artifacts/<key[:2]>/<key>/`` would be safe only if
+every writer of a key wrote the same bytes, and it does not: one key covers sampled completions
+and GPU kernels with non-deterministic reductions, so two writers' chunk objects of the same names
+would interleave and the winning manifest would describe a mix. Hence the lease, an object taken
+with create-if-absent and rewritten every ``LEASE_REFRESH_S`` by its holder's heartbeat:
+
+- Direct mode (the usual case): the writer takes the key's lease when it opens, deletes whatever
+  a crashed writer left under the artifact's prefix, uploads there, and publishes with one
+  create-if-absent PUT of the manifest. No copies, no rename.
+- Staging mode: the lease was taken, so the writer uploads to its private
+  ``staging/<key>.<writer>/``. To publish it waits for the lease: if the holder's manifest appears
+  it has lost (drop our copy, return False; both callers succeed, one copy stays). A lease unchanged
+  for ``LEASE_STALE_S`` on the waiter's own clock (so no clock skew) belongs to a dead writer and
+  is taken over. With the lease it clears leftovers, copies the staged objects over (server-side
+  copies), writes the manifest with create-if-absent and deletes its staging.
+- A key already published when the writer opens needs no upload at all.
+
+A holder stops writing if it cannot confirm its lease for longer than the stale period (a network
+outage): it then raises instead of writing into a prefix another writer may own. A crash at any
+instant leaves no manifest (leftovers are temporaries that gc removes after a grace period, once
+their lease is stale) or a complete artifact. Resumable staging is not supported on object stores
+(write to a local store and ``dfcache push``).
+
+Network failures become :class:`dfcache.errors.NetworkError` subclasses (exit code 4) naming the
+URL and the fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import datetime as _dt
+import errno
+import json
+import os
+import re
+import socket
+import stat
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from ..config import offline_from_env
+from ..errors import (ConnectionRefused, DfcacheError, IntegrityError, NetworkError,
+                      OfflineModeIsEnabled, ServerHTTPError, ServerTimeout, ServerUnreachable,
+                      UsageError)
+from ..keys import KEY_PATTERN
+from ._backend import MANIFEST, Backend, Staging, Temporary
+from ._local import STORE_MARKER, LocalBackend
+
+MANIFEST_MAX_BYTES = 64 << 20  # a manifest beyond this is hostile or broken; never download more
+LEASE_STALE_S = 120.0
+LEASE_REFRESH_S = 20.0
+LEASE_MARGIN_S = 40.0  # how late a write may land after it started (request timeouts, retries)
+LEASE_WAIT_S = 600.0  # how long a publisher waits for another live writer of the same key
+IO_CONCURRENCY = 32
+
+# Bounded retries: transient 5xx and dropped connections are retried for a few seconds; a dead
+# endpoint then fails fast with a clear message instead of hanging for the 3-minute default.
+_RETRY = {"max_retries": 4,
+          "backoff": {"init_backoff": _dt.timedelta(milliseconds=100), "max_backoff": _dt.timedelta(seconds=2),
+                      "base": 2},
+          "retry_timeout": _dt.timedelta(seconds=30)}
+_CLIENT = {"connect_timeout": "10s", "timeout": "300s"}
+
+_TEMP_NAME = re.compile(r"^(staging/[0-9a-f]{32}\.[0-9a-f]{16}|artifacts/[0-9a-f]{2}/[0-9a-f]{32}|"
+                        r"locks/[0-9a-f]{32}\.lease)$")
+
+
+_wrote = False
+
+
+def _settle_at_exit() -> None:
+    # obstore hands request bodies to tokio worker threads as Python buffers, and releasing one
+    # takes the GIL. If that happens after interpreter finalization has begun, Python 3.11 ends
+    # the thread with pthread_exit, which aborts the process (SIGABRT after a successful push; seen
+    # once under heavy load; lancedb#4175 and PyO3/pyo3#4874 describe the same race). Giving those
+    # threads a moment while the interpreter is still whole closes the window.
+    if _wrote:
+        time.sleep(0.1)
+
+
+atexit.register(_settle_at_exit)
+
+
+def open_remote_backend(url: str, *, endpoint_url: str | None = None, region: str | None = None,
+                        create: bool = True, offline: bool | None = None) -> Backend:
+    """The backend for a remote URL (``s3://bucket/prefix`` or ``file:///path``).
+
+    Nothing is contacted here; the first operation does. While offline (``offline`` or
+    ``DFCACHE_OFFLINE``/``HF_HUB_OFFLINE``) a URL that needs the network is refused with
+    :class:`OfflineModeIsEnabled` before any socket is opened.
+    """
+    if url.startswith("file://"):
+        return FileRemoteBackend(url[len("file://"):], create=create)
+    offline = offline_from_env() if offline is None else offline
+    if offline:
+        raise OfflineModeIsEnabled(f"cannot reach {url}: offline mode is on (--offline, DFCACHE_OFFLINE or "
+                                   "HF_HUB_OFFLINE); use a file:// remote or turn offline mode off.", url=url)
+    scheme = url.split("://", 1)[0].lower()
+    if scheme == "s3":
+        return ObjectStoreBackend(url, endpoint_url=endpoint_url, region=region)
+    raise UsageError(f"remote {url}: the {scheme}:// scheme is not supported; use s3://bucket/prefix "
+                     "(any S3-compatible server with --endpoint-url) or file:///path.")
+
+
+# ----------------------------------------------------------------------------------- errors
+
+
+def _short(exc: BaseException) -> str:
+    """obstore messages carry a multi-line debug dump; keep the first line, bounded."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text[:300]
+
+
+def _map_error(exc: BaseException, backend: "ObjectStoreBackend", what: str) -> DfcacheError:
+    """Turn an obstore/transport failure into the dfcache error a user can act on."""
+    text = str(exc)
+    url = backend.url
+    where = f"{what} {url}" + (f" (endpoint {backend.endpoint})" if backend.endpoint else "")
+    if "ConnectionRefused" in text or "Connection refused" in text:
+        return ConnectionRefused(f"{where} failed: connection refused. Start the S3 server or fix the "
+                                 "endpoint (--endpoint-url, AWS_ENDPOINT_URL), then run the command again.",
+                                 url=url)
+    if "dns error" in text or "failed to lookup address" in text or "No route to host" in text:
+        return ServerUnreachable(f"{where} failed: the host cannot be reached ({_short(exc)}). Check the "
+                                 "endpoint URL and the network, then run the command again.", url=url)
+    if "NoSuchBucket" in text:
+        return ServerHTTPError(f"{where} failed: bucket {backend.bucket} does not exist. Create it or fix "
+                               "the URL.", url=url, status=404)
+    if any(s in text for s in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "403 Forbidden",
+                               "ExpiredToken", "Unauthenticated", "PermissionDenied")):
+        return ServerHTTPError(f"{where} failed: access denied ({_short(exc)}). Set AWS_ACCESS_KEY_ID / "
+                               "AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN) for this bucket.",
+                               url=url, status=403)
+    # Every obstore retry error mentions "retry_timeout", so match only real timeouts.
+    if isinstance(exc, TimeoutError) or any(s in text for s in ("timed out", "TimedOut", "deadline has elapsed",
+                                                                "kind: Timeout")):
+        return ServerTimeout(f"{where} timed out ({_short(exc)}). The server is slow or unreachable; run the "
+                             "command again later.", url=url)
+    status = re.search(r"status code: (\d{3})", text)
+    if status:
+        return ServerHTTPError(f"{where} failed: the server answered HTTP {status.group(1)} ({_short(exc)}). Check "
+                               "the URL and the server, then run the command again.", url=url,
+                               status=int(status.group(1)))
+    return NetworkError(f"{where} failed: {_short(exc)}. Check that the server is up and reachable, then run "
+                        "the command again.", url=url)
+
+
+# ------------------------------------------------------------------------------- S3 backend
+
+
+class _Lease:
+    """``locks/<key>.lease``: the right to write under ``artifacts/<key[:2]>/<key>/``.
+
+    A holder rewrites it every ``LEASE_REFRESH_S`` from a heartbeat thread, so waiters see it is
+    live. A waiter takes a lease over only after seeing the same body for ``LEASE_STALE_S`` on
+    its own clock, which starts after our last write landed; so until ``safe_until`` (last write
+    started + stale period - margin for a slow request) nobody else can hold it. Past that, the
+    holder checks with a GET before writing again.
+    """
+
+    def __init__(self, backend: "ObjectStoreBackend", key: str, writer: str) -> None:
+        self.backend = backend
+        self.key = key
+        self.path = f"locks/{key}.lease"
+        self.writer = writer
+        self.n = 0
+        self.body = self._make_body()
+        self.safe_until = 0.0
+        self.lost = False
+        self.released = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._alock: asyncio.Lock | None = None  # heartbeat and writer refresh on one event loop
+
+    def _make_body(self) -> bytes:
+        return json.dumps({"writer": self.writer, "host": socket.gethostname(), "pid": os.getpid(),
+                           "n": self.n}).encode()
+
+    async def try_create(self) -> bool:
+        started = time.monotonic()
+        if await self.backend._create(self.path, self.body):
+            self.safe_until = started + LEASE_STALE_S - LEASE_MARGIN_S
+            return True
+        return False
+
+    async def refresh(self) -> None:
+        if self._alock is None:
+            self._alock = asyncio.Lock()
+        async with self._alock:
+            if self.lost or self.released:
+                return
+            started = time.monotonic()
+            if started >= self.safe_until and await self.backend._get(self.path, limit=1 << 16) != self.body:
+                self.lost = True
+                return
+            self.n += 1
+            body = self._make_body()
+            await self.backend._set(self.path, body)
+            self.body = body
+            self.safe_until = started + LEASE_STALE_S - LEASE_MARGIN_S
+
+    def ensure_held(self) -> None:
+        """Before writing under the artifact's prefix: raise if another writer may own it now."""
+        if self.lost or time.monotonic() >= self.safe_until:
+            self.backend._run(self.check(), f"refreshing the write lease of {self.key[:12]} on")
+
+    async def check(self) -> None:
+        if not self.lost and time.monotonic() >= self.safe_until:
+            await self.refresh()
+        if self.lost:
+            raise NetworkError(f"lost the write lease of {self.key} on {self.backend.url} (no contact with the "
+                               f"server for over {LEASE_STALE_S:.0f} s, and another writer took over). Nothing "
+                               "of ours was published; run the command again.", url=self.backend.url)
+
+    def start_heartbeat(self) -> None:
+        self._thread = threading.Thread(target=self._beat, name=f"dfcache-lease-{self.key[:8]}", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(LEASE_REFRESH_S) and not self.lost:
+            try:
+                self.backend._run(self.refresh(), "refreshing a write lease on")
+            except DfcacheError:
+                pass  # try again next period; ensure_held stops writes if it stays unreachable
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lease if it is still ours (best effort, idempotent)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        if self.lost or self.released:
+            return
+        self.released = True
+
+        async def go():
+            if time.monotonic() < self.safe_until or await self.backend._get(self.path, limit=1 << 16) == self.body:
+                await self.backend.zstore.delete(self.path)
+
+        try:
+            self.backend._run(go(), "releasing a write lease on")
+        except DfcacheError:
+            pass  # a lease we cannot delete goes stale and is taken over, or removed by gc
+
+
+class _ObjectStaging(Staging):
+    """One writer's artifact on an object store; see the module docstring.
+
+    Direct mode (the usual case): this writer took the key's lease when it opened, so it uploads
+    straight under ``artifacts/<key[:2]>/<key>/`` and publishing is one create-if-absent PUT of
+    the manifest. Staging mode: another writer held the lease, so uploads go to a private
+    ``staging/<key>.<writer>/`` and are copied over at publish time, after taking the lease. A
+    key already published needs no upload at all: the copy would be dropped anyway.
+    """
+
+    def __init__(self, backend: "ObjectStoreBackend", key: str) -> None:
+        self.backend = backend
+        self.key = key
+        self.writer = uuid.uuid4().hex[:16]
+        self.final = backend._art(key)
+        self._staged: set[str] = set()
+        self._lock = threading.Lock()
+        self._already_published = False
+        self._closed = False
+        lease = _Lease(backend, key, self.writer)
+        self.lease: _Lease | None = lease if backend._run(self._open(lease), f"opening {key[:12]} on") else None
+        if self.lease is not None:
+            self.prefix = self.final
+            self.lease.start_heartbeat()
+        else:
+            self.prefix = f"staging/{key}.{self.writer}/"
+
+    async def _open(self, lease: _Lease) -> bool:
+        """Take the lease if free; clear a crashed writer's leftovers. True for direct mode."""
+        if not await lease.try_create():
+            return False
+        try:
+            present = [m["path"] for m in await self.backend._list(self.final)]
+            if self.final + MANIFEST in present:
+                self._already_published = True
+                await self.backend.zstore.delete(lease.path)
+                return False
+            await self.backend._delete_many(present)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self.backend.zstore.delete(lease.path)
+            raise
+        return True
+
+    def put(self, relpath: str, data) -> int:
+        _check_relpath(relpath)
+        parts = data if isinstance(data, (list, tuple)) else [data]
+        blob = b"".join(parts) if len(parts) != 1 else bytes(parts[0])
+        if self._already_published:
+            return len(blob)
+        if self.lease is not None:
+            self.lease.ensure_held()
+        self.backend._run(self.backend._set(self.prefix + relpath, blob), f"uploading {relpath} of {self.key[:12]} to")
+        with self._lock:
+            self._staged.add(relpath)
+        return len(blob)
+
+    def get(self, relpath: str) -> bytes | None:
+        _check_relpath(relpath)
+        with self._lock:
+            if relpath not in self._staged:
+                return None
+        return self.backend._run(self.backend._get(self.prefix + relpath), "reading from")
+
+    def publish(self, manifest_bytes: bytes) -> bool:
+        b = self.backend
+        manifest_bytes = bytes(manifest_bytes)
+        what = f"publishing {self.key[:12]} to"
+        if self._already_published:
+            if b.read_manifest(self.key) is None:
+                raise IntegrityError(f"artifact {self.key} was deleted from {b.url} while this copy was being "
+                                     "written; run the command again.", key=self.key)
+            self._closed = True
+            return False
+        if self.lease is not None:
+            async def commit():
+                await self.lease.check()
+                return await b._create(self.final + MANIFEST, manifest_bytes)
+
+            won = b._run(commit(), what)
+        else:
+            lease = b._run(b._acquire_lease(self.key, self.writer), what)
+            if lease is None:
+                self._drop_quietly()
+                self._closed = True
+                return False  # another writer published while we waited
+            self.lease = lease
+            lease.start_heartbeat()
+            won = b._run(self._copy_and_commit(manifest_bytes), what)
+            self._drop_quietly()
+        # On an exception above the caller aborts, which releases the lease.
+        if won:
+            b._run(b._ensure_marker(), what)
+        self._closed = True
+        self.lease.release()
+        return won
+
+    async def _copy_and_commit(self, manifest_bytes: bytes) -> bool:
+        b = self.backend
+        # One listing answers both "published meanwhile?" and "leftovers of a crashed writer?".
+        present = [m["path"] for m in await b._list(self.final)]
+        if self.final + MANIFEST in present:
+            return False
+        await b._delete_many(present)
+        await self.lease.check()
+        with self._lock:
+            staged = sorted(self._staged)
+        await b._gather(b._copy(self.prefix + rel, self.final + rel) for rel in staged)
+        return await b._create(self.final + MANIFEST, manifest_bytes)
+
+    def _drop_quietly(self) -> None:
+        with self._lock:
+            paths = [self.prefix + rel for rel in self._staged]
+            self._staged.clear()
+        if not paths:
+            return
+        try:
+            self.backend._run(self.backend._delete_many(paths), "cleaning up in")
+        except DfcacheError:
+            pass  # the server went away; what is left is a temporary that gc removes later
+
+    def abort(self) -> None:
+        # Called while another error propagates: cleanup is best effort and never masks it.
+        if self._closed:
+            return
+        self._closed = True
+        lease = self.lease
+        if lease is not None and self.prefix == self.final:
+            try:
+                lease.ensure_held()  # delete under the artifact's prefix only while it is ours
+            except DfcacheError:
+                pass
+            else:
+                self._drop_quietly()
+        else:
+            self._drop_quietly()
+        if lease is not None:
+            lease.release()
+
+    def __del__(self) -> None:  # pragma: no cover - a writer dropped without publish or abort
+        try:
+            if self.lease is not None:
+                self.lease._stop.set()
+        except Exception:
+            pass
+
+
+class ObjectStoreBackend(Backend):
+    """An S3 (or S3-compatible) store at ``s3://bucket/prefix`` through ``zarr.storage.ObjectStore``."""
+
+    is_local = False
+    needs_network = True
+
+    def __init__(self, url: str, *, endpoint_url: str | None = None, region: str | None = None) -> None:
+        from obstore.store import S3Store
+        from zarr.storage import ObjectStore
+
+        parts = urlsplit(url)
+        if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
+            raise UsageError(f"{url!r} is not an S3 URL; write s3://bucket/prefix.")
+        self.bucket = parts.netloc
+        self.prefix = parts.path.strip("/")
+        if any(p in ("", ".", "..") for p in self.prefix.split("/")) and self.prefix:
+            raise UsageError(f"{url!r}: the prefix must not contain empty, '.' or '..' parts.")
+        self.url = f"s3://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
+        env = os.environ
+        self.endpoint = (endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+                         or env.get("AWS_ENDPOINT") or None)
+        self.region = region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None
+        kwargs: dict = {}
+        if self.endpoint:
+            kwargs["endpoint"] = self.endpoint
+        if self.region:
+            kwargs["region"] = self.region
+        client = dict(_CLIENT, allow_http=bool(self.endpoint and self.endpoint.startswith("http://")))
+        try:
+            self._obs = S3Store(self.bucket, prefix=self.prefix or None, client_options=client,
+                                retry_config=_RETRY, **kwargs)
+        except Exception as e:
+            raise UsageError(f"cannot configure the S3 store {self.url}: {_short(e)}; check the URL, "
+                             "--endpoint-url and the AWS_* variables.") from None
+        self.zstore = ObjectStore(self._obs)
+        self._format_checked = False
+        self._marker_written = False
+
+    def __repr__(self) -> str:
+        return f"ObjectStoreBackend({self.url!r})"
+
+    # -- plumbing: every call goes through _run, which maps transport errors
+
+    def _run(self, coro, what: str):
+        from zarr.core.sync import sync
+
+        try:
+            return sync(coro)
+        except DfcacheError:
+            raise
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise _map_error(e, self, what) from None
+
+    @staticmethod
+    def _buf(data: bytes):
+        from zarr.core.buffer import default_buffer_prototype
+
+        return default_buffer_prototype().buffer.from_bytes(data)
+
+    @staticmethod
+    def _art(key: str, rel: str = "") -> str:
+        return f"artifacts/{key[:2]}/{key}/{rel}"
+
+    async def _set(self, path: str, data: bytes) -> None:
+        global _wrote
+        _wrote = True
+        await self.zstore.set(path, self._buf(data))
+
+    async def _get(self, path: str, limit: int | None = None) -> bytes | None:
+        """The object's bytes, None if absent; with ``limit``, never downloads more than limit+1."""
+        from zarr.abc.store import RangeByteRequest
+        from zarr.core.buffer import default_buffer_prototype
+
+        rng = RangeByteRequest(0, limit + 1) if limit is not None else None
+        try:
+            buf = await self.zstore.get(path, default_buffer_prototype(), rng)
+        except Exception as e:
+            if "InvalidRange" in str(e) or "416" in str(e):
+                return b""  # a range request on an empty object
+            raise
+        if buf is None:
+            return None
+        data = buf.to_bytes()
+        if limit is not None and len(data) > limit:
+            raise IntegrityError(f"{self.url}/{path} is larger than {limit} bytes, more than its manifest "
+                                 "allows; the remote copy is damaged or hostile. Delete it there and push "
+                                 "a good copy.")
+        return data
+
+    async def _create(self, path: str, data: bytes) -> bool:
+        """Create-if-absent: one conditional PUT (If-None-Match: *), decided by the server.
+
+        The same obstore call ``ObjectStore.set_if_not_exists`` makes, minus its suppression of
+        AlreadyExistsError: we need to know who won without a second request.
+        """
+        import obstore as obs
+
+        global _wrote
+        _wrote = True
+        try:
+            await obs.put_async(self._obs, path, data, mode="create")
+            return True
+        except obs.exceptions.AlreadyExistsError:
+            return False
+
+    async def _exists(self, path: str) -> bool:
+        return await self.zstore.exists(path)
+
+    async def _list(self, prefix: str) -> list[dict]:
+        import obstore as obs
+
+        return await obs.list(self._obs, prefix=prefix.rstrip("/") or None).collect_async()
+
+    async def _head(self, path: str) -> dict | None:
+        import obstore as obs
+
+        try:
+            return await obs.head_async(self._obs, path)
+        except FileNotFoundError:
+            return None
+
+    async def _list_dir(self, prefix: str) -> list[str]:
+        return [name async for name in self.zstore.list_dir(prefix)]
+
+    async def _copy(self, src: str, dst: str) -> None:
+        import obstore as obs
+
+        await obs.copy_async(self._obs, src, dst, overwrite=True)
+
+    async def _delete_many(self, paths: list[str]) -> None:
+        import obstore as obs
+
+        paths = list(paths)
+        for i in range(0, len(paths), 1000):  # DeleteObjects takes at most 1000 keys
+            await obs.delete_async(self._obs, paths[i:i + 1000])
+
+    @staticmethod
+    async def _gather(coros) -> list:
+        sem = asyncio.Semaphore(IO_CONCURRENCY)
+
+        async def one(c):
+            async with sem:
+                return await c
+
+        return await asyncio.gather(*(one(c) for c in coros))
+
+    async def _check_format(self) -> None:
+        if self._format_checked:
+            return
+        raw = await self._get(STORE_MARKER, limit=1 << 16)
+        if raw is not None:
+            try:
+                fmt = json.loads(raw).get("format_version")
+            except (ValueError, AttributeError):
+                fmt = None
+            if fmt != 1:
+                raise UsageError(f"{self.url} has store format {fmt!r}; this dfcache reads format 1. "
+                                 "Upgrade dfcache or use another prefix.")
+        self._format_checked = True
+
+    async def _ensure_marker(self) -> None:
+        if not self._marker_written:
+            body = json.dumps({"format_version": 1, "kind": "dfcache-store"}).encode() + b"\n"
+            await self._create(STORE_MARKER, body)
+            self._marker_written = True
+
+    async def _acquire_lease(self, key: str, writer: str) -> _Lease | None:
+        """Wait for and take ``locks/<key>.lease``; None if the key got published meanwhile."""
+        lease = _Lease(self, key, writer)
+        seen, seen_since, delay = None, time.monotonic(), 0.02
+        give_up = time.monotonic() + LEASE_WAIT_S
+        while True:
+            if await lease.try_create():
+                return lease
+            current = await self._get(lease.path, limit=1 << 16)
+            if await self._exists(self._art(key, MANIFEST)):
+                return None
+            if current is None:
+                continue  # released between our PUT and GET: try again at once
+            if time.monotonic() > give_up:
+                try:
+                    holder = json.loads(current)
+                    who = f"host {holder.get('host')}, pid {holder.get('pid')}"
+                except (ValueError, AttributeError):
+                    who = "unknown"
+                raise NetworkError(f"another writer ({who}) has been writing {key} to {self.url} for over "
+                                   f"{LEASE_WAIT_S:.0f} s and still holds its lease; run this again when it is "
+                                   "done.", url=self.url)
+            if current != seen:
+                seen, seen_since = current, time.monotonic()
+            elif time.monotonic() - seen_since > LEASE_STALE_S:
+                # Unchanged for a whole stale period on our clock: its writer died.
+                if await self._get(lease.path, limit=1 << 16) == seen:
+                    await self.zstore.delete(lease.path)
+                seen = None
+                continue
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    # -- the Backend interface
+
+    def read_manifest(self, key: str) -> bytes | None:
+        if not KEY_PATTERN.match(key):
+            return None
+
+        async def go():
+            await self._check_format()
+            return await self._get(self._art(key, MANIFEST), limit=MANIFEST_MAX_BYTES)
+
+        return self._run(go(), f"reading manifest {key[:12]} from")
+
+    def iter_manifests(self) -> Iterator[tuple[str, bytes]]:
+        async def go():
+            await self._check_format()
+            shards = [s for s in await self._list_dir("artifacts") if re.fullmatch(r"[0-9a-f]{2}", s)]
+            per_shard = await self._gather(self._list_dir(f"artifacts/{s}") for s in shards)
+            keys = sorted(k for names in per_shard for k in names if KEY_PATTERN.match(k))
+            raws = await self._gather(self._get(self._art(k, MANIFEST), limit=MANIFEST_MAX_BYTES) for k in keys)
+            return [(k, raw) for k, raw in zip(keys, raws) if raw is not None]
+
+        yield from self._run(go(), "listing")
+
+    def read_file(self, key: str, relpath: str) -> bytes:
+        return self.read_file_limited(key, relpath, None)
+
+    def read_file_limited(self, key: str, relpath: str, limit: int | None) -> bytes:
+        """Like ``read_file`` but downloads at most ``limit`` bytes (IntegrityError if larger)."""
+        _check_relpath(relpath)
+        data = self._run(self._get(self._art(key, relpath), limit=limit), f"reading {relpath} of {key[:12]} from")
+        if data is None:
+            raise FileNotFoundError(f"{self.url}/{self._art(key, relpath)}")
+        return data
+
+    def list_files(self, key: str) -> dict[str, int]:
+        base = self._art(key)
+        metas = self._run(self._list(base), "listing")
+        return {m["path"][len(base):]: int(m["size"]) for m in metas}
+
+    def delete(self, key: str) -> bool:
+        if not KEY_PATTERN.match(key):
+            return False
+
+        async def go():
+            base = self._art(key)
+            existed = await self._exists(base + MANIFEST)
+            if existed:
+                # The manifest goes first: from that instant no reader sees the artifact.
+                await self.zstore.delete(base + MANIFEST)
+            await self._delete_many([m["path"] for m in await self._list(base)])
+            return existed
+
+        return self._run(go(), f"deleting {key[:12]} from")
+
+    def open_staging(self, key: str, resumable: bool = False) -> Staging:
+        if resumable:
+            raise UsageError(f"resumable writes are not supported on object stores ({self.url}); write to a "
+                             "local store (--store PATH) and `dfcache push` the result.")
+        if not KEY_PATTERN.match(key):
+            raise UsageError(f"{key!r} is not a key (32 hex digits).")
+        self._run(self._check_format(), "opening")
+        return _ObjectStaging(self, key)
+
+    def list_temporaries(self) -> list[Temporary]:
+        async def go():
+            return await asyncio.gather(self._list("staging"), self._list("artifacts"), self._list("locks"))
+
+        staging, artifacts, locks = self._run(go(), "listing temporaries in")
+        now = _dt.datetime.now(_dt.timezone.utc)
+        groups: dict[str, list[dict]] = {}
+        for m in staging:
+            parts = m["path"].split("/")
+            groups.setdefault("/".join(parts[:2]), []).append(m)
+        by_key: dict[str, list[dict]] = {}
+        for m in artifacts:
+            parts = m["path"].split("/")
+            if len(parts) >= 4:
+                by_key.setdefault("/".join(parts[:3]), []).append(m)
+        fresh_leases = {m["path"].split("/")[-1][: -len(".lease")] for m in locks
+                        if (now - m["last_modified"]).total_seconds() < LEASE_STALE_S}
+        for name, metas in by_key.items():
+            if not any(m["path"].endswith("/" + MANIFEST) and m["path"].count("/") == 3 for m in metas):
+                groups[name] = metas
+        out = []
+        for name, metas in sorted(groups.items()):
+            newest = max(m["last_modified"] for m in metas)
+            key = name.split("/")[-1].split(".")[0]
+            out.append(Temporary(name=name, size_bytes=sum(int(m["size"]) for m in metas),
+                                 age_s=(now - newest).total_seconds(),
+                                 in_use=name.startswith("artifacts/") and key in fresh_leases, resumable=False))
+        for m in locks:
+            age = (now - m["last_modified"]).total_seconds()
+            out.append(Temporary(name=m["path"], size_bytes=int(m["size"]), age_s=age,
+                                 in_use=age < LEASE_STALE_S, resumable=False))
+        return out
+
+    def remove_temporary(self, name: str, grace_s: float = 60.0) -> bool:
+        if not _TEMP_NAME.match(name):
+            return False
+
+        async def go():
+            now = _dt.datetime.now(_dt.timezone.utc)
+            if name.startswith("locks/"):
+                head = await self._head(name)
+                metas = [head] if head else []
+                min_age = max(grace_s, LEASE_STALE_S)
+            else:
+                metas = await self._list(name)
+                min_age = grace_s
+            if not metas:
+                return False
+            newest = max(m["last_modified"] for m in metas)
+            # Ages come from the server's clock; the grace period absorbs modest skew.
+            if (now - newest).total_seconds() < min_age:
+                return False
+            if name.startswith("artifacts/"):
+                key = name.split("/")[-1]
+                if await self._exists(name + "/" + MANIFEST):
+                    return False  # became an artifact meanwhile
+                lease = await self._head(f"locks/{key}.lease")
+                if lease and (now - lease["last_modified"]).total_seconds() < LEASE_STALE_S:
+                    return False  # a live publisher is copying into it
+            await self._delete_many([m["path"] for m in metas])
+            return True
+
+        return self._run(go(), "removing temporaries in")
+
+
+def _check_relpath(relpath: str) -> None:
+    """Relative names inside an artifact: no absolute paths, no empty, '.' or '..' parts."""
+    if (not relpath or relpath.startswith("/") or "\\" in relpath or "\x00" in relpath
+            or any(p in ("", ".", "..") for p in relpath.split("/"))):
+        raise IntegrityError(f"file name {relpath!r} inside an artifact is not allowed (absolute, empty or "
+                             "'..' parts); the manifest or the caller is wrong.")
+
+
+# ------------------------------------------------------------------------ file:// remotes
+
+
+class FileRemoteBackend(LocalBackend):
+    """A store directory used as a remote: written like a local store, read without symlinks.
+
+    Every read opens each path component below the root with ``O_NOFOLLOW`` relative to its
+    parent's descriptor, so no symlink is followed at any depth and nothing can swap one in
+    between a check and the open. The root itself is the user's choice and may be a link.
+    """
+
+    needs_network = False
+
+    def __init__(self, root: str | os.PathLike, create: bool = True) -> None:
+        path = Path(root).expanduser().absolute()
+        if not (path / STORE_MARKER).is_file():
+            if not create:
+                raise UsageError(f"no dfcache store at file://{path}; check the URL or push to it first.")
+            if path.exists() and any(p.name not in {"README.md", ".gitignore", ".gitkeep"} for p in path.iterdir()):
+                raise UsageError(f"file://{path} exists and is not a dfcache store; push to a new or empty "
+                                 "directory, or to an existing store.")
+        super().__init__(path, create=create)
+        self.url = f"file://{self.root}"
+
+    def _refuse_link(self, rel: str) -> IntegrityError:
+        return IntegrityError(f"file://{self.root}/{rel} is a symbolic link; dfcache never follows links in a "
+                              "remote store. Replace it with the real file (or remove the artifact there) "
+                              "and pull again.")
+
+    def _open_nofollow(self, parts: list[str]) -> int:
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        done: list[str] = []
+        try:
+            for i, part in enumerate(parts):
+                last = i == len(parts) - 1
+                # O_NONBLOCK: opening a FIFO planted as a "file" must not hang the pull.
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+                try:
+                    nfd = os.open(part, flags, dir_fd=fd)
+                except OSError as e:
+                    rel = "/".join(done + [part])
+                    try:
+                        st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                    except OSError:
+                        st = None
+                    if st is not None and stat.S_ISLNK(st.st_mode):
+                        raise self._refuse_link(rel) from None
+                    if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                        raise FileNotFoundError(f"file://{self.root}/{rel}") from None
+                    raise
+                os.close(fd)
+                fd = nfd
+                done.append(part)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise IntegrityError(f"file://{self.root}/{'/'.join(parts)} is not a regular file; remove it "
+                                     "from the remote and push the artifact again.")
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _read_rel(self, parts: list[str], limit: int | None) -> bytes:
+        fd = self._open_nofollow(parts)
+        try:
+            size = os.fstat(fd).st_size
+            if limit is not None and size > limit:
+                raise IntegrityError(f"file://{self.root}/{'/'.join(parts)} has {size} bytes, more than its "
+                                     f"manifest allows ({limit}); the remote copy is damaged. Delete it there "
+                                     "and push a good copy.")
+            chunks = []
+            while True:
+                b = os.read(fd, 1 << 22)
+                if not b:
+                    break
+                chunks.append(b)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def _parts(self, key: str, relpath: str) -> list[str]:
+        _check_relpath(relpath)
+        return ["artifacts", key[:2], key] + relpath.split("/")
+
+    def read_manifest(self, key: str) -> bytes | None:
+        if not KEY_PATTERN.match(key):
+            return None
+        try:
+            return self._read_rel(self._parts(key, MANIFEST), MANIFEST_MAX_BYTES)
+        except FileNotFoundError:
+            return None
+
+    def iter_manifests(self) -> Iterator[tuple[str, bytes]]:
+        base = self.root / "artifacts"
+        try:
+            shards = sorted(e.name for e in os.scandir(base) if e.is_dir(follow_symlinks=False))
+        except FileNotFoundError:
+            return
+        for shard in shards:
+            for entry in sorted(os.scandir(base / shard), key=lambda e: e.name):
+                if not entry.is_dir(follow_symlinks=False) or not KEY_PATTERN.match(entry.name):
+                    continue  # links and strays are not artifacts of this remote
+                try:
+                    raw = self.read_manifest(entry.name)
+                except IntegrityError:
+                    continue
+                if raw is not None:
+                    yield entry.name, raw
+
+    def read_file(self, key: str, relpath: str) -> bytes:
+        return self._read_rel(self._parts(key, relpath), None)
+
+    def read_file_limited(self, key: str, relpath: str, limit: int | None) -> bytes:
+        return self._read_rel(self._parts(key, relpath), limit)
+
+    def local_file_path(self, key: str, relpath: str):
+        return None  # force reads through the no-follow path

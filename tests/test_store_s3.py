@@ -1,0 +1,193 @@
+"""The S3 backend against a real S3 server (moto_server): the conformance suite, plus what is
+specific to object stores (no partial artifact visible, temporaries, error mapping)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from s3server import S3Server  # noqa: E402
+
+from dfcache.errors import ConnectionRefused, NetworkError, OfflineModeIsEnabled, UsageError  # noqa: E402
+from dfcache.store import open_store  # noqa: E402
+from dfcache.testing.store_conformance import StoreConformance, write_example  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with pytest.MonkeyPatch.context() as mp, S3Server() as server:
+        for k, v in server.env.items():
+            mp.setenv(k, v)
+        for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT", "DFCACHE_OFFLINE", "HF_HUB_OFFLINE"):
+            mp.delenv(k, raising=False)
+        yield server
+
+
+def _object_key(store, key: str, relpath: str) -> str:
+    prefix = store.backend.prefix
+    return f"{prefix}/artifacts/{key[:2]}/{key}/{relpath}" if prefix else f"artifacts/{key[:2]}/{key}/{relpath}"
+
+
+class TestS3Store(StoreConformance):
+    @pytest.fixture
+    def store(self, s3):
+        return open_store(f"s3://{s3.create_bucket()}/dfcache", endpoint_url=s3.endpoint)
+
+    def corrupt(self, store, key, relpath):
+        c = self._client(store)
+        obj = _object_key(store, key, relpath)
+        data = bytearray(c.get_object(Bucket=store.backend.bucket, Key=obj)["Body"].read())
+        data[len(data) // 2] ^= 0xFF
+        c.put_object(Bucket=store.backend.bucket, Key=obj, Body=bytes(data))
+
+    def remove(self, store, key, relpath):
+        self._client(store).delete_object(Bucket=store.backend.bucket, Key=_object_key(store, key, relpath))
+
+    def overwrite(self, store, key, relpath, data: bytes):
+        self._client(store).put_object(Bucket=store.backend.bucket, Key=_object_key(store, key, relpath), Body=data)
+
+    @staticmethod
+    def _client(store):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=store.backend.endpoint, region_name="us-east-1")
+
+
+def _objects(s3, bucket: str) -> list[str]:
+    return sorted(o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket).get("Contents", []))
+
+
+def test_layout_mirrors_local_store_and_no_staging_left(s3):
+    bucket = s3.create_bucket()
+    store = open_store(f"s3://{bucket}/p", endpoint_url=s3.endpoint)
+    key, _ = write_example(store, rows=100, chunk_rows=50)
+    objs = _objects(s3, bucket)
+    base = f"p/artifacts/{key[:2]}/{key}/"
+    assert set(objs) == {"p/dfcache-store.json"} | {base + r for r in (
+        "manifest.json", "zarr.json", "hidden/zarr.json", "hidden/c/0/0", "hidden/c/1/0", "ids/zarr.json",
+        "ids/c/0", "blobs/meta.json")}
+    assert store.backend.list_temporaries() == []
+    # Plain zarr, knowing nothing of dfcache, reads the artifact where it lies.
+    import zarr
+
+    ids = zarr.open_array(store=store.backend.zstore, path=f"artifacts/{key[:2]}/{key}/ids", mode="r")
+    assert np.array_equal(ids[:], np.arange(100, dtype=np.int32))
+
+
+def _crash(writer) -> None:
+    """The writer disappears without commit or abort, as when its process dies."""
+    import gc
+
+    writer._staging.__del__()  # what interpreter exit does to its heartbeat: it stops
+    del writer
+    gc.collect()
+
+
+def test_crashed_writers_leave_only_temporaries_that_gc_removes(s3):
+    bucket = s3.create_bucket()
+    store = open_store(f"s3://{bucket}/p", endpoint_url=s3.endpoint)
+    key = "ab" * 16
+    first = store.writer(key, stage="conformance", stage_version=1, inputs={})
+    first.write_array("x", np.zeros((40, 2), np.float32), chunk_rows=10)
+    # A second writer of the key while the first holds its lease uploads to private staging.
+    second = store.writer(key, stage="conformance", stage_version=1, inputs={})
+    second.write_array("x", np.ones((40, 2), np.float32), chunk_rows=10)
+    _crash(first)
+    _crash(second)
+    assert not store.has(key) and store.list_manifests() == []
+    temps = {t.name.split(".")[0]: t for t in store.backend.list_temporaries()}
+    assert set(temps) == {f"artifacts/{key[:2]}/{key}", f"staging/{key}", f"locks/{key}"}
+    assert all(t.size_bytes > 0 for t in temps.values())
+    # The first writer's lease is fresh: its files could still be a live writer's.
+    assert temps[f"artifacts/{key[:2]}/{key}"].in_use
+    assert not store.backend.remove_temporary(f"artifacts/{key[:2]}/{key}", grace_s=0)
+    assert not store.backend.remove_temporary(temps[f"locks/{key}"].name, grace_s=0)
+    staging = temps[f"staging/{key}"].name
+    assert not store.backend.remove_temporary(staging, grace_s=3600)  # too young
+    assert store.backend.remove_temporary(staging, grace_s=0)
+    # Once the lease is gone (stale after LEASE_STALE_S, then collected), the rest goes too.
+    s3.client().delete_object(Bucket=bucket, Key=f"p/locks/{key}.lease")
+    assert store.backend.remove_temporary(f"artifacts/{key[:2]}/{key}", grace_s=0)
+    assert _objects(s3, bucket) == []
+    write_example(store, rows=20)  # and the store works as before
+
+
+def test_partial_artifact_without_manifest_is_invisible_and_collectable(s3):
+    bucket = s3.create_bucket()
+    store = open_store(f"s3://{bucket}/p", endpoint_url=s3.endpoint)
+    key, _ = write_example(store, rows=20)
+    # What a publisher that crashed mid-copy leaves: the files, no manifest.
+    s3.client().delete_object(Bucket=bucket, Key=f"p/artifacts/{key[:2]}/{key}/manifest.json")
+    assert not store.has(key) and store.list_manifests() == []
+    names = [t.name for t in store.backend.list_temporaries()]
+    assert names == [f"artifacts/{key[:2]}/{key}"]
+    assert store.backend.remove_temporary(names[0], grace_s=0)
+    # The next writer of the key publishes normally.
+    write_example(store, rows=20)
+    assert store.verify(key) == []
+
+
+@pytest.mark.parametrize("first_commits", [True, False])
+def test_same_key_different_bytes_never_mix(s3, first_commits):
+    """One key need not mean one content (sampled text, non-deterministic GPU kernels): whichever
+    writer wins, the artifact is entirely that writer's."""
+    import threading
+
+    store = open_store(f"s3://{s3.create_bucket()}/p", endpoint_url=s3.endpoint)
+    key = "5e" * 16
+    data = {w: np.full((64, 4), w, np.float32) for w in (1, 2)}
+    first = store.writer(key, stage="conformance", stage_version=1, inputs={})  # holds the lease
+    second = store.writer(key, stage="conformance", stage_version=1, inputs={})  # uploads aside
+    first.write_array("x", data[1], chunk_rows=8)
+    second.write_array("x", data[2], chunk_rows=8)
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (second.commit(), done.set()))
+    t.start()  # waits for the first writer's lease
+    time.sleep(0.3)
+    assert not done.is_set() and not store.has(key)
+    if first_commits:
+        first.commit()
+    else:
+        first.abort()
+    t.join(30)
+    assert done.is_set()
+    winner = 1 if first_commits else 2
+    assert first.won is first_commits and second.won is not first_commits
+    assert store.verify(key) == []
+    assert store.open(key).array("x")[:].tobytes() == data[winner].tobytes()
+    assert store.backend.list_temporaries() == []
+
+
+def test_resumable_writer_refused_on_s3(s3):
+    store = open_store(f"s3://{s3.create_bucket()}/p", endpoint_url=s3.endpoint)
+    with pytest.raises(UsageError, match="resumable"):
+        store.writer("cd" * 16, stage="conformance", stage_version=1, inputs={}, resumable=True)
+
+
+def test_unreachable_endpoint_is_network_error_with_fix(s3):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket closes
+    store = open_store("s3://nobody/p", endpoint_url=f"http://127.0.0.1:{port}")
+    with pytest.raises(ConnectionRefused) as e:
+        store.has("ef" * 16)
+    assert e.value.exit_code == 4 and "s3://nobody/p" in str(e.value) and "endpoint" in str(e.value)
+
+
+def test_missing_bucket_names_the_bucket(s3):
+    store = open_store("s3://no-such-bucket-here/p", endpoint_url=s3.endpoint)
+    with pytest.raises(NetworkError, match="no-such-bucket-here does not exist"):
+        store.list_manifests()
+
+
+def test_offline_refuses_s3_before_any_request(s3, monkeypatch):
+    monkeypatch.setenv("DFCACHE_OFFLINE", "1")
+    with pytest.raises(OfflineModeIsEnabled, match="offline"):
+        open_store(f"s3://{s3.create_bucket()}/p", endpoint_url=s3.endpoint)
