@@ -369,7 +369,7 @@ def local_backend(opts, target_dir: str | Path):
     info = read_model_info(target_dir)
     return resolve_backend(opts.backend, opts.device, opts.dtype,
                            getattr(opts, "attn_implementation", "sdpa"),
-                           has_linear_attention=info.has_linear_attention)
+                           has_linear_attention=info.has_linear_attention, check=False)
 
 
 def make_source(ctx, target_dir: str | Path, client: HttpClient | None = None):

@@ -45,3 +45,5 @@ class EvalOptions:
     endpoint_url: str | None = None
     json: bool = False
     progress: bool = True
+    # hidden states (extraction)
+    attn_implementation: str = "sdpa"  # sdpa|eager|...: keyed with the backend class

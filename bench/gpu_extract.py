@@ -1,0 +1,453 @@
+"""GPU proof of hidden-state extraction: fla vs torch numerics, and throughput side by side.
+
+Run on a CUDA machine (not in CI), from the repository root::
+
+    PYTHONUNBUFFERED=1 python bench/gpu_extract.py --out $OUT/gpu_extract.json
+    python bench/gpu_extract.py --cpu-smoke --out /tmp/smoke.json   # checks this script on a CPU box
+
+What it does, in one process, through the real stage code (runner.stages.hidden_states) and a
+real store in a temporary directory:
+
+1. builds a Qwen3.5-style text model from a config with random weights (seed 0; default hidden
+   2048, 16 layers of 3 gated-DeltaNet + 1 full attention, vocab 32000: about 1.25 B parameters,
+   as in shared/reference/gpu-probe.md), saved in bf16 to a temporary model directory;
+2. writes a tokens artifact of ``--samples`` random sequences of ``--seq-len`` tokens (equal
+   lengths, so batches fill ``--batch-tokens``), plus a mixed-length set (``--mixed`` samples of
+   distinct lengths, which run one sample per forward: the no-padding policy's worst case);
+3. loads the target with ``--backend fla`` and warms it up (fla's first call compiles and
+   autotunes Triton kernels, about a minute), then extracts ``--layers`` into the store and
+   measures tokens/s committed to the store, against on the same batches: a bare forward that
+   stops after the deepest layer (no copies, no store), a full forward with logits, and a naive
+   loop (blocking ``.cpu()`` then one ``torch.save`` per sample, the SpecForge-style layout);
+4. the same extraction with ``--backend torch`` (the PyTorch fallback, on the GPU);
+5. ``dfcache.diff`` between the fla and torch artifacts of every layer;
+6. exactness: stored (batched) fla rows against a one-sample forward and against a plain
+   transformers forward (``hidden_states[k+1]``), as the share of bitwise-equal elements.
+
+Every phase is guarded: a failing phase is recorded under ``errors`` and the rest still runs; the
+JSON is rewritten after each phase, so a run cut short still leaves its results. ``--budget-s``
+skips the optional phases (mixed lengths, naive loop, exactness) once that much time has passed.
+
+Needs on the GPU machine, besides torch/transformers/triton: flash-linear-attention and fla-core,
+zarr, numcodecs, donfig, google-crc32c, xxhash, typer, tqdm (carry wheels if missing).
+
+JSON (``--out``): ``env`` (versions, GPU), ``model``, ``data``, ``throughput`` (list of rows
+``{what, backend, tokens, seconds, tok_per_s, vs_bare}``), ``diff`` (per layer: rel_l2, max_abs,
+cos_mean, cos_min, equal), ``exactness``, ``timings``, ``memory``, ``errors``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# Run as a script, Python puts bench/ first on sys.path, where its modules (read.py, write.py, ...)
+# could shadow real ones: put the repository root there instead.
+if sys.path and Path(sys.path[0] or ".").resolve() == Path(__file__).resolve().parent:
+    sys.path[0] = str(REPO)
+elif str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+T0 = time.perf_counter()
+DEV = "cuda"
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {msg}", flush=True)
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.res: dict = {"args": vars(args), "env": {}, "model": {}, "data": {}, "throughput": [],
+                          "diff": {}, "exactness": {}, "timings": {}, "memory": {}, "errors": []}
+
+    def save(self) -> None:
+        out = Path(self.args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text(json.dumps(self.res, indent=1, default=str))
+        os.replace(tmp, out)
+
+    def phase(self, name: str, fn, *, optional: bool = False):
+        if optional and time.perf_counter() - T0 > self.args.budget_s:
+            log(f"skip {name}: past --budget-s {self.args.budget_s}")
+            self.res["errors"].append({"phase": name, "error": "skipped: time budget"})
+            self.save()
+            return None
+        log(f"== {name}")
+        t = time.perf_counter()
+        try:
+            return fn()
+        except Exception as e:
+            tb = traceback.format_exc()
+            log(f"!! {name} failed: {type(e).__name__}: {e}\n{tb}")
+            self.res["errors"].append({"phase": name, "error": f"{type(e).__name__}: {e}", "traceback": tb[-4000:]})
+            return None
+        finally:
+            self.res["timings"][name] = round(time.perf_counter() - t, 3)
+            self.save()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="gpu_extract.json")
+    ap.add_argument("--work", default=None, help="temporary directory (default: a new one under $TMPDIR)")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--num-layers", type=int, default=16)
+    ap.add_argument("--layers", default="1,5,9,13", help="layer ids to extract")
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--mixed", type=int, default=16, help="samples of distinct lengths (0: skip)")
+    ap.add_argument("--batch-tokens", type=int, default=16384)
+    ap.add_argument("--skip-torch", action="store_true", help="skip the torch-backend extraction")
+    ap.add_argument("--budget-s", type=float, default=480.0)
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="check this script on a CPU machine: tiny sizes, torch backend only, no GPU figures")
+    args = ap.parse_args()
+    global DEV
+    if args.cpu_smoke:
+        DEV = "cpu"
+        args.hidden, args.num_layers, args.samples, args.seq_len = 128, 4, 6, 64
+        args.mixed, args.batch_tokens, args.layers = min(args.mixed, 4), 256, "1,3"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local model directory only; never the network
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    b = Bench(args)
+
+    # Preflight: name every missing package at once (the GPU image lacks some; carry wheels).
+    import importlib.util
+
+    needed = {"zarr": "zarr", "numcodecs": "numcodecs", "google_crc32c": "google-crc32c", "donfig": "donfig",
+              "xxhash": "xxhash", "ml_dtypes": "ml_dtypes", "typer": "typer", "tqdm": "tqdm",
+              "transformers": "transformers", "torch": "torch"}
+    missing = [pip for mod, pip in needed.items() if importlib.util.find_spec(mod) is None]
+    if not args.cpu_smoke:
+        missing += [pip for mod, pip in (("fla", "flash-linear-attention fla-core"), ("triton", "triton"))
+                    if importlib.util.find_spec(mod) is None]
+    b.res["env"]["missing_packages"] = missing
+    if missing:
+        log(f"missing packages: {', '.join(missing)} (carry their wheels; see the module docstring)")
+        if any(m in missing for m in ("zarr", "numcodecs", "google-crc32c", "donfig", "xxhash", "torch",
+                                      "transformers")):
+            b.res["errors"].append({"phase": "preflight", "error": f"missing packages: {', '.join(missing)}"})
+            b.save()
+            return 6
+
+    import numpy as np
+    import torch
+
+    env = b.res["env"]
+    from runner.models.target import library_versions
+
+    env.update(python=sys.version.split()[0], versions=library_versions(), torch_cuda=torch.version.cuda,
+               cuda_available=torch.cuda.is_available())
+    if DEV == "cuda" and not torch.cuda.is_available():
+        b.res["errors"].append({"phase": "env", "error": "no CUDA GPU visible to torch"})
+        b.save()
+        log("no CUDA GPU: nothing to measure")
+        return 6
+    env["gpu"] = torch.cuda.get_device_name(0) if DEV == "cuda" else None
+    env["cpu_count"] = os.cpu_count()
+    log(f"env: {env}")
+    b.save()
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="dfcache-gpu-bench-"))
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir, store_dir, naive_dir = work / "model", work / "store", work / "naive"
+    layers = sorted(int(x) for x in args.layers.split(","))
+    try:
+        return run(b, np, torch, work, model_dir, store_dir, naive_dir, layers)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        b.res["timings"]["total"] = round(time.perf_counter() - T0, 3)
+        b.save()
+        log(f"wrote {args.out}")
+
+
+def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> int:
+    args = b.args
+    from dfcache import fingerprint_path, open_store
+    from dfcache.diff import diff_artifacts
+    from runner.extract import plan_windows
+    from runner.graph import Node, RunContext, execute, resolve
+    from runner.models.target import resolve_backend
+    from runner.options import EvalOptions
+    from runner.stages import hidden_states as hs
+
+    # ------------------------------------------------------------------ model
+    def build_model():
+        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+        L, H = args.num_layers, args.hidden
+        cfg = Qwen3_5TextConfig(
+            vocab_size=32000, hidden_size=H, intermediate_size=3 * H, num_hidden_layers=L,
+            num_attention_heads=max(1, H // 128), num_key_value_heads=min(2, max(1, H // 128)), head_dim=256,
+            linear_num_key_heads=max(1, H // 128), linear_num_value_heads=max(2, H // 64),
+            linear_key_head_dim=128, linear_value_head_dim=128,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (L // 4) + ["linear_attention"] * (L % 4),
+            max_position_embeddings=max(8192, 2 * args.seq_len), bos_token_id=1, eos_token_id=2, pad_token_id=0,
+            tie_word_embeddings=False)
+        torch.manual_seed(0)
+        with torch.device(DEV):
+            model = Qwen3_5ForCausalLM(cfg)
+        model.to(torch.bfloat16)
+        n = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(str(model_dir))
+        del model
+        if DEV == "cuda":
+            torch.cuda.empty_cache()
+        b.res["model"] = {"params": n, "hidden": H, "layers": L, "layer_types": cfg.layer_types,
+                          "extracted_layers": layers,
+                          "extracted_kinds": [cfg.layer_types[k] for k in layers]}
+        log(f"model: {n / 1e9:.2f} B parameters in {model_dir}")
+
+    b.phase("build_model", build_model)
+    if not (model_dir / "config.json").exists():
+        return 1
+    store = open_store(store_dir)
+    fp = fingerprint_path(model_dir)
+
+    def write_tokens(name: str, lengths: list[int], seed: int) -> Node:
+        rng = np.random.default_rng(seed)
+        ids = np.concatenate([rng.integers(3, 32000, n) for n in lengths]).astype(np.int32)
+        offsets = np.zeros(len(lengths) + 1, np.int64)
+        offsets[1:] = np.cumsum(lengths)
+        node = Node.make("tokens", 1, inputs={"target": fp, "bench": name, "seed": seed}, needs="cpu",
+                         payload={"target_dir": str(model_dir)}, label="tokens")
+        with store.writer(node.key, stage="tokens", stage_version=1, inputs=node.inputs) as w:
+            w.write_array("token_ids", ids)
+            w.write_array("offsets", offsets)
+            w.write_array("prompt_lens", np.zeros(len(lengths), np.int32))
+        node.payload["offsets"], node.payload["ids"] = offsets, ids
+        return node
+
+    equal = write_tokens("equal", [args.seq_len] * args.samples, 1)
+    mixed = None
+    if args.mixed:
+        rng = np.random.default_rng(2)
+        lens = sorted(set(int(x) for x in rng.integers(args.seq_len // 4, args.seq_len * 3 // 2, 4 * args.mixed)))
+        lens = [int(x) for x in rng.permutation(lens)[: args.mixed]]
+        mixed = write_tokens("mixed", lens, 2)
+    b.res["data"] = {"equal": {"samples": args.samples, "seq_len": args.seq_len,
+                               "tokens": int(equal.payload["offsets"][-1])},
+                     "mixed": None if mixed is None else {"samples": len(mixed.payload["offsets"]) - 1,
+                                                          "tokens": int(mixed.payload["offsets"][-1])},
+                     "batch_tokens": args.batch_tokens}
+
+    def ctx_for(kernel: str) -> RunContext:
+        opts = EvalOptions(target=str(model_dir), layers=layers, backend=kernel, device=DEV,
+                           dtype="bfloat16", batch_tokens=args.batch_tokens, progress=False)
+        return RunContext(store, opts, argv=["run", "hidden-states", "--backend", kernel])
+
+    def batches_of(tok: Node):
+        offsets, ids = tok.payload["offsets"], tok.payload["ids"]
+        windows, _ = plan_windows(offsets, 0, args.batch_tokens)
+        out = []
+        for w in windows:
+            for bt in w.batches:
+                x = np.stack([ids[offsets[s]:offsets[s] + bt.length] for s in bt.samples]).astype(np.int64)
+                out.append((bt, torch.from_numpy(x)))
+        return out
+
+    def row(what: str, kernel: str, tokens: int, seconds: float, bare: float | None = None) -> dict:
+        r = {"what": what, "backend": kernel, "tokens": tokens, "seconds": round(seconds, 4),
+             "tok_per_s": round(tokens / seconds, 1) if seconds > 0 else None}
+        if bare:
+            r["vs_bare"] = round(r["tok_per_s"] / bare, 3) if r["tok_per_s"] else None
+        b.res["throughput"].append(r)
+        log(f"{what:<34} {kernel:<6} {tokens:>9} tok {seconds:8.3f} s {r['tok_per_s'] or 0:>12,.0f} tok/s"
+            + (f"  ({r['vs_bare']:.2f}x bare)" if bare and r.get("vs_bare") else ""))
+        return r
+
+    def sync() -> None:
+        if DEV == "cuda":
+            torch.cuda.synchronize()
+
+    def bare_forward(target, batches, full: bool = False) -> tuple[int, float]:
+        sync()
+        t = time.perf_counter()
+        n = 0
+        with torch.no_grad():
+            for _, x in batches:
+                x = x.to(DEV, non_blocking=True)
+                if full:
+                    target.rebind()
+                    target.model(input_ids=x, use_cache=False)
+                else:
+                    target.forward_layers(x, layers)
+                n += x.numel()
+        sync()
+        return n, time.perf_counter() - t
+
+    keys: dict[str, dict[int, str]] = {}
+
+    def extraction(kernel: str, tok: Node, label: str, bare_rate: float | None) -> None:
+        ctx = ctx_for(kernel)
+        ctx.shared = shared[kernel]
+        nodes = hs.build(ctx, tok, layers)
+        resolve(ctx, list(nodes.values()))
+        t = time.perf_counter()
+        execute(ctx, list(nodes.values()))
+        dt = time.perf_counter() - t
+        st = ctx.shared.get(hs.LAST_STATS)
+        row(f"dfcache extract ({label})", kernel, st.tokens if st else 0, dt, bare_rate)
+        if st:
+            b.res.setdefault("extract_stats", {})[f"{kernel}/{label}"] = {
+                "tokens": st.tokens, "batches": st.batches, "windows": st.windows, "wall_s": st.wall_s,
+                "compute_loop_s": st.forward_s, "writer_wait_s": st.writer_wait_s}
+        keys.setdefault(f"{kernel}/{label}", {}).update({k: n.key for k, n in nodes.items()})
+
+    shared: dict[str, dict] = {"fla": {}, "torch": {}}
+    targets: dict = {}
+
+    def load(kernel: str):
+        def go():
+            backend = resolve_backend(kernel, DEV, "bfloat16", "sdpa")
+            t = time.perf_counter()
+            ctx = ctx_for(kernel)
+            ctx.shared = shared[kernel]
+            targets[kernel] = hs.get_target(ctx, str(model_dir), backend)
+            b.res["env"].setdefault("bound", {})[kernel] = targets[kernel].bound
+            log(f"{kernel}: loaded in {time.perf_counter() - t:.1f} s; bound {targets[kernel].bound}")
+            # Warm-up on every batch shape: fla compiles and autotunes its Triton kernels here.
+            t = time.perf_counter()
+            seen = set()
+            for tok in (equal, mixed):
+                if tok is None:
+                    continue
+                for bt, x in batches_of(tok):
+                    shape = tuple(x.shape)
+                    if shape in seen or (tok is mixed and len(seen) > 3):
+                        continue
+                    seen.add(shape)
+                    target = targets[kernel]
+                    target.forward_layers(x.to(DEV), layers)
+            sync()
+            b.res["timings"][f"warmup_{kernel}"] = round(time.perf_counter() - t, 3)
+            log(f"{kernel}: warm-up {time.perf_counter() - t:.1f} s over shapes {sorted(seen)[:4]}")
+        return go
+
+    def measure(kernel: str):
+        def go():
+            target = targets[kernel]
+            eb = batches_of(equal)
+            n, dt = bare_forward(target, eb)  # a second pass, so clocks and caches are warm
+            n, dt = bare_forward(target, eb)
+            bare = row(f"bare forward to layer {max(layers)} (equal)", kernel, n, dt)["tok_per_s"]
+            n, dt = bare_forward(target, eb, full=True)
+            row("bare full forward + logits (equal)", kernel, n, dt, bare)
+            extraction(kernel, equal, "equal", bare)
+            if mixed is not None:
+                mb = batches_of(mixed)
+                bare_forward(target, mb)  # new lengths may autotune once: keep that out of the timing
+                n, dt = bare_forward(target, mb)
+                mbare = row(f"bare forward to layer {max(layers)} (mixed)", kernel, n, dt)["tok_per_s"]
+                b.phase(f"extract_mixed_{kernel}", lambda: extraction(kernel, mixed, "mixed", mbare), optional=True)
+            return bare
+        return go
+
+    def naive(kernel: str, bare_rate: float | None):
+        def go():
+            target = targets[kernel]
+            naive_dir.mkdir(parents=True, exist_ok=True)
+            sync()
+            t = time.perf_counter()
+            n = 0
+            for bt, x in batches_of(equal):
+                outs = target.forward_layers(x.to(DEV), layers)
+                for row_i, s in enumerate(bt.samples):
+                    torch.save({k: outs[k][row_i].cpu() for k in layers}, naive_dir / f"{s}.pt")
+                n += x.numel()
+            dt = time.perf_counter() - t
+            row("naive loop: .cpu() + torch.save/sample", kernel, n, dt, bare_rate)
+            shutil.rmtree(naive_dir, ignore_errors=True)
+        return go
+
+    if DEV == "cuda":
+        b.phase("load_fla", load("fla"))
+        bare_fla = b.phase("measure_fla", measure("fla")) if "fla" in targets else None
+        if "fla" in targets:
+            b.phase("naive_fla", naive("fla", bare_fla), optional=True)
+    if not args.skip_torch:
+        b.phase("load_torch", load("torch"))
+        if "torch" in targets:
+            bare_torch = b.phase("measure_torch", measure("torch"))
+            if DEV == "cpu":  # smoke: exercise the naive loop and diff on the only backend there is
+                b.phase("naive_torch", naive("torch", bare_torch), optional=True)
+
+    def diffs():
+        torch_keys = keys.get("torch/equal", {})
+        # the CPU smoke run has no fla: compare torch with itself (exercises the code, reads 0)
+        fla_keys = keys.get("fla/equal", {}) if DEV == "cuda" else torch_keys
+        for k in layers:
+            if k in fla_keys and k in torch_keys:
+                (a,) = diff_artifacts(store, fla_keys[k], torch_keys[k]).arrays
+                b.res["diff"][str(k)] = {"rel_l2": a.rel_l2, "max_abs": a.max_abs, "cos_mean": a.cos_mean,
+                                         "cos_min": a.cos_min, "equal": a.equal, "equal_kind": a.equal_kind}
+                log(f"diff fla vs torch layer {k:>2}: rel L2 {a.rel_l2:.4f}  max|d| {a.max_abs:.3f}  "
+                    f"cos mean {a.cos_mean:.5f} min {a.cos_min:.5f}  bitwise equal {100 * a.equal:.1f}%")
+
+    b.phase("diff_fla_vs_torch", diffs)
+
+    def exactness():
+        offsets, ids = equal.payload["offsets"], equal.payload["ids"]
+        for kernel, target in targets.items():
+            out = {}
+            for s in (0, args.samples - 1):
+                x = torch.from_numpy(ids[offsets[s]:offsets[s + 1]].astype(np.int64))[None].to(DEV)
+                one = target.forward_layers(x, layers)
+                target.rebind()
+                target.model.config.tie_last_hidden_states = False
+                with torch.no_grad():
+                    plain = target.model(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states
+                for k in layers:
+                    stored = hs.read_layer(store, keys[f"{kernel}/equal"][k], int(offsets[s]), int(offsets[s + 1]))
+                    o = one[k][0].cpu()
+                    p = plain[k + 1][0].cpu()
+                    out[f"sample{s}/layer{k}"] = {
+                        "stored_vs_one_sample_forward": (stored.view(torch.int16) == o.view(torch.int16)).float().mean().item(),
+                        "stored_vs_plain_hf_forward": (stored.view(torch.int16) == p.view(torch.int16)).float().mean().item()}
+            b.res["exactness"][kernel] = out
+            worst = min(min(v.values()) for v in out.values())
+            log(f"exactness {kernel}: min share of bitwise-equal elements, stored vs one-sample/plain forward: {worst:.4f}")
+
+    b.phase("exactness", exactness, optional=True)
+    b.res["memory"] = {"host_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                       "gpu_peak_allocated_mb": torch.cuda.max_memory_allocated() / 2**20 if DEV == "cuda" else None}
+    print_table(b)
+    return 0 if not [e for e in b.res["errors"] if not str(e.get("error", "")).startswith("skipped")] else 1
+
+
+def print_table(b: Bench) -> None:
+    rows = b.res["throughput"]
+    if not rows:
+        return
+    print("\nthroughput (tokens/s; vs_bare = / the bare forward to the deepest layer on the same batches)")
+    print(f"{'what':<40} {'backend':<8} {'tokens':>9} {'seconds':>9} {'tok/s':>12} {'vs bare':>8}")
+    for r in rows:
+        vs = f"{r['vs_bare']:.2f}x" if r.get("vs_bare") else ""
+        print(f"{r['what']:<40} {r['backend']:<8} {r['tokens']:>9} {r['seconds']:>9.3f} {r['tok_per_s'] or 0:>12,.0f} {vs:>8}")
+    if b.res["diff"]:
+        print("\nfla vs torch (same tokens, bf16, GPU)")
+        print(f"{'layer':>5} {'rel L2':>9} {'max|d|':>8} {'cos mean':>9} {'cos min':>9} {'equal':>7}")
+        for k, d in b.res["diff"].items():
+            print(f"{k:>5} {d['rel_l2']:>9.4f} {d['max_abs']:>8.3f} {d['cos_mean']:>9.5f} {d['cos_min']:>9.5f} "
+                  f"{100 * d['equal']:>6.1f}%")
+    if b.res["errors"]:
+        print(f"\n{len(b.res['errors'])} phase(s) failed or skipped: " +
+              ", ".join(f"{e['phase']} ({e['error'][:80]})" for e in b.res["errors"]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,542 @@
+"""The target model for hidden-state extraction: backend resolution, loading, truncated forwards.
+
+Two halves with different import rules:
+
+* Planning (:func:`resolve_backend`, :func:`read_model_info`, :func:`cuda_visible`) reads files
+  and package metadata only. It never imports torch or transformers, because a fully cached run
+  must not pay for (or depend on) them.
+* Producing (:func:`load_target`, :class:`TargetModel`) loads the model with transformers'
+  ``AutoModelForCausalLM`` (Qwen3.5/3.6 ``qwen3_5``/``qwen3_5_text``, Qwen3-Next, plain
+  Qwen3/Llama-style models) from a local directory, in bf16 or fp32.
+
+Backend class (key material, see DESIGN §3): kernel family (``fla`` | ``torch``), device type
+(``cuda`` | ``cpu``), dtype, attention implementation. Exact versions are provenance.
+
+How kernels get bound (shared/reference/stack-notes.md §1): transformers decides, once, when it
+imports a modeling module, whether ``torch_chunk_gated_delta_rule`` and friends call fla's Triton
+kernels or the pure-PyTorch reference; it checks neither the device nor whether triton works. So
+dfcache enforces the requested family itself: ``torch`` rebinds the module's functions to their
+``__wrapped__`` PyTorch originals (works even after fla was bound, and with a broken or stub
+triton), ``fla`` restores the wrappers and requires that they really call ``fla.*``. The binding
+is re-applied before every forward pass, because the module globals are process-wide and another
+target in the same process may have rebound them. What is really bound (read from the wrapper's
+closure) is verified and recorded.
+
+Layer semantics: layer id ``k`` is the output of decoder layer ``k`` (Hugging Face
+``hidden_states[k+1]``), before the final norm, including the last layer. The forward pass stops
+right after the deepest requested layer (an exception from a forward hook), so neither the layers
+after it, nor the final norm, nor the lm_head are computed.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from dfcache.errors import BadInputError, ModelNotFoundError, UsageError
+
+KERNEL_CHOICES = ("auto", "fla", "torch")
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
+DTYPE_CHOICES = ("bfloat16", "float32")
+ATTN_CHOICES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+
+# Model types whose layers include gated-DeltaNet linear attention when the config has no
+# ``layer_types`` list (hub checkpoints of Qwen3-Next give only ``full_attention_interval``).
+LINEAR_ATTENTION_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text",
+                                          "qwen3_next"})
+
+
+# ----------------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class BackendClass:
+    """What changes the numerics of hidden states by design; every field is key material."""
+
+    kernel: str  # fla | torch
+    device: str  # cuda | cpu
+    dtype: str  # bfloat16 | float32
+    attn_implementation: str  # sdpa | eager | ...
+    note: str = field(default="", compare=False)  # why auto/fla resolved as it did (never keyed)
+
+    def to_key(self) -> dict:
+        d = asdict(self)
+        d.pop("note")
+        return d
+
+    @property
+    def label(self) -> str:
+        return f"{self.kernel}/{self.device}/{self.dtype}/{self.attn_implementation}"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What planning needs from a target's config.json (read as JSON, no transformers)."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int | None
+    has_linear_attention: bool
+
+
+def read_model_info(target_dir: str | os.PathLike) -> ModelInfo:
+    """Depth, width and attention kinds of the target, from its config.json."""
+    path = Path(target_dir) / "config.json"
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} does not exist; pass a model directory that holds config.json "
+                                 "and the weights with --target.")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise BadInputError(f"{path} is not valid JSON ({e}); repair or re-download the model.") from None
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    model_type = str(cfg.get("model_type") or text.get("model_type") or "")
+    layers, hidden = text.get("num_hidden_layers"), text.get("hidden_size")
+    if not isinstance(layers, int) or layers < 1 or not isinstance(hidden, int) or hidden < 1:
+        raise BadInputError(f"{path} has no usable num_hidden_layers/hidden_size; pass a decoder-only "
+                            "causal LM directory (Qwen3.5/3.6, Qwen3-Next, Qwen3, Llama-style).")
+    types = text.get("layer_types")
+    if isinstance(types, list) and types:
+        linear = "linear_attention" in types
+    else:
+        linear = model_type in LINEAR_ATTENTION_MODEL_TYPES or \
+            str(text.get("model_type", "")) in LINEAR_ATTENTION_MODEL_TYPES
+    vocab = text.get("vocab_size", cfg.get("vocab_size"))
+    return ModelInfo(model_type=model_type, num_layers=layers, hidden_size=hidden,
+                     vocab_size=vocab if isinstance(vocab, int) else None, has_linear_attention=linear)
+
+
+def _torch_build() -> dict:
+    """torch's build flags (``cuda``, ``hip``, ``__version__``) from torch/version.py, unimported."""
+    mod = sys.modules.get("torch")
+    if mod is not None and getattr(mod, "version", None) is not None:
+        v = mod.version
+        return {"__version__": getattr(v, "__version__", None), "cuda": getattr(v, "cuda", None),
+                "hip": getattr(v, "hip", None)}
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin:
+        return {}
+    out: dict = {}
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return out
+    for name in ("__version__", "cuda", "hip"):
+        m = re.search(rf"^{re.escape(name)}\s*(?::[^=\n]*)?=\s*(.+)$", text, re.M)
+        if m:
+            try:
+                out[name] = ast.literal_eval(m.group(1).strip())
+            except (ValueError, SyntaxError):
+                pass
+    return out
+
+
+def cuda_visible() -> tuple[bool, str]:
+    """Whether a CUDA GPU is usable here, decided without importing torch; and why not."""
+    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if cvd is not None and cvd.strip() in ("", "-1", "none", "NoDevFiles"):
+        return False, f"CUDA_VISIBLE_DEVICES={cvd!r} hides every GPU"
+    torch = sys.modules.get("torch")
+    if torch is not None and hasattr(torch, "cuda"):
+        # Already imported (a produce step, a script): ask torch itself; this costs no import.
+        if torch.cuda.is_available():
+            return True, ""
+        return False, f"torch {torch.__version__} sees no CUDA GPU"
+    if not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/proc/driver/nvidia/version", "/dev/nvidia0")):
+        return False, "no NVIDIA driver is visible (/dev/nvidiactl and /proc/driver/nvidia are absent)"
+    build = _torch_build()
+    if not build:
+        return False, "torch is not installed"
+    if not build.get("cuda") and not build.get("hip"):
+        return False, f"the installed torch {build.get('__version__', '?')} is a CPU-only build"
+    return True, ""
+
+
+def _spec_exists(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules[name] is None
+        return False
+
+
+def fla_available() -> tuple[bool, str]:
+    """Whether fla's Triton kernels can be imported (package presence only; no import)."""
+    missing = [pip for mod, pip in (("fla", "flash-linear-attention"), ("triton", "triton"))
+               if not _spec_exists(mod)]
+    if missing:
+        return False, f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed"
+    return True, ""
+
+
+def resolve_backend(kernel: str = "auto", device: str = "auto", dtype: str = "bfloat16",
+                    attn_implementation: str = "sdpa", *, has_linear_attention: bool = True,
+                    check: bool = True) -> BackendClass:
+    """The backend class a run will use, decided at planning time without importing torch.
+
+    ``auto`` device is ``cuda`` when a GPU is visible (always ``cuda`` with ``--backend fla``, the
+    only device fla runs on); ``auto`` kernel is ``fla`` on ``cuda`` when fla and triton are
+    installed, else ``torch``. A model without linear-attention layers never calls an fla kernel,
+    so its kernel family is ``torch`` whatever was asked.
+
+    ``check=True`` raises :class:`BadInputError` (exit 6) when this machine cannot run the class
+    (see :func:`backend_problem`). Planning passes ``check=False``: keys of an explicit class
+    must be computable anywhere, so that states extracted with fla on a GPU machine are found
+    on a CPU machine; it is computing them here that needs the hardware.
+    """
+    for what, val, choices in (("--backend", kernel, KERNEL_CHOICES), ("--device", device, DEVICE_CHOICES),
+                               ("--dtype", dtype, DTYPE_CHOICES),
+                               ("attention implementation", attn_implementation, ATTN_CHOICES)):
+        if val not in choices:
+            raise UsageError(f"{what} {val!r} is not one of {', '.join(choices)}.")
+    if kernel == "fla" and device == "cpu":
+        raise BadInputError("--backend fla with --device cpu: flash-linear-attention's Triton kernels run "
+                            "only on CUDA GPUs. Use --backend torch for the pure-PyTorch path on the CPU, or "
+                            "--device cuda on a machine with a GPU.")
+    visible, _ = cuda_visible()
+    dev = device if device != "auto" else ("cuda" if visible or kernel == "fla" else "cpu")
+    note = ""
+    if kernel == "auto":
+        fla_ok, fla_why = fla_available()
+        k = "fla" if dev == "cuda" and fla_ok else "torch"
+        if dev == "cuda" and not fla_ok:
+            note = f"--backend auto chose torch on cuda: {fla_why}"
+    else:
+        k = kernel
+    if k == "fla" and not has_linear_attention:
+        k = "torch"
+        note = "the model has no linear-attention layers, so no fla kernel runs: its states are torch states"
+    backend = BackendClass(kernel=k, device=dev, dtype=dtype, attn_implementation=attn_implementation, note=note)
+    if check:
+        problem = backend_problem(backend)
+        if problem:
+            raise BadInputError(problem)
+    return backend
+
+
+def backend_problem(backend: BackendClass) -> str | None:
+    """Why this machine cannot compute with ``backend`` (a message ending with the fix), or None."""
+    if backend.device == "cuda":
+        visible, why_not = cuda_visible()
+        if not visible:
+            if backend.kernel == "fla":
+                return ("--backend fla runs flash-linear-attention's Triton kernels, which need a CUDA GPU, "
+                        f"and none is usable here ({why_not}). Use --backend torch for the pure-PyTorch path "
+                        "(its states differ numerically and are cached under their own key), or run on a "
+                        "machine with a CUDA GPU and share the store (dfcache push/pull).")
+            return (f"--device cuda: no CUDA GPU is usable here ({why_not}). Run on a machine with a GPU "
+                    "and a CUDA build of torch, or pass --device cpu.")
+    if backend.kernel == "fla":
+        ok, why = fla_available()
+        if not ok:
+            return (f"--backend fla: {why}. Install them (pip install flash-linear-attention triton) or "
+                    "use --backend torch.")
+    return None
+
+
+def library_versions() -> dict:
+    """Exact versions of what shapes the numbers (provenance, never keyed), from package metadata."""
+    out = {}
+    for dist in ("torch", "transformers", "flash-linear-attention", "fla-core", "triton", "causal-conv1d",
+                 "accelerate"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+# ------------------------------------------------------------------------------ kernel binding
+
+# (modeling module name, function name) -> the wrapper transformers installed at import time.
+_ORIGINAL_WRAPPERS: dict[tuple[str, str], Callable] = {}
+# the same key -> the pure-PyTorch function the wrapper falls back to
+_TORCH_FUNCTIONS: dict[tuple[str, str], Callable] = {}
+_SCANNED: set[str] = set()
+
+
+def _fallback_closure(fn: Any) -> dict | None:
+    """The closure of transformers' ``use_kernel_func_from_hub_with_fallback`` wrapper, if ``fn``
+    is (or wraps) one: it holds ``implementation`` (what runs) and ``torch_function``."""
+    seen = 0
+    while fn is not None and seen < 4:
+        try:
+            nl = inspect.getclosurevars(fn).nonlocals
+        except (TypeError, ValueError):
+            nl = {}
+        if "implementation" in nl and "torch_function" in nl:
+            return nl
+        fn = getattr(fn, "__wrapped__", None)
+        seen += 1
+    return None
+
+
+def kernel_wrappers(module) -> dict[str, Callable]:
+    """The functions of a modeling module that transformers bound to an optional kernel package
+    (fla's gated delta rule, causal_conv1d), as the original wrappers."""
+    name = module.__name__
+    if name not in _SCANNED:
+        # Scanned once, before any rebinding, so the originals are transformers' own wrappers.
+        for attr, obj in list(vars(module).items()):
+            closure = _fallback_closure(obj) if inspect.isfunction(obj) else None
+            if closure is not None:
+                _ORIGINAL_WRAPPERS[(name, attr)] = obj
+                _TORCH_FUNCTIONS[(name, attr)] = closure["torch_function"]
+        _SCANNED.add(name)
+    return {attr: w for (mod, attr), w in _ORIGINAL_WRAPPERS.items() if mod == name}
+
+
+def implementation_of(fn: Any) -> Any:
+    """What a (possibly wrapped) function really calls."""
+    nl = _fallback_closure(fn)
+    return nl["implementation"] if nl is not None else fn
+
+
+def apply_binding(module, kernel: str) -> None:
+    """Point the module's kernel functions at ``kernel`` (fla|torch): the original wrappers for
+    fla, their ``torch_function`` (the pure-PyTorch original) for torch."""
+    for attr, wrapper in kernel_wrappers(module).items():
+        setattr(module, attr, _TORCH_FUNCTIONS[(module.__name__, attr)] if kernel == "torch" else wrapper)
+
+
+def bind_kernels(module, kernel: str) -> dict[str, str]:
+    """Bind the module's kernel functions to ``kernel``; return name -> what each now calls."""
+    apply_binding(module, kernel)
+    return bound_kernels(module)
+
+
+def bound_kernels(module) -> dict[str, str]:
+    """name -> module of the implementation each kernel function of ``module`` calls right now."""
+    out = {}
+    for attr in kernel_wrappers(module):
+        impl = implementation_of(getattr(module, attr))
+        out[attr] = f"{getattr(impl, '__module__', '?')}.{getattr(impl, '__name__', '?')}"
+    return out
+
+
+def _is_delta_rule(name: str) -> bool:
+    return "delta_rule" in name
+
+
+# ------------------------------------------------------------------------------------- loading
+
+
+class _StopForward(Exception):
+    """Raised by the hook on the deepest wanted layer: nothing after it is computed."""
+
+
+class TargetModel:
+    """A loaded target, bound to one backend class, that returns selected layer outputs.
+
+    ``layers_executed`` counts decoder-layer forward calls (one per layer per batch) and
+    ``tokens_forwarded`` the token positions run through the model; tests read both.
+    """
+
+    def __init__(self, model, base, layers, info: ModelInfo, backend: BackendClass, modeling_module,
+                 bound: dict[str, str], provenance: dict) -> None:
+        self.model = model
+        self.base = base
+        self.layers = layers
+        self.info = info
+        self.num_layers = len(layers)
+        self.hidden_size = info.hidden_size
+        self.backend = backend
+        self.modeling_module = modeling_module
+        self.bound = bound
+        self.provenance = provenance
+        self.layers_executed = 0
+        self.tokens_forwarded = 0
+        import torch
+
+        self.torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[backend.dtype]
+        self.device = next(model.parameters()).device  # cuda:N, so streams and copies name it exactly
+        for layer in layers:
+            layer.register_forward_pre_hook(self._count_layer)
+
+    def _count_layer(self, module, args) -> None:
+        self.layers_executed += 1
+
+    def check_layers(self, layers) -> list[int]:
+        return check_layer_ids(layers, self.num_layers)
+
+    def rebind(self) -> None:
+        """Re-apply this target's kernel binding (module globals are shared by the process)."""
+        if self.modeling_module is not None and self.bound:
+            apply_binding(self.modeling_module, self.backend.kernel)
+
+    def forward_layers(self, input_ids, layers) -> dict:
+        """Outputs of decoder layers ``layers`` for ``input_ids`` [B, T] (no padding: every row is
+        a whole sample), each [B, T, H] on the model's device in its dtype. Layers after the
+        deepest requested one, the final norm and the lm_head are not computed."""
+        import torch
+
+        want = sorted(set(int(k) for k in layers))
+        if not want:
+            return {}
+        deepest = want[-1]
+        out: dict[int, Any] = {}
+
+        def make_hook(i: int):
+            def hook(module, args, output):
+                h = output[0] if isinstance(output, (tuple, list)) else output
+                out[i] = h
+                if i == deepest:
+                    raise _StopForward
+
+            return hook
+
+        handles = [self.layers[i].register_forward_hook(make_hook(i)) for i in want]
+        self.rebind()
+        try:
+            # no_grad, not inference_mode: what transformers itself uses around fla's autograd
+            # Functions, and the outputs stay ordinary tensors for the copies that follow.
+            with torch.no_grad():
+                self.base(input_ids=input_ids, use_cache=False)
+        except _StopForward:
+            pass
+        finally:
+            for h in handles:
+                h.remove()
+        missing = [i for i in want if i not in out]
+        if missing:
+            raise RuntimeError(f"layers {missing} of {type(self.model).__name__} did not run; the model's "
+                               "forward skips decoder layers, which dfcache does not support.")
+        self.tokens_forwarded += int(input_ids.numel())
+        return out
+
+
+def check_layer_ids(layers, num_layers: int) -> list[int]:
+    """Sorted unique layer ids, each a valid decoder-layer index of a ``num_layers``-deep model."""
+    out = set()
+    for k in layers:
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise BadInputError(f"layer id {k!r} is not an integer; layer ids are decoder-layer indices "
+                                f"0..{num_layers - 1}.")
+        if not 0 <= k < num_layers:
+            raise BadInputError(f"layer id {k} is out of range: the target has {num_layers} decoder layers "
+                                f"(ids 0..{num_layers - 1}). Check the drafter's "
+                                "dflash_config.target_layer_ids or --layers, and that --target is the model "
+                                "the drafter was trained against.")
+        out.add(k)
+    return sorted(out)
+
+
+def _decoder_stack(model, num_layers: int):
+    """(module whose forward runs the decoder layers, its ModuleList of layers)."""
+    from torch import nn
+
+    for path in ("model", "model.language_model", "language_model", "transformer", ""):
+        owner = model
+        try:
+            for part in filter(None, path.split(".")):
+                owner = getattr(owner, part)
+        except AttributeError:
+            continue
+        layers = getattr(owner, "layers", None)
+        if isinstance(layers, nn.ModuleList) and len(layers) == num_layers:
+            return owner, layers
+    raise BadInputError(f"cannot find the {num_layers} decoder layers of {type(model).__name__}; "
+                        "dfcache extracts hidden states from decoder-only models with a `layers` list "
+                        "(Qwen3.5/3.6, Qwen3-Next, Qwen3, Llama-style).")
+
+
+def _check_fla_importable() -> None:
+    try:
+        importlib.import_module("fla.ops.gated_delta_rule")
+    except Exception as e:
+        raise BadInputError(f"--backend fla: fla's gated delta rule kernels do not import ({type(e).__name__}: "
+                            f"{e}). Install working flash-linear-attention and triton for this CUDA setup, "
+                            "or use --backend torch.") from None
+
+
+def load_target(target_dir: str | os.PathLike, backend: BackendClass, *,
+                info: ModelInfo | None = None) -> TargetModel:
+    """Load the target from a local directory and bind it to ``backend``; verify what is bound.
+
+    Raises BadInputError when the machine cannot give what planning decided (no CUDA in torch,
+    fla not importable, a kernel bound to another family than asked).
+    """
+    import torch
+
+    info = info or read_model_info(target_dir)
+    if backend.device == "cuda" and not torch.cuda.is_available():
+        raise BadInputError(f"this run was planned for cuda but torch {torch.__version__} sees no CUDA GPU; "
+                            "check the driver and CUDA_VISIBLE_DEVICES, or pass --device cpu.")
+    if backend.kernel == "fla":
+        _check_fla_importable()
+    from transformers import AutoModelForCausalLM
+
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[backend.dtype]
+    kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=backend.attn_implementation,
+                                  local_files_only=True)
+    if backend.device == "cuda":
+        kwargs["device_map"] = "cuda"  # load the shards straight onto the GPU, not through host RAM
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(target_dir), **kwargs)
+    except (OSError, ValueError, KeyError) as e:
+        raise BadInputError(f"cannot load the target from {target_dir} ({type(e).__name__}: {e}); pass a "
+                            "local transformers model directory with --target.") from None
+    if backend.device != "cuda":
+        model.to("cpu")
+    model.eval()
+    model.requires_grad_(False)
+    got_device = next(model.parameters()).device
+    if got_device.type != backend.device:
+        raise BadInputError(f"the target loaded onto {got_device}, not {backend.device}; check "
+                            "CUDA_VISIBLE_DEVICES and the --device option.")
+    got_dtype = next(model.parameters()).dtype
+    if got_dtype != dtype:
+        raise BadInputError(f"the target loaded as {got_dtype}, not {backend.dtype}; dfcache does not "
+                            "support quantized targets for extraction.")
+    attn = getattr(model.config, "_attn_implementation", None)
+    if attn != backend.attn_implementation:
+        raise BadInputError(f"the target runs attention implementation {attn!r}, not the planned "
+                            f"{backend.attn_implementation!r}; pick one the model supports.")
+    base, layers = _decoder_stack(model, info.num_layers)
+    modeling = sys.modules.get(type(base).__module__)
+    bound: dict[str, str] = {}
+    if modeling is not None and kernel_wrappers(modeling):
+        bound = bind_kernels(modeling, backend.kernel)
+        delta = {n: m for n, m in bound.items() if _is_delta_rule(n)}
+        if backend.kernel == "fla" and not delta:
+            raise BadInputError(f"--backend fla: {modeling.__name__} binds no gated-delta-rule kernel "
+                                f"(it binds {', '.join(sorted(bound))}); use --backend torch.")
+        wrong = {n: m for n, m in delta.items() if family_of_module(m) != backend.kernel}
+        if wrong:
+            detail = ", ".join(f"{n} -> {m}" for n, m in sorted(wrong.items()))
+            raise BadInputError(
+                f"--backend {backend.kernel} was asked but the model calls {detail}. transformers binds "
+                f"kernels once, when it imports {modeling.__name__}; in this process that happened while "
+                "fla was not importable. Run extraction in a fresh process with flash-linear-attention and "
+                "triton installed, or use --backend torch.")
+    elif backend.kernel == "fla":
+        raise BadInputError(f"--backend fla: {type(model).__name__} has no fla-accelerated functions; use "
+                            "--backend torch.")
+    prov = {"versions": library_versions(), "bound": bound, "model_class": type(model).__name__,
+            "modeling_module": getattr(modeling, "__name__", None), "attn_implementation": attn,
+            "torch_cuda": getattr(torch.version, "cuda", None)}
+    if backend.device == "cuda":
+        prov["gpu"] = torch.cuda.get_device_name(0)
+    return TargetModel(model, base, layers, info, backend, modeling, bound, prov)
+
+
+def family_of_module(qualname: str) -> str:
+    """Kernel family of a recorded ``module.function`` name."""
+    if qualname == "fla" or qualname.startswith("fla."):
+        return "fla"
+    if qualname.startswith("transformers.") or qualname.startswith("torch"):
+        return "torch"
+    return qualname.split(".")[0]

@@ -1,0 +1,219 @@
+"""Stage `drafter_eval`: offline chain and DDTree acceptance of one DFlash drafter.
+
+Key recipe::
+
+    key = xxh3_128(canonical({stage: "drafter_eval", stage_version: VERSION,
+        inputs: {drafter:      fingerprint of the checkpoint directory (config + weights),
+                 target_head:  fingerprint of the target (its embeddings and lm_head are used),
+                 block_size, target_layer_ids, mask_token_id   (from the drafter's config),
+                 tree_budgets: sorted unique budgets, max_blocks, end_rule,
+                 dtype:        compute dtype of the drafter, device: cpu|cuda},
+        upstream: {tokens: tokens key,
+                   hidden_states: [hidden-state keys in the drafter's target_layer_ids order]}}))
+
+The exact hidden-state keys are upstream, so the backend class that produced the states (fla or
+torch, device, dtype) is part of this key through them.
+
+What it computes (``reference/dflash.md`` §2, §3, §6; ``runner/metrics.py``): for each response,
+the draft logits of every candidate block root are scored in batched drafter passes
+(``score_roots``: context features of positions < p only), then the greedy walk runs once for the
+chain and once per tree budget. ``--max-blocks N`` scores only the roots the first N blocks can
+reach (p < P + (N-1)·B + 1) and keeps the first N blocks of each walk, so the limit bounds work
+without changing the blocks it keeps.
+
+Output: document ``summary`` (``metrics.summarize`` plus who/what: drafter name, hidden-state
+backend, trained-on backend, mismatch flag), document ``responses`` (per response: id, prompt and
+completion lengths, chain and per-budget block values).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dfcache.errors import BadInputError, ModelNotFoundError
+from dfcache.keys import fingerprint_path
+
+from ..graph import Node, RunContext
+
+NAME = "drafter_eval"
+VERSION = 1
+
+
+@dataclass
+class DrafterRef:
+    """A drafter checkpoint as planning sees it: config fields read as JSON (no torch)."""
+
+    path: Path
+    name: str
+    fingerprint: str
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    trained_on: str | None
+
+
+def _int_list(v) -> bool:
+    return isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+
+
+def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
+    """Read a DFlash checkpoint's config; every problem is a BadInputError naming the field."""
+    path = Path(path_str).expanduser()
+    cfg_path = path / "config.json"
+    if not path.is_dir():
+        raise ModelNotFoundError(f"drafter {path_str} is not a directory; pass a DFlash checkpoint "
+                                 "directory (config.json + *.safetensors) with --drafter.")
+    if not cfg_path.is_file():
+        raise BadInputError(f"drafter {path_str} has no config.json; pass a DFlash checkpoint directory.")
+    if not any(path.glob("*.safetensors")):
+        raise BadInputError(f"drafter {path_str} has no *.safetensors weights; pass a complete checkpoint.")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise BadInputError(f"{cfg_path}: not valid JSON ({e}); fix or re-download the file.") from None
+    dcfg = cfg.get("dflash_config") or {}
+    if not isinstance(dcfg, dict):
+        raise BadInputError(f"{cfg_path}: dflash_config must be an object.")
+    ids = dcfg.get("target_layer_ids")
+    if not _int_list(ids):
+        raise BadInputError(f"{cfg_path}: dflash_config.target_layer_ids is missing or not a list of "
+                            "integers; the drafter's tap layers must come from its checkpoint (guessing "
+                            "them is wrong for most published drafters). Add the ids it was trained with.")
+    block_size = dcfg.get("block_size", cfg.get("block_size"))
+    if not isinstance(block_size, int) or block_size < 2:
+        raise BadInputError(f"{cfg_path}: block_size is missing or < 2; set the drafter's block size.")
+    mask = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
+    if not isinstance(mask, int):
+        raise BadInputError(f"{cfg_path}: dflash_config.mask_token_id is missing; set the MASK token id "
+                            "the drafter was trained with.")
+    declared = dcfg.get("trained_on_backend") or cfg.get("trained_on_backend")
+    return DrafterRef(path=path, name=path.name, fingerprint=fingerprint_path(path), block_size=block_size,
+                      target_layer_ids=list(ids), mask_token_id=mask,
+                      trained_on=trained_on or (declared if declared in ("fla", "torch") else None))
+
+
+def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
+    opts = ctx.options
+    if not opts.drafters:
+        raise BadInputError("run eval needs at least one drafter: pass --drafter DIR (repeatable), or "
+                            "--example for the embedded one.")
+    refs = [read_drafter(d, opts.trained_on) for d in opts.drafters]
+    names = [r.name for r in refs]
+    for i, r in enumerate(refs):  # side-by-side columns need distinct names
+        if names.count(r.name) > 1:
+            r.name = f"{r.name}#{i + 1}"
+    return refs
+
+
+def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter: DrafterRef) -> Node:
+    opts = ctx.options
+    layers = [hs_nodes[k] for k in drafter.target_layer_ids]
+    backend = layers[0].inputs["backend"]
+    budgets = sorted({int(b) for b in opts.tree_budgets})
+    if any(b < 1 for b in budgets):
+        raise BadInputError(f"--tree-budget {budgets}: budgets are positive numbers of drafted nodes.")
+    if opts.max_blocks is not None and opts.max_blocks < 1:
+        raise BadInputError(f"--max-blocks {opts.max_blocks}: give a positive number.")
+    inputs = {"drafter": drafter.fingerprint, "target_head": tokens_node.inputs["target"],
+              "block_size": drafter.block_size, "target_layer_ids": drafter.target_layer_ids,
+              "mask_token_id": drafter.mask_token_id, "tree_budgets": budgets,
+              "max_blocks": opts.max_blocks, "end_rule": opts.end_rule, "dtype": opts.dtype,
+              "device": backend["device"]}
+    return Node.make(NAME, VERSION, inputs=inputs,
+                     upstream={"tokens": tokens_node.key, "hidden_states": [n.key for n in layers]},
+                     needs="gpu" if backend["device"] == "cuda" else "cpu",
+                     deps=[tokens_node, *layers], label=f"drafter_eval {drafter.name}",
+                     payload={"drafter": drafter, "target_dir": tokens_node.payload["target_dir"],
+                              "backend": backend},
+                     summary=f"{drafter.name}: budgets {budgets or '-'}, layers {drafter.target_layer_ids}")
+
+
+def _max_root(prompt_len: int, max_blocks: int | None, block_size: int) -> int | None:
+    return None if max_blocks is None else prompt_len + (max_blocks - 1) * block_size + 1
+
+
+def produce(ctx: RunContext, nodes: list[Node]) -> None:
+    import torch
+
+    from ..metrics import RootScores, candidate_roots, effective_completion_len, evaluate_response, summarize
+    from ..models.dflash import DFlashDrafter, iter_score_roots, load_target_head
+    from ..models.resolve import eos_token_ids
+    from .tokens import read_tokens
+
+    opts = ctx.options
+    dtype = torch.float32 if opts.dtype == "float32" else torch.bfloat16
+    for node in nodes:
+        ref: DrafterRef = node.payload["drafter"]
+        device = "cuda" if node.payload["backend"]["device"] == "cuda" else "cpu"
+        drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
+        head = load_target_head(node.payload["target_dir"], device=device, dtype=dtype)
+        toks = read_tokens(ctx.store, node.upstream["tokens"])
+        stops = eos_token_ids(node.payload["target_dir"])
+        budgets = node.inputs["tree_budgets"]
+        readers = [ctx.store.open(k).array("hidden") for k in node.upstream["hidden_states"]]
+        width = {r.shape[-1] for r in readers}
+        if width != {head.hidden_size}:
+            raise BadInputError(f"hidden states are {sorted(width)} wide but the target's embedding is "
+                                f"{head.hidden_size}; the drafter, target and states must belong together.")
+        evals, responses = [], []
+        bar = ctx.progress(len(toks.sample_ids), desc=f"eval {ref.name}", unit="resp")
+        for i, sid in enumerate(toks.sample_ids):
+            start, stop = int(toks.offsets[i]), int(toks.offsets[i + 1])
+            seq = toks.token_ids[start:stop]
+            plen = int(toks.prompt_lens[i])
+            n, ended = effective_completion_len(seq, plen, stops)
+            roots = candidate_roots(plen, n, ended_by_stop=ended)
+            limit = _max_root(plen, opts.max_blocks, ref.block_size)
+            if limit is not None:
+                roots = [p for p in roots if p < limit]
+            if roots:
+                feats_stop = start + max(roots)
+                feats = torch.cat([_as_tensor(r, start, feats_stop) for r in readers], dim=-1)
+                feats = feats.to(device=device, dtype=dtype)
+                ids = torch.as_tensor(seq.astype("int64"))
+                # Reduce each chunk of roots to argmax/top-k at once: [R, B-1, V] logits of a
+                # long response would not fit in memory with a 150k vocabulary.
+                parts = [RootScores.from_logits([roots[j] for j in idx], logits, k=max(budgets, default=0))
+                         for idx, logits in iter_score_roots(drafter, head, feats, ids, roots)]
+                scores = RootScores.concat(parts)
+            else:
+                scores = RootScores.from_logits([], torch.zeros(0, ref.block_size - 1, head.vocab_size),
+                                                k=max(budgets, default=0))
+            ev = evaluate_response(scores, seq, plen, budgets=budgets, stop_token_ids=stops)
+            if opts.max_blocks is not None:
+                for w in [ev.chain, *ev.trees.values()]:
+                    w.roots, w.values = w.roots[: opts.max_blocks], w.values[: opts.max_blocks]
+            evals.append(ev)
+            responses.append({"id": sid, "prompt_len": plen, "completion_len": n, "ended_by_stop": ended,
+                              "chain": ev.chain.values,
+                              "tree": {str(b): w.values for b, w in ev.trees.items()}})
+            bar.update(1)
+        bar.close()
+        summary = summarize(evals, ref.block_size)
+        hs_backend = node.payload["backend"]
+        summary.update({"drafter": ref.name, "drafter_path_name": ref.path.name,
+                        "hidden_states_backend": hs_backend, "trained_on": ref.trained_on,
+                        "backend_mismatch": bool(ref.trained_on and ref.trained_on != hs_backend["kernel"]),
+                        "block_size": ref.block_size, "tree_budgets": budgets,
+                        "max_blocks": opts.max_blocks})
+        with ctx.store.writer(node.key, stage=NAME, stage_version=VERSION, inputs=node.inputs,
+                              upstream=node.upstream, summary=node.summary,
+                              provenance={"torch": torch.__version__, "device": device}) as w:
+            w.put_json("summary", summary)
+            w.put_json("responses", responses)
+
+
+def _as_tensor(reader, start: int, stop: int):
+    import numpy as np
+    import torch
+
+    raw = reader.read_raw(start, stop)
+    if reader.dtype == "bfloat16":
+        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(raw)
+
+
+def read_summary(store, key: str) -> dict:
+    return store.open(key).json("summary")
