@@ -1,0 +1,778 @@
+"""DFlash block-diffusion drafter: checkpoint loading and offline scoring of block roots.
+
+Semantics follow ``/work/shared/reference/dflash.md`` (sections cited as §):
+
+* Context features (§1.3): for every target position t, ``C[t]`` is the concatenation, in the
+  order of ``dflash_config.target_layer_ids``, of the output of target decoder layer k (Hugging
+  Face ``hidden_states[k+1]``, *before* the final norm). The drafter projects them once,
+  ``Z = hidden_norm(fc(C))``.
+* KV injection (§1.4): every drafter layer turns the same ``Z`` into extra keys/values
+  (``k_norm(k_proj(Z))`` with RoPE at the context positions, ``v_proj(Z)``). Queries come only
+  from the block tokens; only the block stream goes through the residual/MLP path.
+* A block rooted at p (§1.6, §6 step 2) is ``[x[p], MASK x (B-1)]`` at positions p..p+B-1,
+  embedded with the target's frozen embedding. It sees the context features of positions < p
+  only (x[p]'s own feature is not available online when the block is drafted).
+* Attention inside a block (§1.5): full-attention layers are bidirectional over the B block
+  tokens; sliding layers are causal with a window that counts the query token
+  (``q_pos - k_pos < sliding_window``). A config ``is_causal`` overrides the causality like the
+  later z-lab code does.
+* Logits (§1.7): ``target.lm_head(drafter.norm(h))`` for slots 1..B-1, then the optional
+  ``output_multiplier`` and ``tanh`` soft-cap ``final_logit_softcapping``.
+
+The offline evaluator needs draft logits for many roots of the same sequence. Because the
+context keys/values do not depend on the root (§6 step 1), :func:`score_roots` computes them
+once and scores a chunk of roots in one batched pass: the attention of a chunk is the
+training-style block mask over ``[context ++ blocks]`` (each block sees context t < p and its own
+B tokens), evaluated as one softmax over the block's context scores and in-block scores so the
+context keys are never copied per root. :func:`score_roots_one_at_a_time` is the slow
+reference: it re-projects ``C[:p]`` for every root and attends over the literal concatenation,
+the way the online loop does; tests check the two agree.
+
+Checkpoint files (§1.8): ``config.json`` plus ``*.safetensors`` (optionally sharded with
+``model.safetensors.index.json``), parameter names without prefix (a ``model.`` prefix is
+accepted). Bad or inconsistent checkpoints raise :class:`dfcache.errors.BadInputError`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dfcache.errors import BadInputError
+
+__all__ = [
+    "DFlashConfig", "DFlashDrafter", "TargetHead", "load_target_head", "save_drafter",
+    "score_roots", "score_roots_one_at_a_time", "iter_score_roots", "check_compatible", "init_drafter_weights",
+]
+
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+# DFlash2 adds modules that change the forward pass; silently ignoring them would give wrong drafts.
+_DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+_DFLASH2_TENSOR_MARKERS = ("candidate_selector.", "attention_conv.", "mlp_conv.")
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class DFlashConfig:
+    """The fields of a DFlash ``config.json`` that change what the drafter computes."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    layer_types: list[str] = field(default_factory=list)
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    is_causal: bool | None = None
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    input_embedding_scale: float = 1.0
+    num_target_layers: int | None = None
+    vocab_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "DFlashConfig":
+        """Parse a DFlash config dict; ``source`` names the file in error messages."""
+        if not isinstance(raw, dict):
+            raise BadInputError(f"{source}: expected a JSON object, got {type(raw).__name__}. "
+                                "Point dfcache at the drafter's config.json.")
+        dcfg = raw.get("dflash_config") or {}
+        if not isinstance(dcfg, dict):
+            raise BadInputError(f"{source}: 'dflash_config' must be an object. Fix the drafter config.")
+        for key in _DFLASH2_KEYS:
+            if key in dcfg or key in raw:
+                raise BadInputError(
+                    f"{source}: field '{key}' marks a DFlash2 drafter, which this evaluator does not "
+                    "implement (its conv/selector modules change the drafts). Use a DFlash (v1) drafter.")
+
+        def draft_value(name, default=None):
+            # Same precedence as the reference: dflash_config first, then the top level.
+            return dcfg.get(name, raw.get(name, default))
+
+        def need(name, value, fix):
+            if value is None:
+                raise BadInputError(f"{source}: missing field '{name}'. {fix}")
+            return value
+
+        ids = draft_value("target_layer_ids")
+        need("dflash_config.target_layer_ids", ids,
+             "Add the target layer ids the drafter was trained on (e.g. \"dflash_config\": "
+             "{\"target_layer_ids\": [1, 9, 17, 25, 33]}); dfcache never guesses them (dflash.md §1.2).")
+        if (not isinstance(ids, list) or not ids
+                or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids)):
+            raise BadInputError(f"{source}: 'dflash_config.target_layer_ids' must be a non-empty list of "
+                                f"non-negative integers, got {ids!r}. Fix the drafter config.")
+        mask_id = need("dflash_config.mask_token_id", draft_value("mask_token_id"),
+                       "Add the MASK token id used in training (dflash_config.mask_token_id, usually "
+                       "len(tokenizer), e.g. 151669 for Qwen3).")
+        block_size = int(need("block_size", draft_value("block_size"),
+                              "Add 'block_size' (top level or inside dflash_config), e.g. 16."))
+        if block_size < 2:
+            raise BadInputError(f"{source}: 'block_size' must be >= 2, got {block_size}. Fix the drafter config.")
+
+        hidden = int(need("hidden_size", raw.get("hidden_size"), "Add the drafter's hidden_size."))
+        layers = int(need("num_hidden_layers", raw.get("num_hidden_layers"), "Add num_hidden_layers."))
+        heads = int(need("num_attention_heads", raw.get("num_attention_heads"), "Add num_attention_heads."))
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise BadInputError(f"{source}: num_attention_heads={heads} is not a multiple of "
+                                f"num_key_value_heads={kv_heads}. Fix the drafter config.")
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        inter = int(need("intermediate_size", raw.get("intermediate_size"), "Add intermediate_size."))
+
+        rope_params = raw.get("rope_parameters") or {}
+        rope_scaling = raw.get("rope_scaling") or {}
+        rope_theta = raw.get("rope_theta", rope_params.get("rope_theta"))
+        need("rope_theta", rope_theta, "Add the drafter's own rope_theta (e.g. 1000000 for Qwen3 "
+                                       "drafters, 10000000 for Qwen3.5/3.6); it is not the target's.")
+        for where, params in (("rope_parameters", rope_params), ("rope_scaling", rope_scaling)):
+            rtype = params.get("rope_type", params.get("type", "default"))
+            if rtype not in (None, "default"):
+                raise BadInputError(f"{source}: {where}.rope_type={rtype!r} is not supported (only plain "
+                                    "RoPE). Remove it if the drafter was trained without scaling.")
+        prf = raw.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
+        if prf not in (None, 1, 1.0):
+            raise BadInputError(f"{source}: partial_rotary_factor={prf} is not supported; DFlash drafters "
+                                "rotate the whole head_dim. Remove the field if it was copied from the target.")
+
+        layer_types = raw.get("layer_types") or ["full_attention"] * layers
+        if len(layer_types) != layers:
+            raise BadInputError(f"{source}: 'layer_types' has {len(layer_types)} entries but "
+                                f"num_hidden_layers={layers}. Make them agree.")
+        bad = sorted(set(layer_types) - set(_LAYER_TYPES))
+        if bad:
+            raise BadInputError(f"{source}: unknown layer_types {bad}; expected {list(_LAYER_TYPES)}.")
+        window = raw.get("sliding_window")
+        if "sliding_attention" in layer_types and not (isinstance(window, int) and window > 0):
+            raise BadInputError(f"{source}: layer_types has sliding_attention layers but 'sliding_window' "
+                                f"is {window!r}. Add the window size the drafter was trained with.")
+
+        act = raw.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise BadInputError(f"{source}: hidden_act={act!r}; DFlash drafters use a SwiGLU MLP ('silu'). "
+                                "Fix hidden_act if it was copied from elsewhere.")
+        softcap = draft_value("final_logit_softcapping")
+        num_target_layers = raw.get("num_target_layers")
+        cfg = cls(
+            hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+            num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope_theta=float(rope_theta),
+            block_size=block_size, target_layer_ids=[int(i) for i in ids], mask_token_id=int(mask_id),
+            layer_types=list(layer_types),
+            sliding_window=int(window) if "sliding_attention" in layer_types else None,
+            attention_bias=bool(raw.get("attention_bias", False)),
+            is_causal=None if draft_value("is_causal") is None else bool(draft_value("is_causal")),
+            output_multiplier=float(draft_value("output_multiplier", 1.0)),
+            final_logit_softcapping=float(softcap) if softcap else None,
+            input_embedding_scale=float(draft_value("input_embedding_scale", 1.0)),
+            num_target_layers=int(num_target_layers) if num_target_layers is not None else None,
+            vocab_size=int(raw["vocab_size"]) if raw.get("vocab_size") is not None else None,
+        )
+        if cfg.num_target_layers is not None and max(cfg.target_layer_ids) >= cfg.num_target_layers:
+            raise BadInputError(f"{source}: target_layer_ids {cfg.target_layer_ids} reach past "
+                                f"num_target_layers={cfg.num_target_layers}. Fix the ids or num_target_layers.")
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        """A config.json in the reference layout (``sgl-project/SpecForge: configs/*-dflash.json``)."""
+        out: dict[str, Any] = {
+            "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+            "hidden_size": self.hidden_size, "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim, "intermediate_size": self.intermediate_size,
+            "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "hidden_act": "silu",
+            "attention_bias": self.attention_bias, "layer_types": list(self.layer_types),
+            "block_size": self.block_size, "tie_word_embeddings": False,
+            "dflash_config": {"target_layer_ids": list(self.target_layer_ids),
+                              "mask_token_id": self.mask_token_id},
+        }
+        if self.sliding_window is not None:
+            out["sliding_window"] = self.sliding_window
+            out["use_sliding_window"] = True
+        if self.num_target_layers is not None:
+            out["num_target_layers"] = self.num_target_layers
+        if self.vocab_size is not None:
+            out["vocab_size"] = self.vocab_size
+        if self.is_causal is not None:
+            out["dflash_config"]["is_causal"] = self.is_causal
+        if self.output_multiplier != 1.0:
+            out["dflash_config"]["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping:
+            out["dflash_config"]["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.input_embedding_scale != 1.0:
+            out["dflash_config"]["input_embedding_scale"] = self.input_embedding_scale
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Target embedding / LM head
+# --------------------------------------------------------------------------------------------
+
+@dataclass
+class TargetHead:
+    """The target's frozen token embedding and LM head (the drafter has neither, §1.1)."""
+
+    embed_tokens: torch.Tensor      # [V, H]
+    lm_head: torch.Tensor           # [V, H]; the embedding itself for tied targets
+    tied: bool = False
+    num_layers: int | None = None   # target depth, when config.json says it
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.embed_tokens.shape[1])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.lm_head.shape[0])
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed_tokens)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head.to(hidden.dtype))
+
+
+_EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+                "language_model.model.embed_tokens.weight", "embed_tokens.weight",
+                "transformer.wte.weight")
+_LM_HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight", "language_model.lm_head.weight")
+
+
+def _safetensors_files(model_dir: Path, what: str) -> dict[str, Path]:
+    """Map tensor name -> file for a (possibly sharded) safetensors checkpoint directory."""
+    from safetensors import safe_open
+
+    if not model_dir.is_dir():
+        raise BadInputError(f"{what}: {model_dir} is not a directory. Pass the model directory "
+                            "(the one holding config.json and *.safetensors).")
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError) as exc:
+            raise BadInputError(f"{what}: {index} is not a valid safetensors index ({exc}). "
+                                "Re-download the checkpoint.") from exc
+        return {name: model_dir / fname for name, fname in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise BadInputError(f"{what}: no *.safetensors file in {model_dir}. Download the weights "
+                            "(only safetensors checkpoints are supported).")
+    names: dict[str, Path] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            for name in sf.keys():
+                names[name] = f
+    return names
+
+
+def _read_tensors(files: dict[str, Path], wanted: Iterable[str], device, dtype) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    by_file: dict[Path, list[str]] = {}
+    for name in wanted:
+        by_file.setdefault(files[name], []).append(name)
+    out = {}
+    for f, names in by_file.items():
+        if not f.exists():
+            raise BadInputError(f"{f} is named in the safetensors index but missing. Re-download the checkpoint.")
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in names:
+                out[name] = sf.get_tensor(name).to(device=device, dtype=dtype)
+    return out
+
+
+def _read_config(model_dir: Path) -> dict:
+    path = model_dir / "config.json"
+    if not path.exists():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise BadInputError(f"{path}: not valid JSON ({exc}). Fix or re-download the file.") from exc
+
+
+def load_target_head(target_dir: str | Path, device: str | torch.device = "cpu",
+                     dtype: torch.dtype = torch.float32) -> TargetHead:
+    """Read only the target's ``embed_tokens`` and ``lm_head`` tensors (no full model load).
+
+    Handles sharded checkpoints (``model.safetensors.index.json``), multimodal name prefixes
+    (``model.language_model.embed_tokens.weight``) and tied embeddings (no lm_head tensor).
+    """
+    target_dir = Path(target_dir)
+    files = _safetensors_files(target_dir, "target checkpoint")
+    cfg = _read_config(target_dir)
+    text_cfg = cfg.get("text_config") or cfg
+    embed_name = next((n for n in _EMBED_NAMES if n in files), None)
+    if embed_name is None:
+        raise BadInputError(f"target checkpoint {target_dir}: no embedding tensor (looked for "
+                            f"{', '.join(_EMBED_NAMES)}). Pass the target model directory, not the drafter's.")
+    head_name = next((n for n in _LM_HEAD_NAMES if n in files), None)
+    tie_flag = cfg.get("tie_word_embeddings", text_cfg.get("tie_word_embeddings"))
+    if head_name is None and tie_flag is False:
+        raise BadInputError(f"target checkpoint {target_dir}: config.json says tie_word_embeddings=false "
+                            "but there is no lm_head.weight tensor. The checkpoint is incomplete; re-download it.")
+    tensors = _read_tensors(files, [embed_name] + ([head_name] if head_name else []), device, dtype)
+    embed = tensors[embed_name]
+    lm_head = tensors[head_name] if head_name else embed
+    if lm_head.shape[1] != embed.shape[1]:
+        raise BadInputError(f"target checkpoint {target_dir}: {head_name} is {tuple(lm_head.shape)} but "
+                            f"{embed_name} is {tuple(embed.shape)}. The checkpoint is inconsistent.")
+    n_layers = text_cfg.get("num_hidden_layers")
+    return TargetHead(embed_tokens=embed, lm_head=lm_head, tied=head_name is None,
+                      num_layers=int(n_layers) if n_layers is not None else None)
+
+
+# --------------------------------------------------------------------------------------------
+# Modules
+# --------------------------------------------------------------------------------------------
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 and cast back before the weight, like Qwen3RMSNorm, so bf16 runs
+        # round the same way the reference does.
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rope:
+    """Plain RoPE tables (Qwen3 layout: the two halves of head_dim share frequencies)."""
+
+    def __init__(self, head_dim: int, theta: float):
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return x * cos + _rotate_half(x) * sin
+
+
+class DFlashLayer(nn.Module):
+    """One Qwen3-style pre-norm decoder layer whose attention also sees injected context K/V."""
+
+    def __init__(self, cfg: DFlashConfig, idx: int):
+        super().__init__()
+        h, nh, kvh, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.self_attn = nn.Module()
+        self.self_attn.q_proj = nn.Linear(h, nh * hd, bias=cfg.attention_bias)
+        self.self_attn.k_proj = nn.Linear(h, kvh * hd, bias=cfg.attention_bias)
+        self.self_attn.v_proj = nn.Linear(h, kvh * hd, bias=cfg.attention_bias)
+        self.self_attn.o_proj = nn.Linear(nh * hd, h, bias=cfg.attention_bias)
+        self.self_attn.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.self_attn.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.mlp = nn.Module()
+        self.mlp.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.mlp.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.mlp.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.num_heads, self.num_kv_heads, self.head_dim = nh, kvh, hd
+        layer_type = cfg.layer_types[idx]
+        self.sliding_window = cfg.sliding_window if layer_type == "sliding_attention" else None
+        # Later z-lab code: sliding layers are causal, full layers bidirectional, unless the
+        # config says otherwise (dflash.md §1.5).
+        self.is_causal = (layer_type == "sliding_attention") if cfg.is_causal is None else cfg.is_causal
+
+    def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = self.mlp
+        return m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+
+    def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Keys/values of ``x`` [..., L, H] -> ([..., kvh, L, hd], [..., kvh, L, hd])."""
+        a = self.self_attn
+        shape = x.shape[:-1] + (self.num_kv_heads, self.head_dim)
+        k = a.k_norm(a.k_proj(x).view(shape)).transpose(-3, -2)
+        v = a.v_proj(x).view(shape).transpose(-3, -2)
+        return Rope.apply(k, cos.unsqueeze(-3), sin.unsqueeze(-3)), v
+
+    def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        a = self.self_attn
+        shape = x.shape[:-1] + (self.num_heads, self.head_dim)
+        q = a.q_norm(a.q_proj(x).view(shape)).transpose(-3, -2)
+        return Rope.apply(q, cos.unsqueeze(-3), sin.unsqueeze(-3))
+
+
+class DFlashDrafter(nn.Module):
+    """A DFlash drafter (no embedding, no LM head: both come from the target, §1.1)."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = nn.Linear(len(config.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rope = Rope(config.head_dim, config.rope_theta)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.config.target_layer_ids)
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    # ---- loading ----------------------------------------------------------------------------
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32) -> "DFlashDrafter":
+        path = Path(path)
+        cfg_path = path / "config.json"
+        if not cfg_path.exists():
+            raise BadInputError(f"drafter checkpoint {path}: no config.json. Pass the drafter directory "
+                                "(config.json + *.safetensors).")
+        config = DFlashConfig.from_dict(_read_config(path), source=str(cfg_path))
+        files = _safetensors_files(path, f"drafter checkpoint {path}")
+        with torch.device("meta"):
+            model = cls(config)
+        expected = dict(model.named_parameters())
+
+        def canonical(name: str) -> str:
+            return name[len("model."):] if name.startswith("model.") else name
+
+        dflash2 = sorted(n for n in files if any(m in n for m in _DFLASH2_TENSOR_MARKERS))
+        if dflash2:
+            raise BadInputError(f"drafter checkpoint {path}: tensors {dflash2[:3]} belong to a DFlash2 drafter, "
+                                "which this evaluator does not implement. Use a DFlash (v1) drafter.")
+        source_of = {}
+        for name in files:
+            c = canonical(name)
+            if c in expected:
+                if c in source_of:
+                    raise BadInputError(f"drafter checkpoint {path}: both '{source_of[c]}' and '{name}' "
+                                        "are present. Keep one naming (with or without 'model.').")
+                source_of[c] = name
+        missing = sorted(set(expected) - set(source_of))
+        if missing:
+            raise BadInputError(
+                f"drafter checkpoint {path}: missing tensors {missing[:6]}{' ...' if len(missing) > 6 else ''} "
+                f"(config.json says num_hidden_layers={config.num_hidden_layers}, attention_bias="
+                f"{config.attention_bias}). Fix config.json or use a complete checkpoint with the reference names "
+                "(fc.weight, hidden_norm.weight, layers.{i}.self_attn.q_proj.weight, ..., norm.weight).")
+        tensors = _read_tensors(files, source_of.values(), device, dtype)
+        state = {}
+        for c, name in source_of.items():
+            t, want = tensors[name], tuple(expected[c].shape)
+            if tuple(t.shape) != want:
+                if c == "fc.weight":
+                    n_ids = len(config.target_layer_ids)
+                    raise BadInputError(
+                        f"drafter checkpoint {path}: fc.weight is {tuple(t.shape)} but config.json "
+                        f"(dflash_config.target_layer_ids has {n_ids} ids, hidden_size={config.hidden_size}) "
+                        f"needs {want} = [hidden, n_ids*hidden]. Fix target_layer_ids or hidden_size in config.json.")
+                raise BadInputError(f"drafter checkpoint {path}: tensor '{name}' is {tuple(t.shape)}, config.json "
+                                    f"implies {want}. Fix config.json (hidden_size, head_dim, heads, "
+                                    "intermediate_size) to match the weights.")
+            state[c] = t
+        model = model.to_empty(device=device).to(dtype)
+        model.load_state_dict(state, strict=True)
+        model.rope = Rope(config.head_dim, config.rope_theta)
+        return model.eval()
+
+    # ---- forward pieces ---------------------------------------------------------------------
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """``hidden_norm(fc(C))`` for context features [T, n_ids*H] (§1.3)."""
+        want = len(self.config.target_layer_ids) * self.config.hidden_size
+        if features.shape[-1] != want:
+            raise BadInputError(
+                f"context features are {features.shape[-1]} wide but the drafter needs "
+                f"{len(self.config.target_layer_ids)} target layers x hidden {self.config.hidden_size} = {want}. "
+                "Capture the layers in dflash_config.target_layer_ids of this drafter from the matching target.")
+        return self.hidden_norm(self.fc(features.to(self.dtype)))
+
+    def context_kv(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer context keys/values [kvh, T, hd] for features of positions 0..T-1 (§6 step 1)."""
+        z = self.project_context(features)
+        cos, sin = self.rope.cos_sin(torch.arange(z.shape[0], device=z.device), z.dtype)
+        return [layer.kv(z, cos, sin) for layer in self.layers]
+
+    def compute_logits(self, hidden: torch.Tensor, head: TargetHead) -> torch.Tensor:
+        """``lm_head(norm(h))`` in float32, with the optional multiplier and soft-cap (§1.7)."""
+        logits = head.logits(self.norm(hidden)).float()
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def _block_inputs(self, head: TargetHead, root_tokens: torch.Tensor) -> torch.Tensor:
+        n, B = root_tokens.shape[0], self.block_size
+        ids = torch.full((n, B), self.mask_token_id, dtype=torch.long, device=root_tokens.device)
+        ids[:, 0] = root_tokens
+        emb = head.embed(ids).to(self.dtype)
+        if self.config.input_embedding_scale != 1.0:
+            emb = emb * self.config.input_embedding_scale
+        return emb
+
+    def block_logits(self, ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], roots: torch.Tensor,
+                     root_tokens: torch.Tensor, head: TargetHead) -> torch.Tensor:
+        """Draft logits [n, B-1, V] (float32) for blocks rooted at ``roots`` (ascending is fastest).
+
+        All n blocks run in one batched pass; block r attends to context keys t < roots[r] plus
+        its own B tokens. Differentiable (the tiny trainer uses it).
+        """
+        B = self.block_size
+        roots = roots.to(self.device)
+        offs = torch.arange(B, device=self.device)
+        qpos = roots[:, None] + offs                                     # [n, B]
+        cos, sin = self.rope.cos_sin(qpos, self.dtype)                   # [n, B, hd]
+        t_ctx = int(roots.max().item()) if roots.numel() else 0
+        kpos = torch.arange(t_ctx, device=self.device)
+        ctx_mask = kpos[None, None, :] < roots[:, None, None]            # [n, 1, Tc] -> row per query below
+        ctx_mask = ctx_mask.expand(-1, B, -1)
+        h = self._block_inputs(head, root_tokens.to(self.device))
+        for layer, (k_ctx, v_ctx) in zip(self.layers, ctx_kv):
+            w = layer.sliding_window
+            cmask = ctx_mask if w is None else ctx_mask & (qpos[:, :, None] - kpos[None, None, :] < w)
+            bmask = torch.ones(B, B, dtype=torch.bool, device=self.device)
+            if layer.is_causal:
+                bmask = offs[None, :] <= offs[:, None]
+            if w is not None:
+                bmask = bmask & ((offs[:, None] - offs[None, :]).abs() < w)
+            x = layer.input_layernorm(h)
+            q = layer.q(x, cos, sin)                                     # [n, nh, B, hd]
+            k_blk, v_blk = layer.kv(x, cos, sin)                         # [n, kvh, B, hd]
+            attn = _two_part_attention(q, k_ctx[:, :t_ctx], v_ctx[:, :t_ctx], k_blk, v_blk, cmask, bmask)
+            h = h + layer.self_attn.o_proj(attn)
+            h = h + layer.mlp_forward(layer.post_attention_layernorm(h))
+        return self.compute_logits(h[:, 1:], head)
+
+
+def _two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blk_mask):
+    """Softmax attention of block queries over [shared context keys ++ per-block keys].
+
+    q [n, nh, B, hd]; k_ctx/v_ctx [kvh, Tc, hd] shared by all blocks; k_blk/v_blk
+    [n, kvh, B, hd]; ctx_mask [n, B, Tc]; blk_mask [B, B]. One softmax over both score parts is
+    exactly attention with the training-style block mask. The context part is one matmul per
+    KV head with all blocks' queries stacked as rows, so the context keys are never copied (or,
+    in training, gradient-summed) per block. Scores and softmax run in float32.
+    """
+    n, nh, B, hd = q.shape
+    kvh, tc = k_ctx.shape[0], k_ctx.shape[1]
+    g = nh // kvh
+    # [kvh, n, g, B, hd]: query head h = kv_head * g + i, the grouping HF's repeat_kv uses.
+    qf = (q.float() * (hd ** -0.5)).reshape(n, kvh, g, B, hd).transpose(0, 1)
+    s_ctx = (qf.reshape(kvh, n * g * B, hd) @ k_ctx.float().transpose(-1, -2)).view(kvh, n, g, B, tc)
+    kb = k_blk.float().transpose(0, 1)[:, :, None]                      # [kvh, n, 1, B, hd]
+    vb = v_blk.float().transpose(0, 1)[:, :, None]
+    s_blk = qf @ kb.transpose(-1, -2)                                   # [kvh, n, g, B, B]
+    # Softmax over the two parts without concatenating them (saves copying the score tensor):
+    # shared max, exponentiate each part, normalise after the value products. Every query sees
+    # at least its own block token, so the max is finite.
+    s_ctx = s_ctx.masked_fill_(~ctx_mask[None, :, None], float("-inf"))
+    s_blk = s_blk.masked_fill_(~blk_mask, float("-inf"))
+    m = s_blk.amax(-1, keepdim=True)
+    if tc:
+        m = torch.maximum(m, s_ctx.amax(-1, keepdim=True))
+    e_ctx = (s_ctx - m).exp_()
+    e_blk = (s_blk - m).exp_()
+    denom = e_ctx.sum(-1, keepdim=True) + e_blk.sum(-1, keepdim=True)
+    out = (e_ctx.view(kvh, n * g * B, tc) @ v_ctx.float()).view(kvh, n, g, B, hd) + e_blk @ vb
+    out = out / denom
+    return out.permute(1, 3, 0, 2, 4).reshape(n, B, nh * hd).to(q.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Scoring roots
+# --------------------------------------------------------------------------------------------
+
+def check_compatible(drafter: DFlashDrafter, head: TargetHead) -> None:
+    """Raise BadInputError when the drafter cannot run on this target (hidden size, depth, MASK row)."""
+    cfg = drafter.config
+    if head.hidden_size != cfg.hidden_size:
+        raise BadInputError(f"drafter hidden_size={cfg.hidden_size} but the target's embedding is "
+                            f"{head.hidden_size} wide. Use the drafter trained for this target.")
+    if head.num_layers is not None and max(cfg.target_layer_ids) >= head.num_layers:
+        raise BadInputError(f"drafter dflash_config.target_layer_ids={cfg.target_layer_ids} but the target has "
+                            f"{head.num_layers} layers. Use the drafter trained for this target.")
+    if not 0 <= cfg.mask_token_id < head.embed_tokens.shape[0]:
+        raise BadInputError(f"drafter dflash_config.mask_token_id={cfg.mask_token_id} is outside the target "
+                            f"embedding ({head.embed_tokens.shape[0]} rows). Use the drafter trained for this target.")
+
+
+def _check_roots(roots: Sequence[int], n_tokens: int, n_features: int) -> list[int]:
+    roots = [int(r) for r in roots]
+    for r in roots:
+        if not 0 <= r < n_tokens:
+            raise ValueError(f"root {r} is outside the token sequence (length {n_tokens})")
+        if r > n_features:
+            raise ValueError(f"root {r} needs context features of positions < {r}, only {n_features} given")
+    return roots
+
+
+def iter_score_roots(drafter: DFlashDrafter, head: TargetHead, context_features: torch.Tensor,
+                     token_ids: torch.Tensor, roots: Sequence[int], *, max_batch_roots: int = 256,
+                     max_score_elems: int = 1 << 25):
+    """Yield ``(indices, logits)`` chunk by chunk, where ``indices`` index into ``roots``.
+
+    Lets a caller reduce each chunk (argmax, top-k) without holding [R, B-1, V] logits at once
+    (a 151k vocabulary makes that ~9 MB per root). Roots are processed in ascending order so a
+    chunk only needs the context up to its largest root. A chunk holds as many roots as fit both
+    ``max_batch_roots`` and ``max_score_elems`` float32 attention scores (heads x B x context per
+    root; the default 2**25 is ~128 MB per score tensor, about 30 roots of 2k context for a
+    Qwen3-8B drafter): raise it on a large GPU for fewer passes.
+    """
+    check_compatible(drafter, head)
+    token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+    roots = _check_roots(roots, token_ids.shape[0], context_features.shape[0])
+    if not roots:
+        return
+    cfg = drafter.config
+    order = sorted(range(len(roots)), key=lambda i: roots[i])
+    with torch.inference_mode():
+        ctx_kv = drafter.context_kv(context_features.to(drafter.device))
+        per_root = cfg.num_attention_heads * cfg.block_size
+        start = 0
+        while start < len(order):
+            stop = start + 1
+            while (stop < len(order) and stop - start < max_batch_roots
+                   and (stop - start + 1) * per_root * (roots[order[stop]] + cfg.block_size) <= max_score_elems):
+                stop += 1
+            idx = order[start:stop]
+            r = torch.tensor([roots[i] for i in idx], dtype=torch.long, device=drafter.device)
+            logits = drafter.block_logits(ctx_kv, r, token_ids.to(drafter.device)[r], head)
+            yield idx, logits
+            start = stop
+
+
+def score_roots(drafter: DFlashDrafter, head: TargetHead, context_features: torch.Tensor,
+                token_ids: torch.Tensor, roots: Sequence[int], *, max_batch_roots: int = 256,
+                max_score_elems: int = 1 << 25) -> torch.Tensor:
+    """Draft logits (float32) [len(roots), B-1, V] for the blocks rooted at each p in ``roots``.
+
+    ``context_features`` [T, n_ids*H] are the target features of the sequence (rows >= max(roots)
+    are never read); ``token_ids`` [T'] the sequence tokens (only ``token_ids[p]`` is read). Rows are
+    in the order of ``roots``. Equal (to float rounding) to :func:`score_roots_one_at_a_time`.
+    """
+    out = None
+    for idx, logits in iter_score_roots(drafter, head, context_features, token_ids, roots,
+                                        max_batch_roots=max_batch_roots, max_score_elems=max_score_elems):
+        if out is None:
+            out = logits.new_empty((len(roots),) + tuple(logits.shape[1:]))
+        out[torch.tensor(idx, device=logits.device)] = logits
+    if out is None:
+        return torch.empty((0, drafter.block_size - 1, head.vocab_size))
+    return out
+
+
+def _reference_block(drafter: DFlashDrafter, head: TargetHead, features: torch.Tensor, root: int,
+                     root_token: torch.Tensor) -> torch.Tensor:
+    """One block the way the online loop runs it: project C[:p], attend over cat(ctx, block)."""
+    cfg, B = drafter.config, drafter.block_size
+    z = drafter.project_context(features[:root])
+    pos = torch.arange(root + B, device=drafter.device)
+    cos, sin = drafter.rope.cos_sin(pos, drafter.dtype)
+    h = drafter._block_inputs(head, root_token.reshape(1))[0]          # [B, H]
+    for layer in drafter.layers:
+        x = layer.input_layernorm(h)
+        q = layer.q(x, cos[root:], sin[root:])                          # [nh, B, hd]
+        k_c, v_c = layer.kv(z, cos[:root], sin[:root])
+        k_b, v_b = layer.kv(x, cos[root:], sin[root:])
+        k, v = torch.cat([k_c, k_b], dim=1), torch.cat([v_c, v_b], dim=1)
+        mask = None
+        if layer.is_causal or layer.sliding_window is not None:
+            qp, kp = pos[root:, None], pos[None, :]
+            mask = torch.ones(B, root + B, dtype=torch.bool, device=drafter.device)
+            if layer.is_causal:
+                mask &= kp <= qp
+            if layer.sliding_window is not None:
+                mask &= (qp - kp < layer.sliding_window) & (kp - qp < layer.sliding_window)
+        rep = cfg.num_attention_heads // cfg.num_key_value_heads
+        attn = F.scaled_dot_product_attention(q[None].float(), k.repeat_interleave(rep, 0)[None].float(),
+                                              v.repeat_interleave(rep, 0)[None].float(), attn_mask=mask)
+        attn = attn[0].transpose(0, 1).reshape(B, -1).to(drafter.dtype)
+        h = h + layer.self_attn.o_proj(attn)
+        h = h + layer.mlp_forward(layer.post_attention_layernorm(h))
+    return drafter.compute_logits(h[1:], head)
+
+
+def score_roots_one_at_a_time(drafter: DFlashDrafter, head: TargetHead, context_features: torch.Tensor,
+                              token_ids: torch.Tensor, roots: Sequence[int], **_ignored) -> torch.Tensor:
+    """Slow reference for :func:`score_roots`: one block per root, context re-projected each time."""
+    check_compatible(drafter, head)
+    token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+    roots = _check_roots(roots, token_ids.shape[0], context_features.shape[0])
+    feats = context_features.to(drafter.device)
+    with torch.inference_mode():
+        rows = [_reference_block(drafter, head, feats, p, token_ids[p].to(drafter.device)) for p in roots]
+    if not rows:
+        return torch.empty((0, drafter.block_size - 1, head.vocab_size))
+    return torch.stack(rows)
+
+
+# --------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------
+
+def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` with the reference parameter names (§1.8)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def init_drafter_weights(model: DFlashDrafter, seed: int, std: float = 0.02) -> DFlashDrafter:
+    """Deterministic random init (normal(0, std) linears, unit norms), independent of torch's global RNG."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    return model
+
