@@ -13,6 +13,8 @@ The tree (exit code in brackets)::
     │   ├── ServerTimeout                                 connect or read timed out
     │   ├── ServerNotReady                                answers, but not ready (503, loading)
     │   └── ServerHTTPError                               4xx/5xx, malformed body, wrong model
+    ├── StoreWriteError (OSError)                    [2]  the store cannot take writes (disk full,
+    │                                                      quota, read-only, permissions)
     ├── IntegrityError (OSError)                     [5]  digest mismatch, corrupt or partial artifact
     │   └── UntrustedManifestError                        a manifest that fails validation
     ├── BadInputError (ValueError)                   [6]  prompts, model, checkpoint, layer ids
@@ -102,6 +104,22 @@ class ServerHTTPError(NetworkError):
         super().__init__(message, url)
         self.status = status
         self.server_message = server_message
+
+
+class StoreWriteError(DfcacheError, OSError):
+    """The store refused a write: its filesystem is full, over quota, read-only or not ours.
+
+    Exit 2, like a --store that cannot be created: the store given is not usable as it is. The
+    partial artifact is dropped (a resumable stage keeps its checkpointed progress)."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        DfcacheError.__init__(self, message)
+        self.path = path
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class IntegrityError(DfcacheError, OSError):

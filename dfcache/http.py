@@ -30,15 +30,18 @@ import socket
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
-
-import requests
-from requests.adapters import HTTPAdapter
 
 from .config import offline_from_env
 from .errors import (ConnectionRefused, NetworkError, OfflineModeIsEnabled, ServerHTTPError,
                      ServerNotReady, ServerTimeout, ServerUnreachable, UsageError)
+
+if TYPE_CHECKING:
+    import requests
+
+# requests is imported where a request is made, not here: importing urllib3 opens a socket (its
+# IPv6 probe), and a run whose artifacts are all cached, or an offline one, opens none.
 
 DEFAULT_TIMEOUT = 600.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
@@ -122,6 +125,9 @@ class HttpClient:
         self.offline = bool(offline)
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
+        import requests
+        from requests.adapters import HTTPAdapter
+
         self.session = requests.Session()
         # max_retries=0: urllib3 would otherwise retry failed connects on its own.
         adapter = HTTPAdapter(max_retries=0, pool_connections=4, pool_maxsize=max(1, int(pool_size)))
@@ -151,6 +157,8 @@ class HttpClient:
                 f"not contact {url}; use artifacts already in the store, or turn offline mode off "
                 "to reach the server.", url=url)
         read = self.timeout if timeout is None else float(timeout)
+        import requests
+
         try:
             resp = self.session.request(method, url, json=json,
                                         timeout=(min(self.connect_timeout, read), read))
@@ -199,6 +207,8 @@ class HttpClient:
     @staticmethod
     def _map_exception(e: requests.exceptions.RequestException, method: str, url: str,
                        read_timeout: float) -> DfcacheErrorLike:
+        import requests
+
         where = _host_port(url)
         if isinstance(e, requests.exceptions.ConnectTimeout):
             return ServerTimeout(f"connecting to {url} timed out; check that {where} is the right "
@@ -320,7 +330,9 @@ def wait_ready(base_url: str, wait_seconds: float = 0.0, progress: ProgressArg =
             if elapsed >= wait:
                 show(f"waiting for server at {base}: {min(elapsed, wait):.1f}/{wait:g} s "
                      f"({_short_reason(last)})", final=True)
-                message = f"the server at {base} was not ready after waiting {wait:g} s; last check: {last.message}"
+                # The check's own fix may say "pass --wait-server SECONDS": it was passed.
+                detail = last.message.replace("pass --wait-server SECONDS", "pass a larger --wait-server")
+                message = f"the server at {base} was not ready after waiting {wait:g} s; last check: {detail}"
                 if isinstance(last, ServerHTTPError):
                     raise ServerHTTPError(message, url=last.url, status=last.status,
                                           server_message=last.server_message)

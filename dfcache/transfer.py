@@ -357,13 +357,12 @@ def _verify(m: Manifest, rel: str, kind: str, detail, data: bytes, direction: st
             if meta.get("node_type") != "group":
                 raise IntegrityError(f"zarr.json of artifact {key} is not a group. {fix}", key=key)
             return
-        spec = m.arrays[detail]
-        grid = ((meta.get("chunk_grid") or {}).get("configuration") or {}).get("chunk_shape")
-        if (meta.get("node_type") != "array" or meta.get("shape") != spec.shape
-                or meta.get("data_type") != spec.storage_dtype or not isinstance(grid, list)
-                or not grid or grid[0] != spec.chunk_rows):
-            raise IntegrityError(f"{rel} of artifact {key} disagrees with the manifest (shape, dtype or "
-                                 f"chunks of array {detail}). {fix}", key=key)
+        from .store._store import array_meta_problem
+
+        problem = array_meta_problem(meta, m.arrays[detail])
+        if problem:
+            raise IntegrityError(f"{rel} of artifact {key} disagrees with the manifest (array {detail}: "
+                                 f"{problem}). {fix}", key=key)
         return
     import numpy as np
 

@@ -57,10 +57,16 @@ def _make_command(mode: str):
         remote: Optional[List[str]] = typer.Option(None, "--remote", help="A remote store to look in before computing (repeatable)."),
         endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
         json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
+        store: Optional[str] = typer.Option(None, "--store", help="Store path or URL (as before the command)."),
+        debug: bool = typer.Option(False, "--debug", help="Show tracebacks (as before the command)."),
         no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
     ) -> None:
         from dfcache.config import offline_from_env
 
+        # DESIGN §7 puts --store (and scripts put --debug) after the command, too.
+        if store is not None:
+            state.store_location = store
+        state.debug = state.debug or debug
         if server is not None:
             # --server alone means "completions from that server": silently generating locally
             # (the default) while a server was named would cost hours on a large target.
@@ -145,7 +151,7 @@ def _run_argv(ctx: typer.Context, target: str) -> list[str]:
     if root is not ctx:
         add(root, skip=("version", "debug"))
     args += ["run", target]
-    add(ctx)
+    add(ctx, skip=("debug",))
     return args
 
 
@@ -162,10 +168,19 @@ def open_remotes(opts: EvalOptions) -> list:
     names = opts.remotes or load_config().default_remotes
     if not names:
         return []
+    from dfcache.errors import OfflineModeIsEnabled
     from dfcache.transfer import open_remote
 
-    return [open_remote(name, endpoint_url=opts.endpoint_url, offline=opts.offline, create=False)
-            for name in names]
+    remotes = []
+    for name in names:
+        try:
+            remotes.append(open_remote(name, endpoint_url=opts.endpoint_url, offline=opts.offline, create=False))
+        except OfflineModeIsEnabled:
+            # Offline, a network remote is simply not consulted (it must not fail a run that has
+            # everything it needs locally); what is missing is then reported as needing the network.
+            print(f"note: offline mode is on, so remote {name} (it needs the network) is not consulted.",
+                  file=sys.stderr, flush=True)
+    return remotes
 
 
 def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None = None):

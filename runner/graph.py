@@ -15,6 +15,7 @@ Offline, every missing node that needs the network is reported together before a
 from __future__ import annotations
 
 import importlib
+import shlex
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -101,7 +102,7 @@ class RunContext:
             if any(a.startswith(d + "=") for d in drop):
                 continue
             args.append(a)
-        cmd = "dfcache " + " ".join(args)
+        cmd = "dfcache " + shlex.join(args)  # quoted, so it can be pasted into a shell
         return cmd + (f" {add}" if add else "")
 
 

@@ -10,6 +10,7 @@
   (HTTP 500, garbage JSON, hanging, empty answer, 503 while "loading").
 - :class:`RecordingListener`: a TCP listener that counts connection attempts, to prove that a
   run opened none.
+- :class:`SilentListener`: a port that accepts connections and never answers (timeouts).
 - :func:`run_pipeline`: build the graph up to a stage, resolve it and execute it, as the CLI does.
 """
 
@@ -359,6 +360,27 @@ class RecordingListener:
         self.sock.close()
 
     def __enter__(self) -> "RecordingListener":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class SilentListener:
+    """A port that completes TCP handshakes (the kernel's backlog) but never reads or answers, like
+    a hung server: connecting succeeds and every request times out."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "SilentListener":
         return self
 
     def __exit__(self, *exc) -> None:

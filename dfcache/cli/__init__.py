@@ -63,6 +63,7 @@ def _register_all() -> None:
 
 
 _plugin_errors: list[str] = []
+_INTERRUPTED = "interrupted: committed artifacts are kept; run the same command again to resume."
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +80,13 @@ def main(argv: list[str] | None = None) -> int:
             for line in _plugin_errors:
                 err(f"error: {line}")
             return EXIT_INTERNAL
-        app(args=argv, prog_name="dfcache", standalone_mode=False)
+        rv = app(args=argv, prog_name="dfcache", standalone_mode=False)
+        if isinstance(rv, int) and not isinstance(rv, bool):
+            # typer turns Ctrl-C (KeyboardInterrupt) into Exit(130) and, outside standalone mode,
+            # returns the code instead of raising: without this a Ctrl-C'ed run exited 0, silently.
+            if rv == 130:
+                err(_INTERRUPTED)
+            return rv
         return 0
     except DfcacheError as e:
         if state.debug:
@@ -89,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         if state.debug:
             raise
-        err("interrupted: committed artifacts are kept; run the same command again to resume.")
+        err(_INTERRUPTED)
         return 130
     except typer.Exit as e:
         return e.exit_code

@@ -136,8 +136,11 @@ def register(app: typer.Typer) -> None:
                 print(f"BAD {k}: " + "; ".join(problems))
             print(f"{len(targets) + len(errors)} artifact(s) checked, {len(bad)} bad")
         if bad:
-            raise IntegrityError(f"{len(bad)} artifact(s) are corrupt or incomplete; delete them with "
-                                 "`dfcache gc --key KEY --yes` and recompute, or pull them again.")
+            names = ", ".join(k[:12] for k in list(bad)[:5]) + (", ..." if len(bad) > 5 else "")
+            one = next(iter(bad))[:12]
+            raise IntegrityError(f"{len(bad)} artifact(s) are corrupt or incomplete ({names}); delete them "
+                                 f"with `dfcache gc --bad --yes` (or one: `dfcache gc --key {one} --yes`) and "
+                                 "run again to recompute them, or pull them again.")
 
     @app.command("gc")
     def gc(dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be removed."),

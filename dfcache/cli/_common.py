@@ -26,7 +26,8 @@ def get_store(create: bool = True):
 
 
 def emit_json(obj) -> None:
-    sys.stdout.write(json.dumps(obj, indent=1, sort_keys=False, default=str) + "\n")
+    # Compact: indent= switches json to its pure-Python encoder, 3x slower on `ls` of 10k artifacts.
+    sys.stdout.write(json.dumps(obj, separators=(",", ":"), default=str) + "\n")
     sys.stdout.flush()
 
 

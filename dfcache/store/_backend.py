@@ -33,6 +33,9 @@ class Staging(ABC):
     def put(self, relpath: str, data) -> int:
         """Write one file from a bytes-like object or a list of them; return the bytes written."""
 
+    def flush(self) -> None:
+        """Wait until every file put so far is durable (a checkpoint relies on it)."""
+
     @abstractmethod
     def get(self, relpath: str) -> bytes | None:
         """Read back a staged file (used when a resumable writer resumes); None if absent."""
@@ -44,6 +47,11 @@ class Staging(ABC):
         Returns True if this writer's copy is the published one, False if another writer had
         already published the same key (then this copy is dropped; both callers succeed).
         """
+
+    def size(self, relpath: str) -> int | None:
+        """Size of a staged file, None if absent (a resumable writer checks its progress with it)."""
+        data = self.get(relpath)
+        return None if data is None else len(data)
 
     @abstractmethod
     def abort(self) -> None:

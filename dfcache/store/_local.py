@@ -18,17 +18,19 @@ lock dies with it). Locks are an optimisation of cleanup, never what makes commi
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
 import shutil
+import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import IntegrityError, UsageError
+from ..errors import IntegrityError, StoreWriteError, UsageError
 from ._backend import MANIFEST, Backend, Staging, Temporary
 
 STORE_MARKER = "dfcache-store.json"
@@ -58,6 +60,45 @@ def _dir_size(path: Path) -> int:
     return total
 
 
+# errnos that mean "this store cannot take the write", not "dfcache has a bug"
+_UNWRITABLE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+@contextlib.contextmanager
+def _writing(root: Path, key: str):
+    """Turn a full or read-only store into one clear StoreWriteError (exit 2)."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, StoreWriteError) or e.errno not in _UNWRITABLE:
+            raise
+        raise StoreWriteError(f"cannot write artifact {key[:12]} into the store {root}: {e.strerror}. Free "
+                              "space (`dfcache gc --dry-run` lists what can go) or fix its permissions, or pass "
+                              "another --store; then run again.", path=str(root)) from None
+
+
+_pool = None
+_pool_lock = threading.Lock()
+
+
+def _fsync_pool():
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dfcache-fsync")
+        return _pool
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _try_lock(fd: int) -> bool:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -77,14 +118,38 @@ class _LocalStaging(Staging):
         staging_root = backend.root / "staging"
         if resumable:
             self._lock_fd = backend._acquire_key_lock(key)
-            self.path = staging_root / f"{key}.resume"
-            self.path.mkdir(parents=True, exist_ok=True)
-        else:
-            self.path = staging_root / f"{key}.{uuid.uuid4().hex[:12]}.tmp"
-            self.path.mkdir(parents=True)
-        self._dir_fd = os.open(self.path, os.O_RDONLY)
-        fcntl.flock(self._dir_fd, fcntl.LOCK_EX)
+        # `gc` removes a staging directory that no live process holds. Between our mkdir and our
+        # flock nobody holds it, so a `gc --grace 0` may remove it there: after locking, check that
+        # the path is still the directory we locked, else make a new one.
+        while True:
+            if resumable:
+                self.path = staging_root / f"{key}.resume"
+                self.path.mkdir(parents=True, exist_ok=True)
+            else:
+                self.path = staging_root / f"{key}.{uuid.uuid4().hex[:12]}.tmp"
+                self.path.mkdir(parents=True)
+            try:
+                fd = os.open(self.path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                st = os.stat(self.path)
+                held = os.fstat(fd)
+                if (st.st_ino, st.st_dev) == (held.st_ino, held.st_dev):
+                    break
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+        self._dir_fd = fd
         self._made_dirs: set[str] = set()
+        self._pending: list = []
+
+    def size(self, relpath: str) -> int | None:
+        try:
+            return os.stat(self.path / relpath).st_size
+        except (FileNotFoundError, NotADirectoryError):
+            return None
 
     def _target(self, relpath: str) -> Path:
         p = self.path / relpath
@@ -95,6 +160,10 @@ class _LocalStaging(Staging):
         return p
 
     def put(self, relpath: str, data) -> int:
+        with _writing(self.backend.root, self.key):
+            return self._put(relpath, data)
+
+    def _put(self, relpath: str, data) -> int:
         p = self._target(relpath)
         # Resumable staging is visible to the next attempt, so each file is written whole or not
         # at all; a private staging directory is never read before publish.
@@ -102,12 +171,19 @@ class _LocalStaging(Staging):
         parts = data if isinstance(data, (list, tuple)) else [data]
         with open(tmp, "wb") as f:
             n = sum(f.write(part) for part in parts)
-            if self.resumable:
-                f.flush()
-                os.fsync(f.fileno())
         if self.resumable:
             os.replace(tmp, p)
+        # fsync in the background while the writer produces the next chunk: one at a time at
+        # commit cost 80% of a write (bench/write_variants.py); flush() waits for them.
+        self._pending.append(_fsync_pool().submit(_fsync_path, p))
         return n
+
+    def flush(self) -> None:
+        pending, self._pending = self._pending, []
+        errors = [f.exception() for f in pending]
+        for e in errors:
+            if e is not None:
+                raise e
 
     def get(self, relpath: str) -> bytes | None:
         try:
@@ -116,20 +192,16 @@ class _LocalStaging(Staging):
             return None
 
     def publish(self, manifest_bytes: bytes) -> bool:
+        with _writing(self.backend.root, self.key):
+            return self._publish(manifest_bytes)
+
+    def _publish(self, manifest_bytes: bytes) -> bool:
         # Make the data durable before the manifest, and the manifest before the rename.
-        for root, _dirs, files in os.walk(self.path):
-            for f in files:
-                fd = os.open(os.path.join(root, f), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+        self.flush()
         self.put(MANIFEST, manifest_bytes)
-        fd = os.open(self.path / MANIFEST, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        self.flush()
+        for d in {os.path.dirname(r) for r in self._made_dirs} | self._made_dirs | {""}:
+            _fsync_dir(self.path / d)
         final = self.backend._artifact_dir(self.key)
         final.parent.mkdir(parents=True, exist_ok=True)
         won = False
@@ -281,7 +353,8 @@ class LocalBackend(Backend):
         return True
 
     def open_staging(self, key: str, resumable: bool = False) -> Staging:
-        return _LocalStaging(self, key, resumable)
+        with _writing(self.root, key):
+            return _LocalStaging(self, key, resumable)
 
     def _acquire_key_lock(self, key: str) -> int:
         """Blocking exclusive lock for a key's resumable staging; robust to gc unlinking it."""
@@ -334,6 +407,15 @@ class LocalBackend(Backend):
                 return False  # may be a writer between mkdir and flock
             if name.startswith("artifacts/") and (path / MANIFEST).exists():
                 return False  # became an artifact meanwhile
+            if not name.endswith(".deleted"):
+                # Out of sight in one step, then removed: a gc killed half-way must not leave a
+                # resumable staging area whose progress names files that are gone.
+                grave = self.root / "staging" / f"{path.name}.{uuid.uuid4().hex[:12]}.deleted"
+                try:
+                    os.rename(path, grave)
+                except OSError:
+                    return False
+                path = grave
             shutil.rmtree(path, ignore_errors=True)
             return True
         finally:

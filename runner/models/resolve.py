@@ -99,6 +99,17 @@ def resolve_target(target: str | None, revision: str | None = None) -> Path:
     return snap
 
 
+_WEIGHT_FILES = re.compile(r"^(.*\.safetensors|pytorch_model.*\.bin|.*\.safetensors\.index\.json)$")
+
+
+def require_weights(model_dir: str | os.PathLike, why: str) -> None:
+    """Refuse, before any work, a model directory that has no weight files when the run must
+    load the model (a directory with only config and tokenizer is enough for tokens)."""
+    d = Path(model_dir)
+    if not any(f.is_file() and _WEIGHT_FILES.match(f.name) for f in d.iterdir()):
+        raise BadInputError(f"model {d} has no weights (no *.safetensors or pytorch_model*.bin file); {why}")
+
+
 def chat_template_text(model_dir: str | os.PathLike) -> str:
     """The chat template as stored in the model directory (text, not rendered).
 

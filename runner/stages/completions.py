@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from dfcache.errors import UsageError
 
 from ..graph import Node, RunContext
-from ..models.resolve import resolved_target
+from ..models.resolve import require_weights, resolved_target
 from . import prompts as prompts_stage
 
 NAME = "completions"
@@ -85,6 +85,8 @@ def build(ctx: RunContext, prompts_node: Node) -> Node:
     if kind == "local":
         from ..completion_sources import local_backend
 
+        require_weights(target.dir, "local completions run the model: pass the directory that holds its "
+                                    "weights with --target, or take completions from a server with --server URL.")
         backend = local_backend(opts, target.dir)
         inputs["backend"] = backend.to_key()
         return Node.make(NAME, VERSION, inputs=inputs, upstream={"prompts": prompts_node.key},

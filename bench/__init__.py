@@ -1,0 +1,16 @@
+"""dfcache benchmark suite: ``python -m bench`` (see docs/benchmarks.md).
+
+Each benchmark is a module with ``NAME`` and ``run(ctx) -> Result``; this table maps the names
+used by ``--only`` to the modules, in the order the suite runs them.
+"""
+
+BENCHMARKS = {
+    "write": "bench.write",
+    "read": "bench.read",
+    "size": "bench.size",
+    "noop-eval": "bench.noop_eval",
+    "ls": "bench.ls",
+    "fingerprint": "bench.fingerprint",
+    "eval-batching": "bench.eval_batching",
+    "gpu-extract": "bench.gpu_row",
+}

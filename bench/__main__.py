@@ -1,0 +1,281 @@
+"""``python -m bench``: run the dfcache benchmarks, print a table of ratios with targets, write JSON.
+
+    python -m bench                          # every benchmark, default (medium) sizes
+    python -m bench --size small             # or large, or a factor: --size 0.5
+    python -m bench --only write,read        # some of them
+    python -m bench --out bench/out/x.json   # default bench/out/latest.json
+    python -m bench --gpu-json gpu.json      # include GPU results made by bench/gpu_extract.py
+    python -m bench --markdown [--from JSON] [--doc docs/benchmarks.md]
+                                             # the table of a finished run, as markdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from . import BENCHMARKS
+from ._common import OUT_DIR, REPO, Ctx, Row, parse_size, rmtree
+
+DEFAULT_OUT = OUT_DIR / "latest.json"
+DOC_BEGIN = "<!-- BEGIN GENERATED: python -m bench --markdown -->"
+DOC_END = "<!-- END GENERATED -->"
+
+
+def machine_info() -> dict:
+    from importlib.metadata import PackageNotFoundError, version
+
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gib = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem_gib = round(int(line.split()[1]) / 2**20, 1)
+    except OSError:
+        pass
+    pkgs = {}
+    for p in ("dfcache", "numpy", "torch", "zarr", "safetensors", "transformers", "xxhash", "google-crc32c",
+              "numcodecs"):
+        try:
+            pkgs[p] = version(p)
+        except PackageNotFoundError:
+            pkgs[p] = None
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
+                                    text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    return {"cpu_model": cpu, "logical_cpus": os.cpu_count(),
+            "usable_cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+            "mem_gib": mem_gib, "kernel": platform.release(), "python": platform.python_version(),
+            "packages": pkgs, "git_commit": commit, "git_dirty": dirty}
+
+
+# ------------------------------------------------------------------------------------ output
+
+COLS = ("benchmark", "measure", "dfcache", "competitor", "ratio", "target", "result")
+
+
+def _cells(r: dict) -> list[str]:
+    return [r["bench"], r["measure"], r["dfcache"], r["competitor"], r["ratio_text"], r["target_text"],
+            r["status"]]
+
+
+def format_table(rows: list[dict]) -> str:
+    cells = [list(COLS)] + [_cells(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLS))]
+    widths[1] = min(widths[1], 72)
+    lines = []
+    for j, c in enumerate(cells):
+        parts = []
+        for i, v in enumerate(c):
+            if i == 1 and len(v) > widths[1]:
+                v = v[: widths[1] - 1] + "…"
+            parts.append(v.rjust(widths[i]) if i in (4,) else v.ljust(widths[i]))
+        lines.append("  ".join(parts).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    notes = [(i, r) for i, r in enumerate(rows, 1) if r.get("note")]
+    if notes:
+        lines.append("")
+        for i, r in notes:
+            lines.append(f"  [{r['bench']}] {r['measure']}: {r['note']}")
+    return "\n".join(lines)
+
+
+def format_markdown(doc: dict) -> str:
+    m = doc["meta"]
+    mach = m["machine"]
+    lines = [
+        f"Run of {m['date']} (took {m['duration_s']:.0f} s), size `{m['size']}` (factor {m['factor']:g}):",
+        "",
+        "```",
+        m["command"],
+        "```",
+        "",
+        f"Machine: {mach['cpu_model']}, {mach['usable_cpus']} usable of {mach['logical_cpus']} logical CPUs, "
+        f"{mach['mem_gib']} GiB RAM, Linux {mach['kernel']}, Python {mach['python']}; "
+        + ", ".join(f"{k} {v}" for k, v in mach["packages"].items() if v)
+        + f"; dfcache at git {mach['git_commit']}{' (uncommitted changes)' if mach['git_dirty'] else ''}. "
+        f"Load average at start {', '.join(f'{x:.2f}' for x in m['load_avg_start'])}, "
+        f"at end {', '.join(f'{x:.2f}' for x in m['load_avg_end'])} (colleagues' jobs share the machine).",
+        "",
+        "| benchmark | measure | dfcache | competitor | ratio | target | result |",
+        "|---|---|---|---|---:|---|---|",
+    ]
+    esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
+    for r in doc["rows"]:
+        lines.append("| " + " | ".join(esc(c) for c in _cells(r)) + " |")
+    notes = [r for r in doc["rows"] if r.get("note")]
+    if notes:
+        lines += ["", "Notes:", ""]
+        for r in notes:
+            lines.append(f"- **{esc(r['bench'])}**, {esc(r['measure'])}: {esc(r['note'])}")
+    extra = _markdown_details(doc)
+    if extra:
+        lines += [""] + extra
+    return "\n".join(lines) + "\n"
+
+
+def _markdown_details(doc: dict) -> list[str]:
+    out = []
+    w = doc["benchmarks"].get("write", {}).get("details", {})
+    bd = w.get("breakdown_s")
+    if bd:
+        gb = bd["bytes"] / 1e9
+        out += [f"Write path broken down ({bd['bytes'] / 1e6:.0f} MB, {bd['chunks']} chunks of "
+                f"{bd['chunk_rows']} rows, medians, seconds):", "",
+                "| piece | s | GB/s |", "|---|---:|---:|"]
+        for k, v in bd.items():
+            if k in ("chunk_rows", "chunks", "bytes"):
+                continue
+            out.append(f"| {k} | {v:.3f} | {gb / v:.2f} |" if v > 0 else f"| {k} | {v:.3f} | |")
+    prof = w.get("profile_dfcache_write")
+    if prof:
+        out += ["", f"cProfile of one dfcache write ({prof[0]['total_s']:.2f} s), top functions by own time:", "",
+                "| function | calls | own s | share |", "|---|---:|---:|---:|"]
+        for p in prof[1:11]:
+            out.append(f"| `{p['function']}` | {p['calls']} | {p['tottime_s']:.3f} | {p['share'] * 100:.0f} % |")
+    ls = doc["benchmarks"].get("ls", {}).get("details", {})
+    lprof = ls.get("profile_ls")
+    if lprof:
+        out += ["", f"cProfile of `dfcache ls --json` in-process over {ls.get('profile_n')} artifacts "
+                f"({lprof[0]['total_s']:.2f} s), top functions by own time:", "",
+                "| function | calls | own s | share |", "|---|---:|---:|---:|"]
+        for p in lprof[1:11]:
+            out.append(f"| `{p['function']}` | {p['calls']} | {p['tottime_s']:.3f} | {p['share'] * 100:.0f} % |")
+    return out
+
+
+def write_doc(doc_path: Path, md: str) -> None:
+    text = doc_path.read_text() if doc_path.exists() else ""
+    block = f"{DOC_BEGIN}\n{md}{DOC_END}"
+    if DOC_BEGIN in text and DOC_END in text:
+        head, rest = text.split(DOC_BEGIN, 1)
+        tail = rest.split(DOC_END, 1)[1]
+        text = head + block + tail
+    else:
+        text = text.rstrip("\n") + ("\n\n" if text else "") + block + "\n"
+    doc_path.write_text(text)
+
+
+# --------------------------------------------------------------------------------------- run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="medium", help="small | medium (default) | large | a factor (1 = medium)")
+    ap.add_argument("--only", default=None, help="comma-separated: " + ",".join(BENCHMARKS))
+    ap.add_argument("--out", default=str(DEFAULT_OUT), help="JSON results (default bench/out/latest.json)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per contender (default per benchmark)")
+    ap.add_argument("--gpu-json", default=None, help="GPU results made by bench/gpu_extract.py")
+    ap.add_argument("--noop-fill-timeout", type=float, default=600,
+                    help="seconds allowed for the untimed fill of the noop-eval example store (default 600)")
+    ap.add_argument("--keep-tmp", action="store_true", help="keep bench/out/tmp-* scratch data")
+    ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    ap.add_argument("--strict", action="store_true", help="exit 1 if a target fails or a benchmark errors")
+    ap.add_argument("--markdown", action="store_true", help="print the markdown table of a finished run")
+    ap.add_argument("--from", dest="from_json", default=str(DEFAULT_OUT), help="JSON to read with --markdown")
+    ap.add_argument("--doc", default=None, help="with --markdown: also write it into this file between markers")
+    args = ap.parse_args(argv)
+
+    if args.markdown:
+        doc = json.loads(Path(args.from_json).read_text())
+        md = format_markdown(doc)
+        if args.doc:
+            write_doc(Path(args.doc), md)
+            print(f"wrote the table of {args.from_json} into {args.doc}", file=sys.stderr)
+        else:
+            sys.stdout.write(md)
+        return 0
+
+    size_name, factor = parse_size(args.size)
+    names = list(BENCHMARKS)
+    if args.only:
+        names = [n.strip() for n in args.only.split(",") if n.strip()]
+        unknown = [n for n in names if n not in BENCHMARKS]
+        if unknown:
+            ap.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    work = OUT_DIR / f"tmp-{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(factor=factor, size_name=size_name, reps=args.reps, work=work, gpu_json=args.gpu_json,
+              verbose=not args.quiet, options={"noop_fill_timeout": args.noop_fill_timeout})
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = "python -m bench" + "".join(" " + shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv))
+    started = time.time()
+    doc = {"meta": {"date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "command": cmd,
+                    "size": size_name, "factor": factor, "machine": machine_info(),
+                    "load_avg_start": list(os.getloadavg()), "load_avg_end": None, "duration_s": None,
+                    "benchmarks_run": names},
+           "benchmarks": {}, "rows": []}
+
+    def save() -> None:
+        doc["meta"]["duration_s"] = round(time.time() - started, 1)
+        doc["meta"]["load_avg_end"] = list(os.getloadavg())
+        tmp = out_path.with_name(out_path.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        os.replace(tmp, out_path)
+
+    try:
+        for name in names:
+            print(f"== {name}", file=sys.stderr, flush=True)
+            t0 = time.time()
+            entry: dict = {}
+            try:
+                mod = importlib.import_module(BENCHMARKS[name])
+                res = mod.run(ctx)
+                entry = {"rows": [r.to_dict() for r in res.rows], "details": res.details}
+            except KeyboardInterrupt:
+                raise
+            except BaseException as e:  # one broken benchmark must not lose the others
+                tb = traceback.format_exc()
+                print(tb, file=sys.stderr)
+                row = Row(name, "benchmark crashed", status="ERROR", note=f"{type(e).__name__}: {e}"[:300])
+                entry = {"rows": [row.to_dict()], "details": {"traceback": tb}}
+            entry["elapsed_s"] = round(time.time() - t0, 1)
+            doc["benchmarks"][name] = entry
+            doc["rows"].extend(entry["rows"])
+            save()
+            print(f"   {name} took {entry['elapsed_s']:.0f} s", file=sys.stderr, flush=True)
+    finally:
+        if not args.keep_tmp:
+            rmtree(work)
+        save()
+
+    print()
+    print(f"dfcache benchmarks, size {size_name} (factor {factor:g}), {doc['meta']['date']}, "
+          f"{doc['meta']['machine']['cpu_model']} x{doc['meta']['machine']['usable_cpus']}")
+    print(format_table(doc["rows"]))
+    statuses = [r["status"] for r in doc["rows"]]
+    print()
+    print(f"{statuses.count('PASS')} pass, {statuses.count('FAIL')} fail, {statuses.count('ERROR')} error, "
+          f"{statuses.count('SKIPPED')} skipped, {statuses.count('INFO')} info; "
+          f"{doc['meta']['duration_s']:.0f} s; JSON in {out_path}")
+    if args.strict and any(s in ("FAIL", "ERROR") for s in statuses):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

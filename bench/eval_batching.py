@@ -1,0 +1,96 @@
+"""`eval-batching`: draft logits for every block root of a sequence, batched
+(``runner.models.dflash.score_roots``: context keys/values once, many roots per pass) vs one
+block at a time (``score_roots_one_at_a_time``: the reference that re-projects the context for
+each root, as the online loop does). Same drafter, same context features, same roots; the two
+must agree (checked). Imported lazily: SKIPPED if the module or functions are absent.
+
+Setup: the tiny Qwen3.5 target's embedding/LM head (``runner.tiny.build_tiny_target``), a
+2-layer DFlash drafter (hidden 128, block 16, target layers 0/2/4) with deterministic random
+weights, float32, random context features for 512 tokens (x factor; and a quarter of that,
+printed), roots 1..T-1. One torch
+thread for both (on a shared 2-core machine OpenMP's spin-waiting makes 2-thread timings erratic:
+a colleague's job can slow one contender 10x). The speed-up grows with T (the reference
+re-projects a context of length p for each root p).
+"""
+
+from __future__ import annotations
+
+from ._common import Ctx, Result, Row, alternate, med, ms, rmtree, skipped, summary
+
+NAME = "eval-batching"
+BASE_TOKENS = 512  # one-at-a-time costs O(T^2): ~2 s per run at 256 tokens, ~8 s at 512 here
+BLOCK = 16
+
+
+def run(ctx: Ctx) -> Result:
+    measure = "draft logits of all block roots: batched score_roots vs one block at a time"
+    try:
+        from runner.models import dflash as D
+        D.score_roots, D.score_roots_one_at_a_time  # noqa: B018
+    except (ImportError, AttributeError) as e:
+        return Result([skipped(NAME, measure, f"SKIPPED: runner.models.dflash.score_roots / "
+                               f"score_roots_one_at_a_time not available ({type(e).__name__}: {e})")])
+    import torch
+
+    from runner.tiny import build_tiny_target
+
+    reps = ctx.reps_or(3)
+    T = min(2048, max(64, int(BASE_TOKENS * ctx.factor)))  # O(T^2) reference: 2048 at large
+    d = ctx.tmpdir("eval-batching")
+    build_tiny_target(d / "target")
+    head = D.load_target_head(d / "target")
+    cfg = D.DFlashConfig.from_dict({
+        "hidden_size": head.hidden_size, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 256, "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6, "block_size": BLOCK,
+        "dflash_config": {"target_layer_ids": [0, 2, 4], "mask_token_id": 3}}, source="bench")
+    drafter = D.init_drafter_weights(D.DFlashDrafter(cfg), seed=0).eval()
+    rmtree(d)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows, details = [], {"reps": reps, "runs": {}}
+    try:
+        # the target length, and a quarter of it: the speed-up grows with the sequence
+        for n_tok, is_main in ((max(32, T // 4), False), (T, True)):
+            r, det = _compare(ctx, D, drafter, head, n_tok, reps)
+            r.measure = f"{measure} ({n_tok - 1} roots, {n_tok} tokens)"
+            if is_main:
+                r.target, r.direction = 10.0, ">="
+            rows.append(r.judge())
+            details["runs"][n_tok] = det
+    finally:
+        torch.set_num_threads(threads)
+    rows.reverse()
+    return Result(rows, details)
+
+
+def _compare(ctx: Ctx, D, drafter, head, T: int, reps: int):
+    import time
+
+    import torch
+
+    gen = torch.Generator().manual_seed(T)
+    feats = torch.randn(T, 3 * head.hidden_size, generator=gen)
+    ids = torch.randint(4, head.vocab_size, (T,), generator=gen)
+    roots = list(range(1, T))
+    out = {}
+
+    def c(name, fn):
+        def go() -> float:
+            t = time.perf_counter()
+            out[name] = fn(drafter, head, feats, ids, roots)
+            return time.perf_counter() - t
+        return go
+
+    times = alternate({"batched": c("batched", D.score_roots),
+                       "one_at_a_time": c("one", D.score_roots_one_at_a_time)}, reps, log=ctx.log)
+    diff = (out["batched"] - out["one"]).abs().max().item()
+    agree = (out["batched"].argmax(-1) == out["one"].argmax(-1)).float().mean().item()
+    if not torch.allclose(out["batched"], out["one"], atol=1e-3, rtol=1e-3):
+        raise AssertionError(f"batched and one-at-a-time logits differ at {T} tokens: max |diff| {diff:.3g}")
+    m = {k: med(v) for k, v in times.items()}
+    row = Row(NAME, "", ms(m["batched"]), ms(m["one_at_a_time"]), m["one_at_a_time"] / m["batched"],
+              note=f"speed-up; same results: max |diff| {diff:.2g}, argmax agreement {agree * 100:.1f} %; "
+              "1 torch thread")
+    return row, {"tokens": T, "roots": len(roots), "max_abs_diff": diff, "argmax_agreement": agree,
+                 "seconds": {k: summary(v) for k, v in times.items()}}

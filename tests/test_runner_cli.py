@@ -1,0 +1,471 @@
+"""The runner through the real `dfcache` command line, each command in its own process: plan
+statuses, offline refusal before any work, the up-front server check, fully cached runs that
+import no torch, server completions replayed after the server is gone, and bad input.
+
+Store outcome of a failing run, as asserted below:
+- failures found before any work (usage, bad input, offline, the server check: refused, not
+  ready, timed out, wrong model) leave the store without any artifact;
+- failures of a generation request (HTTP 500, garbage body, timeout) come after the prompts
+  artifact was committed (it is computed here and valid); the completions artifact is not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from servers import RecordingListener, ScriptedServer, SilentListener, TransformersServe, free_port
+
+from dfcache import open_store
+from dfcache.errors import EXIT_BAD_INPUT, EXIT_NETWORK, EXIT_OFFLINE_MISSING, EXIT_USAGE
+
+N = 2  # prompts
+MAX_NEW = 4
+REPO = Path(__file__).resolve().parents[1]
+HEAVY = ("torch", "transformers")
+# "At once": main() (imports of the runner included) well under the 3 s of the --wait-server case.
+# Loose on purpose, CI machines are shared; that no wait happened is also checked on stderr.
+AT_ONCE_S = 5.0
+
+# Runs dfcache.cli.main in a fresh interpreter and reports, on its last stderr line, the exit code,
+# the seconds main() took and which heavy modules got imported.
+_WRAPPER = r"""
+import json, sys, time
+from dfcache.cli import main
+t0 = time.perf_counter()
+rc = main(sys.argv[1:])
+dt = time.perf_counter() - t0
+heavy = [m for m in HEAVY if m in sys.modules]
+sys.stderr.write("\n@@dfcache-test " + json.dumps({"rc": rc, "seconds": dt, "heavy": heavy}) + "\n")
+sys.exit(rc)
+""".replace("HEAVY", repr(HEAVY))
+
+
+@dataclass
+class Run:
+    code: int
+    out: str
+    err: str
+    wall: float  # seconds, the whole process
+    seconds: float  # seconds inside main()
+    heavy: list
+
+    def json(self):
+        return json.loads(self.out)
+
+    def one_error(self) -> str:
+        """The one message a failed run prints: a single 'error: ...' paragraph, no traceback."""
+        assert "Traceback" not in self.err, self.err
+        assert self.err.startswith("error: "), self.err
+        assert self.err.count("error:") == 1, self.err
+        return self.err
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A clean environment: online, no config file or store from this machine, own DFCACHE_HOME."""
+    home = tmp_path_factory.mktemp("dfcache-home")
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("DFCACHE_OFFLINE", "HF_HUB_OFFLINE", "DFCACHE_STORE", "DFCACHE_DEBUG", "DFCACHE_CONFIG")}
+    e.update(DFCACHE_HOME=str(home), DFCACHE_CONFIG=str(home / "absent.toml"),
+             HF_HUB_DISABLE_UPDATE_CHECK="1", PYTHONPATH=str(REPO))
+    return e
+
+
+def cli(env: dict, store, *args, extra_env: dict | None = None, timeout: float = 180, cwd=None) -> Run:
+    """``dfcache --store STORE ARGS...`` in a subprocess (through ``dfcache.cli.main``)."""
+    cmd = [sys.executable, "-c", _WRAPPER]
+    if store is not None:
+        cmd += ["--store", str(store)]
+    t0 = time.perf_counter()
+    p = subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
+                       env={**env, **(extra_env or {})}, cwd=str(cwd or (store.parent if store else REPO)))
+    wall = time.perf_counter() - t0
+    err, marker, tail = p.stderr.rpartition("@@dfcache-test ")
+    if marker:
+        info = json.loads(tail)
+    else:  # main() raised (--debug): no report line
+        err, info = p.stderr, {"rc": None, "seconds": wall, "heavy": None}
+    assert info["rc"] in (None, p.returncode)
+    return Run(p.returncode, p.stdout, err.rstrip("\n") + ("\n" if err.strip() else ""), wall,
+               info["seconds"], info["heavy"])
+
+
+def committed(store) -> set[str]:
+    return set(open_store(store).keys()) if Path(store).exists() else set()
+
+
+def _stop_listening(listener, wait: float = 0.2) -> int:
+    time.sleep(wait)  # let the accept loop count anything that connected just before exit
+    return listener.connections
+
+
+def _args(target, *extra):
+    return ["--target", target, "--num-prompts", N, "--max-new-tokens", MAX_NEW, *extra]
+
+
+# ----------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module", autouse=True)
+def serve(request, tiny_target, tmp_path_factory):
+    """`transformers serve` for the replay test, launched before the quick tests so that its start
+    (about 15 s of CPU: torch and transformers imports) overlaps them; stopped with the module."""
+    if not any(item.name.startswith("test_server_completions_replay") for item in request.session.items):
+        yield None
+        return
+    server = TransformersServe(tiny_target, tmp_path_factory.mktemp("serve") / "serve.log").launch()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def local_run(tiny_target, env, tmp_path_factory):
+    """`dfcache run tokens --completions local` once through the CLI (the one run that loads a model)."""
+    store = tmp_path_factory.mktemp("local") / "store"
+    r = cli(env, store, "run", "tokens", *_args(tiny_target, "--completions", "local"), "--json")
+    assert r.code == 0, r.err
+    return store, r
+
+
+@pytest.fixture(scope="module")
+def server_plan(tiny_target, env, tmp_path_factory):
+    """The plan of server completions + tokens in an empty store; the server URL is not keyed."""
+    store = tmp_path_factory.mktemp("plan") / "store"
+    with RecordingListener() as listener:
+        r = cli(env, store, "plan", "tokens", *_args(tiny_target, "--completions", "server",
+                                                      "--server", listener.url), "--json")
+        assert _stop_listening(listener) == 0, "planning contacted the server"
+    assert r.code == 0, r.err
+    nodes = {n["stage"]: n for n in r.json()}
+    assert committed(store) == set(), "plan did work"
+    return nodes
+
+
+@pytest.fixture(scope="module")
+def local_plan(tiny_target, env, tmp_path_factory):
+    """The plan of local completions in an empty store (no model is loaded to plan)."""
+    store = tmp_path_factory.mktemp("local-plan") / "store"
+    r = cli(env, store, "plan", "completions", *_args(tiny_target), "--json")
+    assert r.code == 0, r.err
+    assert r.heavy == [] and committed(store) == set()
+    return r.json()
+
+
+# ----------------------------------------------------------------------------- 1. plan
+
+
+def test_plan_json_gives_each_node_its_status(server_plan, local_plan):
+    for node in server_plan.values():
+        assert {"stage", "key", "status", "needs"} <= set(node), node
+        assert re.fullmatch(r"[0-9a-f]{32}", node["key"])
+    assert [server_plan[s]["status"] for s in ("prompts", "completions", "tokens")] == \
+        ["compute (cpu)", "network", "compute (cpu)"]
+    assert server_plan["completions"]["needs"] == "network"
+    assert server_plan["completions"]["contacts"].startswith("http://127.0.0.1:")
+    assert server_plan["tokens"]["upstream"] == {"completions": server_plan["completions"]["key"]}
+    # The fix is a `run` line even when planning, rebuilt from the options given.
+    fix = server_plan["completions"]["fix"]
+    assert fix.startswith("dfcache --store ") and " run tokens " in fix and " plan " not in fix
+    assert f"--server {server_plan['completions']['contacts']}" in fix
+
+    # Local completions are computed here, on the CPU.
+    local = {n["stage"]: n for n in local_plan}
+    assert local["completions"]["status"] == "compute (cpu)"
+    assert local["completions"]["needs"] == "cpu"
+    assert local["completions"]["key"] != server_plan["completions"]["key"]  # the endpoint is keyed
+
+
+# ----------------------------------------------------------------------------- 2. offline
+
+
+@pytest.mark.parametrize("how", ["--offline before run", "--offline after run", "DFCACHE_OFFLINE=1",
+                                 "HF_HUB_OFFLINE=1"])
+def test_offline_missing_network_artifact_exits_3_at_once_without_connecting(how, server_plan, tiny_target,
+                                                                             env, tmp_path):
+    store = tmp_path / "store"
+    with RecordingListener() as listener:
+        args = ["run", "tokens", *_args(tiny_target, "--completions", "server", "--server", listener.url)]
+        extra_env = None
+        if how == "--offline before run":
+            args = ["--offline", *args]
+        elif how == "--offline after run":
+            args = [*args, "--offline"]
+        else:
+            name = how.split("=")[0]
+            extra_env = {name: "1"}
+        r = cli(env, store, *args, extra_env=extra_env)
+        connections = _stop_listening(listener)
+    assert r.code == EXIT_OFFLINE_MISSING, r.err
+    assert connections == 0
+    assert r.seconds < AT_ONCE_S, f"offline refusal took {r.seconds:.1f} s"
+    assert r.wall < 20.0
+    assert r.heavy == [], "no model may be loaded before refusing"
+    msg = r.one_error()
+    key = server_plan["completions"]["key"]
+    assert key in msg and "completions" in msg
+    assert listener.url in msg
+    fix = re.search(r"produce it with: (.*)", msg).group(1)
+    assert fix.startswith(f"dfcache --store {store} run tokens ")
+    assert f"--server {listener.url}" in fix and "--completions server" in fix
+    assert "--offline" not in fix
+    assert "reaches the server" in msg
+    assert committed(store) == set(), "offline refusal must come before any work"
+
+
+# ----------------------------------------------------------------------------- 3. server check
+
+
+def _server_check_cases():
+    return [
+        # (name, server kind, --wait-server, words in the message, words it must not contain)
+        ("refused", "closed", 0, ["connection refused", "nothing listens"], ["timed out", "no answer", "not ready ("]),
+        ("refused, waited", "closed", 3, ["not ready after waiting 3 s", "connection refused",
+                                          "pass a larger --wait-server"], ["no answer", "--wait-server SECONDS"]),
+        ("not ready", "loading", 0, ["is not ready (HTTP 503", "--wait-server"], ["refused", "no answer"]),
+        ("not ready, waited", "loading", 1, ["not ready after waiting 1 s", "HTTP 503"], ["refused", "no answer"]),
+        ("timeout, waited", "silent", 1.5, ["not ready after waiting 1.5 s", "got no answer within"],
+         ["refused", "HTTP 503"]),
+    ]
+
+
+@pytest.mark.parametrize("name,kind,wait,words,not_words", _server_check_cases(),
+                         ids=[c[0] for c in _server_check_cases()])
+def test_server_check_fails_once_up_front_with_exit_4(name, kind, wait, words, not_words, tiny_target, env,
+                                                      tmp_path):
+    store = tmp_path / "store"
+    if kind == "closed":
+        server, url = None, f"http://127.0.0.1:{free_port()}"
+    elif kind == "loading":
+        server = ScriptedServer(health="loading").start()
+        url = server.url
+    else:
+        server = SilentListener()
+        url = server.url
+    try:
+        r = cli(env, store, "run", "tokens", *_args(tiny_target, "--server", url, "--wait-server", wait))
+    finally:
+        if server is not None:
+            server.stop() if kind == "loading" else server.close()
+    assert r.code == EXIT_NETWORK, r.err
+    if wait == 0:
+        assert r.seconds < AT_ONCE_S, f"{name}: took {r.seconds:.1f} s instead of failing at once"
+        assert "waiting for server" not in r.err and "after waiting" not in r.err
+    else:
+        assert wait <= r.seconds < wait + AT_ONCE_S, f"{name}: took {r.seconds:.1f} s with --wait-server {wait}"
+        progress = [ln for ln in r.err.splitlines() if ln.startswith(f"waiting for server at {url}:")]
+        # Visible, with the reason; a hung server shows its line when the check times out.
+        reason = {"closed": "connection refused", "loading": "not ready", "silent": "timed out"}[kind]
+        assert len(progress) >= (1 if kind == "silent" else 2) and progress[-1].endswith(f"({reason})"), r.err
+        r.err = r.err[r.err.index("error: "):]
+    msg = r.one_error()
+    for w in words:
+        assert w in msg, f"{name}: {w!r} not in {msg!r}"
+    for w in not_words:
+        assert w not in msg, f"{name}: {w!r} in {msg!r}"
+    assert url in msg
+    if kind == "loading":
+        assert server.count("POST", "/v1/chat/completions") == 0
+    assert r.heavy == []
+    assert committed(store) == set(), "the server check must come before any work"
+
+
+# ----------------------------------------------------------------------------- 6. bad input (before 4, 5: quick)
+
+
+def _bad_input_cases():
+    missing = "{tmp}/models/missing-target"
+    return [
+        # (id, extra args, exit code, words)
+        ("unknown backend", ["--backend", "gpu"], EXIT_USAGE, ["--backend 'gpu'", "auto, fla, torch"]),
+        ("server without --server", ["--completions", "server"], EXIT_USAGE,
+         ["--completions server needs --server URL"]),
+        ("local with --server", ["--completions", "local", "--server", "http://127.0.0.1:9"], EXIT_USAGE,
+         ["--completions local does not use --server"]),
+        ("bad server URL", ["--server", "ftp://host"], EXIT_USAGE, ["not an http(s) URL"]),
+        ("missing target dir", ["--target", missing], EXIT_BAD_INPUT, [missing, "does not exist"]),
+        ("uncached hub id", ["--target", "no-such-org/no-such-model"], EXIT_BAD_INPUT,
+         ["{tmp}/hub/models--no-such-org--no-such-model", "never downloads"]),
+    ]
+
+
+@pytest.mark.parametrize("case", _bad_input_cases(), ids=[c[0] for c in _bad_input_cases()])
+def test_bad_command_line_input_is_one_clear_message(case, tiny_target, env, tmp_path):
+    name, extra, code, words = case
+    store = tmp_path / "store"
+    extra = [a.replace("{tmp}", str(tmp_path)) for a in extra]
+    args = ["--target", tiny_target, "--num-prompts", N]
+    args += extra  # a later --target wins
+    r = cli(env, store, "run", "tokens", *args, extra_env={"HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert r.code == code, f"{name}: {r.code} {r.err}"
+    msg = r.one_error()
+    assert msg.count("\n") == 1, msg
+    for w in words:
+        assert w.replace("{tmp}", str(tmp_path)) in msg, f"{name}: {w!r} not in {msg!r}"
+    assert r.out == ""
+    assert r.heavy == []
+    assert committed(store) == set()
+
+
+@pytest.mark.parametrize("mode,extra,words,prompts_committed", [
+    ("wrong model", ["--served-model", "not-the-target"], ["serves 'scripted-model'", "'not-the-target'",
+                                                          "--served-model 'scripted-model'"], False),
+    ("500", [], ["HTTP 500", "CUDA out of memory (scripted)", "look at its log"], True),
+    ("garbage", [], ["not valid JSON", "<html>upstream proxy error"], True),
+    ("hang", ["--request-timeout", "1"], ["got no answer within 1 s", "--request-timeout"], True),
+])
+def test_server_failures_exit_4_and_cache_no_completions(mode, extra, words, prompts_committed, server_plan,
+                                                        tiny_target, env, tmp_path):
+    store = tmp_path / "store"
+    chat = "ok" if mode == "wrong model" else mode
+    with ScriptedServer(chat=chat) as server:
+        r = cli(env, store, "run", "tokens", *_args(tiny_target, "--server", server.url, *extra))
+        chat_requests = server.count("POST", "/v1/chat/completions")
+    assert r.code == EXIT_NETWORK, r.err
+    msg = r.one_error()
+    for w in words:
+        assert w in msg, f"{mode}: {w!r} not in {msg!r}"
+    assert server.url in msg
+    assert r.heavy == []
+    keys = committed(store)
+    if prompts_committed:
+        assert chat_requests >= 1
+        assert keys == {server_plan["prompts"]["key"]}, "only the prompts may be committed"
+    else:
+        assert chat_requests == 0
+        assert keys == set()
+    assert server_plan["completions"]["key"] not in keys
+    assert r.seconds < AT_ONCE_S + (1.0 if mode == "hang" else 0.0)  # no retries, no waiting
+
+
+def test_options_after_the_command(env, tmp_path):
+    """Usage errors from the parser exit 2; --store and --debug work after the command (§7)."""
+    r = cli(env, tmp_path / "s1", "run", "tokens", "--no-such-flag")
+    assert r.code == EXIT_USAGE and "No such option: --no-such-flag" in r.err, r.err
+    assert "Traceback" not in r.err and "internal error" not in r.err
+    store = tmp_path / "after" / "store"
+    r = cli(env, None, "run", "prompts", "--num-prompts", 1, "--store", store, "--json", cwd=tmp_path)
+    assert r.code == 0, r.err
+    assert committed(store) == set(r.json()["computed"]) and len(r.json()["computed"]) == 1
+    assert not (tmp_path / "store").exists()  # not the default ./store
+    r = cli(env, tmp_path / "s1", "run", "tokens", "--backend", "gpu", "--debug")
+    assert r.code != 0 and "Traceback" in r.err and "UsageError: --backend 'gpu'" in r.err, r.err
+
+
+# ----------------------------------------------------------------------------- 4. cached runs
+
+
+def test_plan_after_a_run_says_cached(local_run, local_plan, tiny_target, env):
+    store, run = local_run
+    r = cli(env, store, "plan", "tokens", *_args(tiny_target, "--completions", "local"), "--json")
+    assert r.code == 0, r.err
+    assert [n["status"] for n in r.json()] == ["cached"] * 3
+    assert [n["key"] for n in r.json()] == [n["key"] for n in run.json()["nodes"]]
+    # What the plan in an empty store announced is what the run produced.
+    assert [n["key"] for n in local_plan] == [n["key"] for n in r.json()][:2]
+    assert r.heavy == []
+
+
+def test_fully_cached_tokens_run_does_no_work_and_imports_no_torch(local_run, tiny_target, env):
+    store, first = local_run
+    stages = [n["stage"] for n in first.json()["nodes"]]
+    assert stages == ["prompts", "completions", "tokens"]
+    assert sorted(first.json()["computed"]) == sorted(n["key"] for n in first.json()["nodes"])
+    before = committed(store)
+    assert set(first.json()["computed"]) <= before
+
+    r = cli(env, store, "run", "tokens", *_args(tiny_target, "--completions", "local"), "--json")
+    assert r.code == 0, r.err
+    assert r.json()["computed"] == []
+    assert [n["status"] for n in r.json()["nodes"]] == ["cached"] * 3
+    assert r.heavy == [], f"a fully cached run imported {r.heavy}"
+    assert committed(store) == before
+    # Offline changes nothing for a run that needs nothing.
+    r = cli(env, store, "run", "tokens", *_args(tiny_target, "--completions", "local"), "--json",
+            extra_env={"HF_HUB_OFFLINE": "1"})
+    assert r.code == 0, r.err
+    assert r.json()["computed"] == [] and r.heavy == []
+
+
+_NO_EVAL = pytest.mark.skipif(not (REPO / "runner" / "stages" / "drafter_eval.py").exists(),
+                              reason="runner/stages/drafter_eval.py is not there yet")
+
+
+@_NO_EVAL
+def test_fully_cached_eval_does_no_work_and_imports_no_torch(local_run, tiny_target, env, tmp_path_factory):
+    """`run eval` twice on the store of the tokens run: the first adds hidden states, the drafter
+    eval and the report; the second computes nothing and imports no torch."""
+    from runner.train_tiny import make_untrained_drafter
+
+    store, tokens_run = local_run
+    drafter = make_untrained_drafter(tiny_target, tmp_path_factory.mktemp("drafter") / "d", seed=1)
+    args = ["run", "eval", *_args(tiny_target, "--completions", "local", "--drafter", drafter), "--json"]
+    before = committed(store)
+    first = cli(env, store, *args)
+    assert first.code == 0, first.err
+    computed = first.json()["computed"]
+    assert computed and not set(computed) & before, "the tokens run's artifacts must be reused"
+    assert set(tokens_run.json()["computed"]) <= before
+    before = committed(store)
+    r = cli(env, store, *args)
+    assert r.code == 0, r.err
+    assert r.json()["computed"] == []
+    assert r.heavy == [], f"a fully cached eval imported {r.heavy}"
+    assert committed(store) == before
+
+
+@_NO_EVAL
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("DFCACHE_SLOW_TESTS"),
+                    reason="builds and trains the example models (minutes on a CPU); DFCACHE_SLOW_TESTS=1 runs it")
+def test_fully_cached_example_eval_does_no_work_and_imports_no_torch(env, tmp_path):
+    store = tmp_path / "store"
+    first = cli(env, store, "run", "eval", "--example", "--json", timeout=3600)
+    assert first.code == 0, first.err
+    assert first.json()["computed"], "the first example run must compute"
+    before = committed(store)
+    r = cli(env, store, "run", "eval", "--example", "--json")
+    assert r.code == 0, r.err
+    assert r.json()["computed"] == []
+    assert r.heavy == [], f"a fully cached eval imported {r.heavy}"
+    assert committed(store) == before
+
+
+# ----------------------------------------------------------------------------- 5. real server
+
+
+def test_server_completions_replay_from_cache_after_the_server_is_gone(serve, tiny_target, env, tmp_path):
+    store = tmp_path / "store"
+    args = ["run", "completions", *_args(tiny_target, "--server", serve.url), "--json"]
+    serve.wait_ready()
+    first = cli(env, store, *args)
+    assert first.code == 0, first.err + serve.log_tail()
+    assert serve.chat_requests() == N
+    serve.stop()
+    port = serve.port
+    nodes = first.json()["nodes"]
+    assert [n["stage"] for n in nodes] == ["prompts", "completions"]
+    assert nodes[1]["needs"] == "network" and nodes[1]["status"] == "network"
+    assert sorted(first.json()["computed"]) == sorted(n["key"] for n in nodes)
+    # Taking completions from a server needs neither torch nor transformers on this machine.
+    assert first.heavy == []
+
+    with RecordingListener(port=port) as listener:  # the server's port, now nobody's
+        again = cli(env, store, *args)
+        plan = cli(env, store, "plan", *args[1:])
+        connections = _stop_listening(listener)
+    assert again.code == 0, again.err
+    assert again.json()["computed"] == []
+    assert [n["status"] for n in again.json()["nodes"]] == ["cached", "cached"]
+    assert plan.code == 0 and [n["status"] for n in plan.json()] == ["cached", "cached"]
+    assert connections == 0
+    assert again.heavy == []
