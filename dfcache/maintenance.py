@@ -12,6 +12,15 @@ from dataclasses import dataclass, field
 from .manifest import Manifest
 
 
+def human_bytes(n: float) -> str:
+    """Decimal units, as `dfcache ls` and transfer summaries print sizes."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
 def backend_summary(m: Manifest) -> str:
     b = m.backend
     if not b:

@@ -36,6 +36,7 @@ from .config import load_config, offline_from_env
 from .errors import (ArtifactNotFoundError, IntegrityError, OfflineModeIsEnabled,
                      UntrustedManifestError, UsageError)
 from .keys import KEY_PATTERN
+from .maintenance import human_bytes
 from .manifest import STORAGE_DTYPE, Manifest
 from .store import Store
 
@@ -47,14 +48,6 @@ MAX_CHUNK_BYTES = 4 << 30  # dfcache writes ~4 MiB chunks; a manifest asking for
 
 
 # ------------------------------------------------------------------------------ results
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} PB"
 
 
 @dataclass
@@ -74,8 +67,8 @@ class TransferResult:
     def summary(self) -> str:
         verb = "pushed" if self.direction == "push" else "pulled"
         where = f"to {self.destination}" if self.direction == "push" else f"from {self.source}"
-        rate = f", {_human_bytes(self.bytes / self.seconds)}/s" if self.seconds > 0 and self.bytes else ""
-        return (f"{verb} {len(self.transferred)} artifact(s), {_human_bytes(self.bytes)} in {self.files} file(s) "
+        rate = f", {human_bytes(self.bytes / self.seconds)}/s" if self.seconds > 0 and self.bytes else ""
+        return (f"{verb} {len(self.transferred)} artifact(s), {human_bytes(self.bytes)} in {self.files} file(s) "
                 f"{where} in {self.seconds:.1f} s{rate}; {len(self.skipped)} already there (skipped)")
 
     def to_dict(self) -> dict:

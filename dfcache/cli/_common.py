@@ -6,6 +6,8 @@ import json
 import sys
 from dataclasses import dataclass
 
+from ..maintenance import human_bytes  # noqa: F401  (re-exported for the commands)
+
 
 @dataclass
 class GlobalState:
@@ -29,14 +31,6 @@ def emit_json(obj) -> None:
     # Compact: indent= switches json to its pure-Python encoder, 3x slower on `ls` of 10k artifacts.
     sys.stdout.write(json.dumps(obj, separators=(",", ":"), default=str) + "\n")
     sys.stdout.flush()
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} PB"
 
 
 def err(message: str) -> None:
