@@ -643,8 +643,13 @@ class Artifact:
                 problems.append(f"array {name}: zarr.json is missing")
             except ValueError:
                 problems.append(f"array {name}: zarr.json is not valid JSON")
-            self.store._meta_checked.add((self.key, name))  # digest_problems re-hashes the chunks
-            problems.extend(self.array(name).digest_problems())
+            # The metadata is judged (above); the chunks are judged against the manifest alone.
+            self.store._meta_checked.add((self.key, name))
+            try:
+                problems.extend(self.array(name).digest_problems())
+            finally:
+                if problems:  # a read must not take a damaged array's metadata as checked
+                    self.store._meta_checked.discard((self.key, name))
         for name in sorted(self.manifest.blobs):
             try:
                 self.json(name)
