@@ -52,6 +52,7 @@ class DrafterRef:
     target_layer_ids: list[int]
     mask_token_id: int
     trained_on: str | None
+    hidden_size: int | None = None
 
 
 def _int_list(v) -> bool:
@@ -91,7 +92,8 @@ def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
     declared = dcfg.get("trained_on_backend") or cfg.get("trained_on_backend")
     return DrafterRef(path=path, name=path.name, fingerprint=fingerprint_path(path), block_size=block_size,
                       target_layer_ids=list(ids), mask_token_id=mask,
-                      trained_on=trained_on or (declared if declared in ("fla", "torch") else None))
+                      trained_on=trained_on or (declared if declared in ("fla", "torch") else None),
+                      hidden_size=cfg.get("hidden_size") if isinstance(cfg.get("hidden_size"), int) else None)
 
 
 def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
@@ -109,6 +111,13 @@ def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
 
 def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter: DrafterRef) -> Node:
     opts = ctx.options
+    from ..models.target import read_model_info
+
+    # Checked here, before any work: a drafter for another target must not cost an extraction.
+    width = read_model_info(tokens_node.payload["target_dir"]).hidden_size
+    if drafter.hidden_size is not None and drafter.hidden_size != width:
+        raise BadInputError(f"drafter {drafter.path} has hidden_size {drafter.hidden_size} but the target "
+                            f"is {width} wide; pass the drafter trained for this target (or that target).")
     layers = [hs_nodes[k] for k in drafter.target_layer_ids]
     backend = layers[0].inputs["backend"]
     budgets = sorted({int(b) for b in opts.tree_budgets})

@@ -1,0 +1,327 @@
+"""Crash injection: writers SIGKILLed at random instants across staging, chunk writes and commit.
+
+After every kill: `dfcache verify` is clean, `dfcache ls` lists only complete artifacts, a rerun
+completes, and nothing committed earlier is lost. Writers print phase markers (children.py), so
+the test knows where each kill landed and asserts that all three phases were hit.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from children import boundaries_of, check_artifact, key_of
+from rel_helpers import artifacts_listing, copy_store, has_stage
+
+from dfcache.store import open_store
+
+PHASES = {"S": "staging", "C": "chunks", "P": "publish", "D": "between", "H": "between", "R": "staging",
+          "K": "checkpoint", "k": "chunks"}
+
+
+def markers(text: str) -> list[list[str]]:
+    return [line.split() for line in text.splitlines() if line.strip()]
+
+
+def wait_for(child, pred, timeout: float = 60.0) -> bool:
+    """Poll the child's markers until ``pred(markers)`` holds (True) or the child exits (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred(markers(child.out)):
+            return True
+        if child.poll() is not None:
+            return pred(markers(child.out))
+        time.sleep(0.0005)
+    raise TimeoutError(f"child never reached the marker:\n{child.out}\n{child.err}")
+
+
+def store_is_sound(zygote, store: Path, must_have: set[str], known: set[str], where: str) -> set[str]:
+    """`dfcache verify` clean, `dfcache ls` only complete artifacts, nothing committed lost."""
+    verify = zygote.spawn("children:cli_main", "--store", store, "verify", "--json", name="verify")
+    ls = zygote.spawn("children:cli_main", "--store", store, "ls", "--json", name="ls")  # both read-only: at once
+    code, err = verify.wait(120), verify.err
+    report = json.loads(verify.out) if verify.out.strip() else None
+    assert code == 0 and report["bad"] == [], f"{where}: verify: {code} {report} {err}"
+    code, err = ls.wait(120), ls.err
+    rows = json.loads(ls.out) if ls.out.strip() else None
+    assert code == 0, f"{where}: ls: {err}"
+    listed = {r["key"] for r in rows}
+    assert must_have <= listed, f"{where}: committed artifacts lost: {must_have - listed}"
+    assert listed <= known, f"{where}: unknown artifacts listed: {listed - known}"
+    assert report["checked"] == len(listed)
+    return listed
+
+
+def random_spec(rng: random.Random, i: int) -> dict:
+    cols = rng.choice([8, 32, 64, 128])
+    rows = rng.choice([50, 300, 1200, 4000])
+    while rows * cols > 120_000:
+        rows //= 2
+    return {"i": i, "rows": rows, "cols": cols, "chunk_rows": rng.choice([64, 256, 1024]),
+            "dtype": rng.choice(["float32", "bfloat16"]), "codec": rng.choice(["none", "none", "zstd"])}
+
+
+def files_of(spec: dict) -> int:
+    chunks = -(-spec["rows"] // spec["chunk_rows"])
+    return 2 * chunks + 5
+
+
+# ------------------------------------------------------------------------------ store writers
+
+
+def test_sigkill_store_writers_at_random_instants(zygote, fast_tmp, stress, figures):
+    trials = 300 if stress else 52
+    slow = 0.002
+    rng = random.Random(20240611)
+    store = fast_tmp / "store"
+    open_store(store)
+    committed: set[str] = set()
+    known: set[str] = set()
+    hits = {"staging": 0, "chunks": 0, "publish": 0, "between": 0, "exited": 0}
+    aims = ["staging", "chunks", "publish", "random"]
+    t0 = time.monotonic()
+    for t in range(trials):
+        specs = [random_spec(rng, 3 * t + j) for j in range(3)]
+        known |= {key_of(s) for s in specs}
+        job = json.dumps({"artifacts": specs, "slow_fsync": slow, "slow_put": slow / 2, "compute": 0.006})
+        aim, target = aims[t % 4], rng.randrange(3)
+        child = zygote.spawn("children:writer_job", store, job, name=f"writer{t}")
+        letter = {"staging": "S", "chunks": "C", "publish": "P"}.get(aim)
+        if letter:
+            wait_for(child, lambda ms: any(m[0] == letter and m[1] == str(specs[target]["i"]) for m in ms))
+            window = {"S": 0.008, "C": files_of(specs[target]) * slow / 4,
+                      "P": files_of(specs[target]) * slow * 1.2}[letter]
+            time.sleep(rng.uniform(0, window))
+        else:
+            time.sleep(rng.uniform(0.0, 0.25))
+        child.kill()
+        code = child.wait(30)
+        ms = markers(child.out)
+        if code == 0:
+            hits["exited"] += 1  # the kill came after the job finished
+        else:
+            assert code == -9, child.err
+            hits[PHASES[ms[-1][0]] if ms else "staging"] += 1
+        committed |= {m[2] for m in ms if m[0] in ("D", "H")}
+        where = f"trial {t} (aim {aim}, last marker {ms[-1] if ms else None})"
+        store_is_sound(zygote, store, committed, known, where)
+        # a rerun completes, and what it (or the killed run) committed is exactly the spec's bytes
+        rerun = zygote.run("children:writer_job", store, json.dumps({"artifacts": specs}), name=f"rerun{t}")
+        assert rerun.code == 0, f"{where}: rerun failed: {rerun.err}"
+        s = open_store(store)
+        for spec in specs:  # (the next trial's `dfcache verify` re-hashes them against the manifest)
+            assert check_artifact(s, spec, verify=False) == [], where
+        committed |= {key_of(sp) for sp in specs}
+    store_is_sound(zygote, store, committed, known, "end")
+    # What the kills left is only temporaries: gc removes them and nothing else.
+    before = artifacts_listing(store)
+    gc = zygote.cli("--store", store, "gc", "--yes", "--grace", "0")
+    assert gc.code == 0, gc.err
+    assert list((store / "staging").iterdir()) == []
+    assert artifacts_listing(store) == before
+    figures.record("crash_store_writers", trials=trials, kills_by_phase=hits, artifacts_committed=len(committed),
+                   seconds=round(time.monotonic() - t0, 1))
+    floor = max(3, trials // 10)
+    for phase in ("staging", "chunks", "publish"):
+        assert hits[phase] >= floor, f"kills landed in {phase} only {hits[phase]} times: {hits}"
+
+
+# ------------------------------------------------------------------------------ resumable writers
+
+
+def resumable_spec(rng: random.Random, i: int) -> dict:
+    steps = [rng.randrange(1, 200)]
+    while sum(steps) < 2400:
+        # Multiples of chunk_rows as well as odd steps: consecutive checkpoints then often have
+        # tails of equal length, which is where a stale tail could pass for a current one.
+        steps.append(rng.choice([64, 128, 192, 37, 100, 150]))
+    return {"i": 10_000 + i, "rows": 2400, "cols": 24, "chunk_rows": 64, "steps": steps,
+            "dtype": "float32", "codec": rng.choice(["none", "zstd"]), "slow": 0.003}
+
+
+def test_sigkill_resumable_writers_mid_checkpoint_then_resume(zygote, fast_tmp, stress, figures):
+    trials = 60 if stress else 14
+    rng = random.Random(77)
+    store = fast_tmp / "store"
+    ref_store = fast_tmp / "ref"
+    open_store(store)
+    committed: set[str] = set()
+    known: set[str] = set()
+    hits = {"checkpoint": 0, "chunks": 0, "staging": 0, "publish": 0, "between": 0, "exited": 0}
+    resumed_rows = []
+    t0 = time.monotonic()
+    for t in range(trials):
+        spec = resumable_spec(rng, t)
+        key = key_of(spec)
+        known.add(key)
+        bounds = boundaries_of(spec)
+        child = zygote.spawn("children:resumable_job", store, json.dumps(spec), name=f"res{t}")
+        if t % 3 != 2:  # most kills aimed at a checkpoint in flight, the rest anywhere
+            b = rng.choice(bounds[1:-2])
+            wait_for(child, lambda ms: ["K", str(b)] in ms)
+            time.sleep(rng.uniform(0, 0.008))
+        else:
+            time.sleep(rng.uniform(0.05, 0.5))
+        child.kill()
+        code = child.wait(30)
+        ms = markers(child.out)
+        if code == 0:
+            hits["exited"] += 1
+        else:
+            hits[PHASES[ms[-1][0]] if ms else "staging"] += 1
+        done = [int(m[1]) for m in ms if m[0] == "k"]
+        started = [int(m[1]) for m in ms if m[0] == "K"]
+        where = f"resumable trial {t} (last marker {ms[-1] if ms else None})"
+        store_is_sound(zygote, store, committed, known, where)
+
+        rerun = zygote.run("children:resumable_job", store, json.dumps(spec), name=f"reres{t}")
+        assert rerun.code == 0, f"{where}: {rerun.err}"
+        r = next((m for m in markers(rerun.out) if m[0] in ("R", "H")), None)
+        if r and r[0] == "R" and code != 0:
+            rows, resumed = int(r[1]), int(r[2])
+            last_done = max(done, default=0)
+            # Everything checkpointed is kept (a tail written by a checkpoint that did not finish
+            # may be dropped, never more than one chunk's worth), nothing beyond what was written.
+            assert rows >= (last_done // spec["chunk_rows"]) * spec["chunk_rows"], (where, rows, done)
+            assert rows <= max(started, default=0), (where, rows, started)
+            assert resumed == (1 if done or started else resumed)
+            resumed_rows.append(rows)
+        s = open_store(store)
+        assert check_artifact(s, spec) == [], where
+        committed.add(key)
+        # byte-identical to an uninterrupted run of the same spec
+        ref = open_store(ref_store)
+        if not ref.has(key):
+            assert zygote.run("children:resumable_job", ref_store, json.dumps({**spec, "slow": 0})).code == 0
+        a, b_ = s.manifest(key), ref.manifest(key)
+        assert {n: (x.digest, x.chunk_digests, x.shape) for n, x in a.arrays.items()} == \
+            {n: (x.digest, x.chunk_digests, x.shape) for n, x in b_.arrays.items()}
+        for rel in sorted(s.backend.list_files(key)):
+            if "/c/" in rel:
+                assert (store / "artifacts" / key[:2] / key / rel).read_bytes() == \
+                    (ref_store / "artifacts" / key[:2] / key / rel).read_bytes(), (where, rel)
+        shutil.rmtree(ref_store)
+    figures.record("crash_resumable_writers", trials=trials, kills_by_phase=hits,
+                   resumed_runs=len(resumed_rows), rows_resumed_mean=round(float(np.mean(resumed_rows or [0])), 1),
+                   seconds=round(time.monotonic() - t0, 1))
+    assert hits["checkpoint"] >= trials // 3, hits
+    assert len(resumed_rows) >= trials // 2, "too few reruns actually resumed"
+
+
+def test_gc_killed_while_removing_resumable_progress(zygote, tmp_path, stress):
+    """`gc --yes` SIGKILLed half-way through deleting a crashed writer's resumable progress must
+    not leave progress that a later writer trusts but whose chunks are gone."""
+    trials = 20 if stress else 6
+    rng = random.Random(5)
+    for t in range(trials):
+        store = tmp_path / f"store{t}"  # a disk: tmpfs lists the newest file (progress.json) first
+        open_store(store)
+        spec = resumable_spec(rng, 500 + t)
+        spec["slow"] = 0.0
+        child = zygote.spawn("children:resumable_job", store, json.dumps(spec), name=f"gcres{t}")
+        wait_for(child, lambda ms: sum(m[0] == "k" for m in ms) >= 12)
+        child.kill()
+        child.wait(30)
+        gc = zygote.spawn("children:slow_cli", "0.002", "--store", store, "gc", "--yes", "--grace", "0",
+                          name=f"gc{t}")
+        after = rng.randrange(1, 30)
+        wait_for(gc, lambda ms: any(m[0] == "U" and int(m[1]) >= after for m in ms))
+        gc.kill()
+        gc.wait(30)
+        rerun = zygote.run("children:resumable_job", store, json.dumps(spec), name=f"gcrerun{t}")
+        assert rerun.code == 0, rerun.err
+        assert check_artifact(open_store(store), spec) == [], f"trial {t}: {rerun.out}"
+
+
+# ------------------------------------------------------------------------------ pulls
+
+
+def test_sigkill_dfcache_pull_at_random_instants(zygote, fast_tmp, stress, figures):
+    """`dfcache pull` SIGKILLed at random instants: the local store only ever holds complete,
+    verified artifacts, and the next pull fetches the rest."""
+    trials = 40 if stress else 10
+    rng = random.Random(99)
+    src, local = fast_tmp / "src", fast_tmp / "local"
+    remote = f"file://{fast_tmp / 'remote'}"
+    specs = [random_spec(rng, 5000 + j) for j in range(8)]
+    assert zygote.run("children:writer_job", src, json.dumps({"artifacts": specs})).code == 0
+    assert zygote.cli("--store", src, "push", remote, "--all").code == 0
+    known = {key_of(sp) for sp in specs}
+    open_store(local)
+    t_full = time.monotonic()
+    full = zygote.cli("--store", fast_tmp / "probe", "pull", remote, "--all", "--jobs", "2")
+    t_full = time.monotonic() - t_full
+    assert full.code == 0, full.err
+    killed = 0
+    for t in range(trials):
+        child = zygote.spawn("children:cli_main", "--store", local, "pull", remote, "--all", "--jobs", "2",
+                             name=f"pull{t}")
+        time.sleep(rng.uniform(0.05, max(0.1, t_full)))
+        child.kill()
+        killed += child.wait(30) == -9
+        listed = store_is_sound(zygote, local, set(), known, f"pull trial {t}")
+        again = zygote.cli("--store", local, "pull", remote, "--all")
+        assert again.code == 0, again.err
+        s = open_store(local)
+        assert all(check_artifact(s, sp, verify=False) == [] for sp in specs)
+        assert listed <= known
+        # forget a few so that the next pull has work again
+        for k in rng.sample(sorted(known), 5):
+            s.delete(k)
+    figures.record("crash_pull", trials=trials, killed_mid_pull=killed)
+    assert killed >= trials // 2
+
+
+# ------------------------------------------------------------------------------ real hidden-states runs
+
+
+@pytest.mark.skipif(not has_stage("hidden_states"), reason="runner/stages/hidden_states.py (the hidden-states "
+                    "stage) is not there yet")
+def test_sigkill_dfcache_run_hidden_states(heavy_zygote, base_store, tmp_path, stress, figures):
+    """`dfcache run hidden-states` on the tiny target, SIGKILLed at random instants during
+    extraction; the rerun resumes and the states equal an uninterrupted run's bytes."""
+    trials = 16 if stress else 4
+    rng = random.Random(11)
+    args = [*base_store["args"], "--offline", "--layer", "1", "--layer", "4", "--backend", "torch", "--device",
+            "cpu", "--dtype", "float32", "--batch-tokens", "8", "--json"]
+    ref = copy_store(base_store, tmp_path / "ref")
+    t_start = time.monotonic()
+    first = heavy_zygote.cli("--store", ref, "run", "hidden-states", *args, timeout=300)
+    full_s = time.monotonic() - t_start
+    assert first.code == 0, first.err
+    hs_keys = sorted(k for k in json.loads(first.out)["computed"])
+    assert len(hs_keys) == 2
+    kept_before = set(base_store["keys"].values())
+    resumed = 0
+    t0 = time.monotonic()
+    for t in range(trials):
+        store = copy_store(base_store, tmp_path / f"s{t}")
+        child = heavy_zygote.spawn("children:cli_main", "--store", store, "run", "hidden-states", *args, name=f"hs{t}")
+        staging = store / "staging"
+        # kill once extraction checkpointed at least once, at a random instant after that
+        deadline = time.monotonic() + full_s * 3 + 30
+        while time.monotonic() < deadline and child.poll() is None:
+            if any((p / "progress.json").exists() for p in staging.glob("*.resume")):
+                break
+            time.sleep(0.001)
+        time.sleep(rng.uniform(0, 0.02))  # extraction itself takes a fraction of a second here
+        child.kill()
+        code = child.wait(30)
+        listed = store_is_sound(heavy_zygote, store, kept_before, kept_before | set(hs_keys), f"hs trial {t}")
+        rerun = heavy_zygote.cli("--store", store, "run", "hidden-states", *args, timeout=300)
+        assert rerun.code == 0, rerun.err
+        if code != 0 and "resuming" in rerun.err:
+            resumed += 1
+        for k in hs_keys:
+            a = open_store(store).open(k).array("hidden").read_raw()
+            b = open_store(ref).open(k).array("hidden").read_raw()
+            assert a.tobytes() == b.tobytes(), f"hs trial {t}: layer artifact {k} differs after resume"
+        assert listed <= kept_before | set(hs_keys)
+    figures.record("crash_run_hidden_states", trials=trials, resumed=resumed,
+                   seconds=round(time.monotonic() - t0, 1))
+    assert resumed >= 1, "no rerun resumed from checkpointed progress"
