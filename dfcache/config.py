@@ -2,8 +2,10 @@
 
 Environment:
     DFCACHE_STORE      default store (path or URL) when ``--store`` is not given; else ``./store``.
-    DFCACHE_OFFLINE    ``1``/``true`` turns offline mode on (as does ``HF_HUB_OFFLINE``).
-    HF_HUB_OFFLINE     honoured as offline too, so one switch covers huggingface_hub and dfcache.
+    DFCACHE_OFFLINE    ``1``/``true`` turns offline mode on (as ``--offline`` does). Nothing else
+                       does: ``HF_HUB_OFFLINE`` only keeps transformers and huggingface_hub off the
+                       Hub (dfcache never downloads from it), so an air-gapped cluster that sets it
+                       everywhere still reaches its own completion server and S3 store.
     DFCACHE_HOME       where dfcache keeps machine-local state (fingerprint memo); default
                        ``~/.cache/dfcache``.
     DFCACHE_CONFIG     path of a config file to use instead of the usual search.
@@ -29,8 +31,8 @@ def _env_true(name: str) -> bool:
 
 
 def offline_from_env() -> bool:
-    """True if ``DFCACHE_OFFLINE`` or ``HF_HUB_OFFLINE`` is set to a true value."""
-    return _env_true("DFCACHE_OFFLINE") or _env_true("HF_HUB_OFFLINE")
+    """True if ``DFCACHE_OFFLINE`` is set to a true value (``HF_HUB_OFFLINE`` is not dfcache's switch)."""
+    return _env_true("DFCACHE_OFFLINE")
 
 
 def default_store_location() -> str:

@@ -107,8 +107,8 @@ def _needs_network(store: Store) -> bool:
 def _check_offline(store: Store, offline: bool | None) -> None:
     offline = offline_from_env() if offline is None else offline
     if offline and _needs_network(store):
-        raise OfflineModeIsEnabled(f"cannot reach {store.url}: offline mode is on (--offline, DFCACHE_OFFLINE or "
-                                   "HF_HUB_OFFLINE); use a file:// remote or turn offline mode off.", url=store.url)
+        raise OfflineModeIsEnabled(f"cannot reach {store.url}: offline mode is on (--offline or DFCACHE_OFFLINE); "
+                                   "use a file:// remote or turn offline mode off.", url=store.url)
 
 
 def open_remote(url_or_name: str, *, endpoint_url: str | None = None, region: str | None = None,

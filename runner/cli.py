@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import typer
 
-from dfcache.cli._common import emit_json, get_store, state
+from dfcache.cli._common import emit_json, get_store, progress_enabled, state
 from dfcache.errors import UsageError
 
 from .options import EvalOptions
@@ -53,20 +53,13 @@ def _make_command(mode: str):
         compression: str = typer.Option("none", "--compression", help="none|zstd (lossless) for hidden states."),
         tree_budget: Optional[List[int]] = typer.Option(None, "--tree-budget", help="DDTree budget (repeatable)."),
         end_rule: str = typer.Option("within", "--end-rule", help="within|continuation: how the last block of a completion counts."),
-        offline: bool = typer.Option(False, "--offline", help="Never touch the network; report what is missing."),
         remote: Optional[List[str]] = typer.Option(None, "--remote", help="A remote store to look in before computing (repeatable)."),
         endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
-        json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
-        store: Optional[str] = typer.Option(None, "--store", help="Store path or URL (as before the command)."),
-        debug: bool = typer.Option(False, "--debug", help="Show tracebacks (as before the command)."),
-        no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
     ) -> None:
+        # --store, --json, --debug, --offline and --no-progress are the dfcache CLI's global
+        # options, which it adds to every command (dfcache.cli._common.GLOBAL_OPTIONS).
         from dfcache.config import offline_from_env
 
-        # DESIGN §7 puts --store (and scripts put --debug) after the command, too.
-        if store is not None:
-            state.store_location = store
-        state.debug = state.debug or debug
         if server is not None:
             # --server alone means "completions from that server": silently generating locally
             # (the default) while a server was named would cost hours on a large target.
@@ -89,6 +82,13 @@ def _make_command(mode: str):
                 raise UsageError(f"{name} {value!r} is not one of {', '.join(allowed)}.")
         if trained_on not in (None, "fla", "torch"):
             raise UsageError(f"--trained-on {trained_on!r} is not one of fla, torch.")
+        for name, value in (("--num-prompts", num_prompts), ("--max-new-tokens", max_new_tokens),
+                            ("--max-blocks", max_blocks), ("--concurrency", concurrency),
+                            ("--batch-tokens", batch_tokens)):
+            if value is not None and value < 1:
+                raise UsageError(f"{name} {value}: give a positive number.")
+        if any(b < 1 for b in tree_budget or []):
+            raise UsageError(f"--tree-budget {min(tree_budget)}: budgets are positive numbers of drafted nodes.")
         if not request_timeout > 0:
             raise UsageError(f"--request-timeout {request_timeout:g}: give a positive number of seconds.")
         if wait_server < 0:
@@ -102,9 +102,9 @@ def _make_command(mode: str):
             seed=seed, enable_thinking=enable_thinking, layers=list(layers) if layers else None,
             backend=backend, device=device, dtype=dtype, batch_tokens=batch_tokens,
             compression=compression, tree_budgets=list(tree_budget or []), max_blocks=max_blocks,
-            end_rule=end_rule, offline=offline or state.offline or offline_from_env(),
-            remotes=list(remote or []), endpoint_url=endpoint_url, json=json_out or state.json,
-            progress=not no_progress and sys.stderr.isatty() and not (json_out or state.json))
+            end_rule=end_rule, offline=state.offline or offline_from_env(),
+            remotes=list(remote or []), endpoint_url=endpoint_url, json=state.json,
+            progress=progress_enabled())
         run_pipeline(mode, RUN_TARGETS[target], opts, argv=_run_argv(ctx, target))
 
     command.__doc__ = ("Show the graph and each node's status; does no work." if mode == "plan" else
@@ -151,11 +151,18 @@ def _run_argv(ctx: typer.Context, target: str) -> list[str]:
     if root is not ctx:
         add(root, skip=("version", "debug"))
     args += ["run", target]
-    add(ctx, skip=("debug",))
+    add(ctx, skip=("_global_debug",))
     return args
 
 
+# What `dfcache ls --stage` and `ls --backend` accept before the store holds any such artifact.
+STAGE_NAMES = ("prompts", "completions", "tokens", "hidden_states", "drafter_eval", "report")
+KERNELS = ("fla", "torch")
+
+
 def register(app: typer.Typer) -> None:
+    state.known_stages.update(STAGE_NAMES)
+    state.known_kernels.update(KERNELS)
     app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
     app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
 

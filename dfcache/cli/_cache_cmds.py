@@ -9,11 +9,7 @@ import typer
 
 from ..errors import IntegrityError, UsageError
 from ..maintenance import backend_summary, gc_plan, input_summary, manifest_row
-from ._common import emit_json, get_store, human_bytes, state
-
-
-def _json_flag(local: bool) -> bool:
-    return local or state.json
+from ._common import check_kernel, check_stage, emit_json, get_store, human_bytes, state
 
 
 def register(app: typer.Typer) -> None:
@@ -21,8 +17,7 @@ def register(app: typer.Typer) -> None:
     def ls(stage: Optional[str] = typer.Option(None, "--stage", help="Only this stage."),
            backend: Optional[str] = typer.Option(None, "--backend", help="Only hidden states of this kernel family (fla|torch)."),
            remote: Optional[str] = typer.Option(None, "--remote", help="List a remote store instead (URL or configured name)."),
-           endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
-           json_out: bool = typer.Option(False, "--json", help="Print a JSON list.")) -> None:
+           endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote.")) -> None:
         """List artifacts: key, stage, size, created, backend, inputs."""
         errors: list = []
         if remote:
@@ -31,12 +26,15 @@ def register(app: typer.Typer) -> None:
             store = open_remote(remote, endpoint_url=endpoint_url, offline=state.offline or None, create=False)
         else:
             store = get_store()
-        manifests = store.list_manifests(stage=stage, errors=errors)
+        everything = store.list_manifests(errors=errors)
+        stage = check_stage(stage, lambda: everything)
+        backend = check_kernel(backend, everything)
+        manifests = [m for m in everything if stage is None or m.stage == stage]
         if backend:
             manifests = [m for m in manifests if (m.backend or {}).get("kernel") == backend]
         manifests.sort(key=lambda m: (m.created, m.key))
         rows = [manifest_row(m) for m in manifests]
-        if _json_flag(json_out):
+        if state.json:
             emit_json(rows)
             return
         if not rows:
@@ -53,8 +51,7 @@ def register(app: typer.Typer) -> None:
                   "`dfcache verify` to see them.")
 
     @app.command("show")
-    def show(key: str = typer.Argument(..., help="A key or unique key prefix."),
-             json_out: bool = typer.Option(False, "--json")) -> None:
+    def show(key: str = typer.Argument(..., help="A key or unique key prefix.")) -> None:
         """Show one artifact's manifest and its upstream chain."""
         store = get_store()
         full = store.resolve(key)
@@ -74,8 +71,8 @@ def register(app: typer.Typer) -> None:
                 stack.extend((u, depth + 1) for u in um.upstream_keys)
             else:
                 chain.append({"key": k, "stage": None, "depth": depth, "present": False, "summary": ""})
-        if _json_flag(json_out):
-            emit_json({**m.to_dict(), "upstream_chain": chain})
+        if state.json:
+            emit_json({**m.to_dict(), "backend": m.backend, "upstream_chain": chain})
             return
         print(f"key:          {m.key}")
         print(f"stage:        {m.stage} (version {m.stage_version})")
@@ -105,8 +102,7 @@ def register(app: typer.Typer) -> None:
             print(f"  {'  ' * (c['depth'] - 1)}{c['key'][:12]} {c['stage'] or '?'}{mark}")
 
     @app.command("verify")
-    def verify(keys: Optional[List[str]] = typer.Argument(None, help="Keys or prefixes (default: all)."),
-               json_out: bool = typer.Option(False, "--json")) -> None:
+    def verify(keys: Optional[List[str]] = typer.Argument(None, help="Keys or prefixes (default: all).")) -> None:
         """Re-hash artifacts against their manifests; exit 5 if any is corrupt or incomplete."""
         store = get_store()
         errors: list = []
@@ -116,7 +112,7 @@ def register(app: typer.Typer) -> None:
             targets = [m.key for m in store.list_manifests(errors=errors)]
         bad = {k: [msg] for k, msg in errors}
         progress = None
-        if not _json_flag(json_out) and len(targets) > 20:
+        if not state.json and len(targets) > 20:
             from tqdm.auto import tqdm
 
             progress = tqdm(total=len(targets), desc="verifying", unit="artifact", leave=False)
@@ -128,7 +124,7 @@ def register(app: typer.Typer) -> None:
                 progress.update(1)
         if progress:
             progress.close()
-        if _json_flag(json_out):
+        if state.json:
             emit_json({"checked": len(targets) + len(errors),
                        "bad": [{"key": k, "problems": p} for k, p in bad.items()]})
         else:
@@ -150,17 +146,17 @@ def register(app: typer.Typer) -> None:
            older_than: Optional[float] = typer.Option(None, "--older-than", help="Artifacts created more than DAYS ago."),
            key: Optional[List[str]] = typer.Option(None, "--key", help="These artifacts (keys or prefixes)."),
            bad: bool = typer.Option(False, "--bad", help="Artifacts that fail verification."),
-           grace: float = typer.Option(60.0, "--grace", help="Keep temporaries younger than this many seconds."),
-           json_out: bool = typer.Option(False, "--json")) -> None:
+           grace: float = typer.Option(60.0, "--grace", help="Keep temporaries younger than this many seconds.")) -> None:
         """Remove stale temporaries and, with a scope, artifacts. Needs --dry-run or --yes."""
         if dry_run == yes:
             raise UsageError("gc needs exactly one of --dry-run (show what would go) or --yes (remove it).")
         store = get_store()
+        stage = check_stage(stage, store.list_manifests)
         plan = gc_plan(store, tmp=tmp or not (stage or older_than is not None or key or bad),
                        stage=stage, older_than_days=older_than,
                        keys=[store.resolve(k) for k in (key or [])], bad=bad, grace_s=grace)
         removed = plan.execute(store, grace_s=grace) if yes else []
-        if _json_flag(json_out):
+        if state.json:
             emit_json({"dry_run": dry_run, "items": [i.__dict__ for i in plan.items],
                        "bytes": plan.total_bytes, "removed": removed})
             return

@@ -125,15 +125,15 @@ def open_remote_backend(url: str, *, endpoint_url: str | None = None, region: st
     """The backend for a remote URL (``s3://bucket/prefix`` or ``file:///path``).
 
     Nothing is contacted here; the first operation does. While offline (``offline`` or
-    ``DFCACHE_OFFLINE``/``HF_HUB_OFFLINE``) a URL that needs the network is refused with
+    ``DFCACHE_OFFLINE``) a URL that needs the network is refused with
     :class:`OfflineModeIsEnabled` before any socket is opened.
     """
     if url.startswith("file://"):
         return FileRemoteBackend(url[len("file://"):], create=create)
     offline = offline_from_env() if offline is None else offline
     if offline:
-        raise OfflineModeIsEnabled(f"cannot reach {url}: offline mode is on (--offline, DFCACHE_OFFLINE or "
-                                   "HF_HUB_OFFLINE); use a file:// remote or turn offline mode off.", url=url)
+        raise OfflineModeIsEnabled(f"cannot reach {url}: offline mode is on (--offline or DFCACHE_OFFLINE); "
+                                   "use a file:// remote or turn offline mode off.", url=url)
     scheme = url.split("://", 1)[0].lower()
     if scheme == "s3":
         return ObjectStoreBackend(url, endpoint_url=endpoint_url, region=region)
@@ -480,7 +480,12 @@ class ObjectStoreBackend(Backend):
             raise
         except FileNotFoundError:
             raise
-        except Exception as e:
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as e:
+            # Whatever else the object store raises is a failure of the transport: exit 4, always.
+            # That includes classes that are not Exceptions (pyo3's PanicException from a tokio
+            # worker, asyncio.CancelledError), which under load used to surface as exit 1.
             raise _map_error(e, self, what) from None
 
     @staticmethod

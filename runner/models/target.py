@@ -428,7 +428,7 @@ def check_layer_ids(layers, num_layers: int) -> list[int]:
         if not 0 <= k < num_layers:
             raise BadInputError(f"layer id {k} is out of range: the target has {num_layers} decoder layers "
                                 f"(ids 0..{num_layers - 1}). Check the drafter's "
-                                "dflash_config.target_layer_ids or --layers, and that --target is the model "
+                                "dflash_config.target_layer_ids or --layer, and that --target is the model "
                                 "the drafter was trained against.")
         out.add(k)
     return sorted(out)

@@ -44,7 +44,7 @@ LAST_STATS = "hidden_states.last_stats"
 
 
 def requested_layers(ctx: RunContext, drafters) -> list[int]:
-    """The union of the drafters' ``target_layer_ids`` and ``--layers``, sorted."""
+    """The union of the drafters' ``target_layer_ids`` and ``--layer`` ids, sorted."""
     layers: set[int] = set()
     for d in drafters:
         ids = getattr(d, "target_layer_ids", None)
@@ -55,8 +55,9 @@ def requested_layers(ctx: RunContext, drafters) -> list[int]:
     if ctx.options.layers:
         layers.update(ctx.options.layers)
     if not layers:
-        raise BadInputError("no hidden-state layers requested: pass --layers (e.g. --layers 1 3) or a "
-                            "drafter (--drafter DIR) whose dflash_config.target_layer_ids name them.")
+        raise BadInputError("no hidden-state layers requested: pass --layer (repeatable, e.g. --layer 1 "
+                            "--layer 3) or a drafter (--drafter DIR) whose dflash_config.target_layer_ids "
+                            "name them.")
     for k in layers:
         if isinstance(k, bool) or not isinstance(k, int):
             raise BadInputError(f"layer id {k!r} is not an integer; pass decoder-layer indices.")
