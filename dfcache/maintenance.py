@@ -55,6 +55,39 @@ def manifest_row(m: Manifest) -> dict:
             "arrays": {n: {"shape": a.shape, "dtype": a.dtype} for n, a in m.arrays.items()}}
 
 
+def dependents(manifests, keys) -> dict[str, list[Manifest]]:
+    """For each of ``keys``, the artifacts among ``manifests`` whose ``upstream`` names it.
+
+    Read from the manifests' upstream keys only, so it holds for any stage graph (and for
+    finer-grained artifacts that list their upstream the same way)."""
+    wanted = set(keys)
+    out: dict[str, list[Manifest]] = {}
+    for m in manifests:
+        for u in m.upstream_keys:
+            if u in wanted:
+                out.setdefault(u, []).append(m)
+    return out
+
+
+def missing_upstream(store, manifests) -> list[tuple[Manifest, str]]:
+    """(artifact, upstream key) pairs where the upstream artifact is not in ``store``."""
+    present = {m.key for m in manifests}
+    out = []
+    for m in manifests:
+        for u in m.upstream_keys:
+            if u not in present and not store.has(u):
+                out.append((m, u))
+    return out
+
+
+class DependentsError(Exception):
+    """Raised by :func:`gc_plan` when artifacts to remove have dependents that stay."""
+
+    def __init__(self, kept: dict[str, list[Manifest]]) -> None:
+        super().__init__("dependents")
+        self.kept = kept
+
+
 @dataclass
 class GcItem:
     kind: str  # "temporary" | "artifact"
@@ -93,8 +126,14 @@ def _age_days(created: str) -> float:
 
 
 def gc_plan(store, *, tmp: bool = True, stage: str | None = None, older_than_days: float | None = None,
-            keys: list[str] | None = None, bad: bool = False, grace_s: float = 60.0) -> GcPlan:
-    """What gc would remove. Temporaries held by a live writer are never listed."""
+            keys: list[str] | None = None, bad: bool = False, grace_s: float = 60.0,
+            force: bool = False) -> GcPlan:
+    """What gc would remove. Temporaries held by a live writer are never listed.
+
+    An artifact chosen by a scope (--key, --stage, --older-than) that an artifact staying behind
+    depends on raises :class:`DependentsError` unless ``force``; the dependent would be left
+    with a broken chain. Artifacts that fail verification (``bad``) go regardless: a rerun
+    recomputes the same key."""
     plan = GcPlan()
     if tmp:
         for t in store.backend.list_temporaries():
@@ -119,6 +158,13 @@ def gc_plan(store, *, tmp: bool = True, stage: str | None = None, older_than_day
                 chosen[m.key] = "fails verification"
         for k, _msg in errors:
             chosen[k] = "invalid manifest"
+    scoped = [k for k, why in chosen.items() if why in ("scope", "named")]
+    if scoped and not force:
+        every = store.list_manifests()
+        kept = {k: [m for m in ms if m.key not in chosen] for k, ms in dependents(every, scoped).items()}
+        kept = {k: ms for k, ms in kept.items() if ms}
+        if kept:
+            raise DependentsError(kept)
     sizes = {}
     for k in chosen:
         try:

@@ -75,7 +75,13 @@ def load_tokenizer(target_dir: str | Path, shared: dict | None = None):
         return shared[key]
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(target_dir))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        # transformers' message spans many lines; planning checks the files, this is what is left.
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise BadInputError(f"the tokenizer of {target_dir} cannot be loaded ({first}); pass a model "
+                            "directory with a complete tokenizer (tokenizer.json).") from None
     if shared is not None:
         shared[key] = tok
     return tok

@@ -128,3 +128,24 @@ def test_show_json_has_the_backend_object_ls_has(tmp_path, capsys):
     shown = json.loads(out)
     code, out, _ = _main(capsys, "--store", tmp_path / "store", "ls", "--json")
     assert shown["backend"] == json.loads(out)[0]["backend"] == backend
+
+
+def test_gc_refuses_dependents_force_removes_and_verify_reports_the_broken_chain(tmp_path, capsys):
+    s = open_store(tmp_path / "store")
+    up, _ = write_example(s, i=0, rows=50, chunk_rows=25)
+    down = "cd" * 16
+    with s.writer(down, stage="conformance2", stage_version=1, inputs={}, upstream={"states": [up]}) as w:
+        w.put_json("x", {})
+    store = tmp_path / "store"
+    code, out, err = _main(capsys, "--store", store, "gc", "--yes", "--key", up[:8])
+    assert code == 2 and f"{up[:12]} is upstream of {down[:12]} (conformance2)" in err and "--force" in err
+    assert s.has(up)
+    # Removing both together is fine; so is --force, which leaves the chain broken.
+    code, out, err = _main(capsys, "--store", store, "gc", "--dry-run", "--key", up[:8], "--key", down[:8])
+    assert code == 0, err
+    code, out, err = _main(capsys, "--store", store, "gc", "--yes", "--force", "--key", up[:8])
+    assert code == 0 and not s.has(up) and s.has(down)
+    code, out, err = _main(capsys, "--store", store, "verify")
+    assert code == 0 and f"BROKEN CHAIN {down} (conformance2): upstream {up} is not in this store" in out
+    code, out, err = _main(capsys, "--store", store, "verify", "--json")
+    assert json.loads(out)["missing_upstream"] == [{"key": down, "stage": "conformance2", "upstream": up}]

@@ -8,8 +8,8 @@ from typing import List, Optional
 import typer
 
 from ..errors import IntegrityError, UsageError
-from ..maintenance import backend_summary, gc_plan, input_summary, manifest_row
-from ._common import check_kernel, check_stage, emit_json, get_store, human_bytes, state
+from ..maintenance import DependentsError, backend_summary, gc_plan, input_summary, manifest_row, missing_upstream
+from ._common import check_kernel, check_stage, emit_json, get_store, human_bytes, progress_enabled, state
 
 
 def register(app: typer.Typer) -> None:
@@ -106,13 +106,19 @@ def register(app: typer.Typer) -> None:
         """Re-hash artifacts against their manifests; exit 5 if any is corrupt or incomplete."""
         store = get_store()
         errors: list = []
+        everything = store.list_manifests(errors=errors)
         if keys:
             targets = [store.resolve(k) for k in keys]
         else:
-            targets = [m.key for m in store.list_manifests(errors=errors)]
+            targets = [m.key for m in everything]
         bad = {k: [msg] for k, msg in errors}
+        # A missing upstream artifact is a broken chain, not corrupt data: the dependent's own
+        # bytes are fine, and a store may hold an artifact without its inputs on purpose (pulled
+        # with --no-upstream, or a run that pulled only the eval it needed). Reported, exit 0.
+        wanted = set(targets)
+        broken = [(m, u) for m, u in missing_upstream(store, everything) if m.key in wanted]
         progress = None
-        if not state.json and len(targets) > 20:
+        if progress_enabled() and len(targets) > 20:  # a bar on a terminal only, never into a pipe
             from tqdm.auto import tqdm
 
             progress = tqdm(total=len(targets), desc="verifying", unit="artifact", leave=False)
@@ -126,11 +132,16 @@ def register(app: typer.Typer) -> None:
             progress.close()
         if state.json:
             emit_json({"checked": len(targets) + len(errors),
-                       "bad": [{"key": k, "problems": p} for k, p in bad.items()]})
+                       "bad": [{"key": k, "problems": p} for k, p in bad.items()],
+                       "missing_upstream": [{"key": m.key, "stage": m.stage, "upstream": u} for m, u in broken]})
         else:
             for k, problems in bad.items():
                 print(f"BAD {k}: " + "; ".join(problems))
-            print(f"{len(targets) + len(errors)} artifact(s) checked, {len(bad)} bad")
+            for m, u in broken:
+                print(f"BROKEN CHAIN {m.key} ({m.stage}): upstream {u} is not in this store; recompute it "
+                      "(run the command that made it) or pull it.")
+            print(f"{len(targets) + len(errors)} artifact(s) checked, {len(bad)} bad"
+                  + (f", {len(broken)} missing upstream artifact(s)" if broken else ""))
         if bad:
             names = ", ".join(k[:12] for k in list(bad)[:5]) + (", ..." if len(bad) > 5 else "")
             one = next(iter(bad))[:12]
@@ -146,15 +157,26 @@ def register(app: typer.Typer) -> None:
            older_than: Optional[float] = typer.Option(None, "--older-than", help="Artifacts created more than DAYS ago."),
            key: Optional[List[str]] = typer.Option(None, "--key", help="These artifacts (keys or prefixes)."),
            bad: bool = typer.Option(False, "--bad", help="Artifacts that fail verification."),
-           grace: float = typer.Option(60.0, "--grace", help="Keep temporaries younger than this many seconds.")) -> None:
+           grace: float = typer.Option(60.0, "--grace", help="Keep temporaries younger than this many seconds."),
+           force: bool = typer.Option(False, "--force", help="Remove artifacts even when others depend on them "
+                                                            "(`verify` then reports the broken chains).")) -> None:
         """Remove stale temporaries and, with a scope, artifacts. Needs --dry-run or --yes."""
         if dry_run == yes:
             raise UsageError("gc needs exactly one of --dry-run (show what would go) or --yes (remove it).")
         store = get_store()
         stage = check_stage(stage, store.list_manifests)
-        plan = gc_plan(store, tmp=tmp or not (stage or older_than is not None or key or bad),
-                       stage=stage, older_than_days=older_than,
-                       keys=[store.resolve(k) for k in (key or [])], bad=bad, grace_s=grace)
+        try:
+            plan = gc_plan(store, tmp=tmp or not (stage or older_than is not None or key or bad),
+                           stage=stage, older_than_days=older_than,
+                           keys=[store.resolve(k) for k in (key or [])], bad=bad, grace_s=grace, force=force)
+        except DependentsError as e:
+            parts = []
+            for k, ms in e.kept.items():
+                deps = ", ".join(f"{m.key[:12]} ({m.stage})" for m in ms[:5]) + (", ..." if len(ms) > 5 else "")
+                parts.append(f"{k[:12]} is upstream of {deps}")
+            raise UsageError(f"refusing to remove artifacts that others depend on: {'; '.join(parts)}. Remove "
+                             "the dependents too (add them with --key, or use a --stage that covers them), or "
+                             "pass --force to leave them with a broken chain.") from None
         removed = plan.execute(store, grace_s=grace) if yes else []
         if state.json:
             emit_json({"dry_run": dry_run, "items": [i.__dict__ for i in plan.items],

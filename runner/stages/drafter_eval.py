@@ -70,6 +70,10 @@ def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
         raise BadInputError(f"drafter {path_str} has no config.json; pass a DFlash checkpoint directory.")
     if not any(path.glob("*.safetensors")):
         raise BadInputError(f"drafter {path_str} has no *.safetensors weights; pass a complete checkpoint.")
+    from ..models.resolve import check_weight_files
+
+    check_weight_files(path, f"drafter {path_str}", "re-download or re-save the checkpoint (a copy or "
+                       "download that stopped half-way leaves such a file).")
     try:
         cfg = json.loads(cfg_path.read_text())
     except ValueError as e:

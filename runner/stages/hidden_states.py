@@ -93,6 +93,11 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
             summary=f"layer {k} of {info.num_layers} ({info.model_type or 'model'})",
             payload={"target_dir": str(target_dir), "layer": k, "backend": backend.to_key(),
                      "note": backend.note, "tokens": tokens_node.key})
+    if any(not _stored_somewhere(ctx, n.key) for n in nodes.values()):
+        from ..models.resolve import require_weights
+
+        require_weights(target_dir, "extracting hidden states runs the model: pass the directory that holds "
+                                    "its weights with --target.")
     problem = backend_problem(backend)
     if problem:
         # Cached states of any backend class are usable anywhere; computing missing ones is what

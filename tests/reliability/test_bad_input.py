@@ -38,6 +38,7 @@ class Ctx:
     target: str
     url: str = DEAD
     files: dict = field(default_factory=dict)
+    keys: dict = field(default_factory=dict)  # the base store's artifacts, by stage
 
     def run(self, stage: str, *extra, target: str | None = None, url: str | None = None, max_new: int = MAX_NEW,
             prompts: int = NUM_PROMPTS) -> list:
@@ -82,7 +83,8 @@ def model_dir(keep: tuple[str, ...] = (), config: bytes | None = None) -> Callab
     return setup
 
 
-def drafter(edit: Callable[[dict], None]) -> Callable[[Ctx], None]:
+def drafter(edit: Callable[[dict], None] = lambda cfg: None, weights: Callable[[Path], None] | None = None
+            ) -> Callable[[Ctx], None]:
     def setup(ctx: Ctx) -> None:
         from runner.train_tiny import make_untrained_drafter
 
@@ -91,7 +93,25 @@ def drafter(edit: Callable[[dict], None]) -> Callable[[Ctx], None]:
         cfg = json.loads((d / "config.json").read_text())
         edit(cfg)
         (d / "config.json").write_text(json.dumps(cfg))
+        if weights is not None:
+            weights(d / "model.safetensors")
         ctx.files["drafter"] = d
+    return setup
+
+
+def truncate(f: Path) -> None:
+    """A download or copy that stopped half-way."""
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def overwrite(f: Path) -> None:
+    f.write_bytes(b"<html>404 Not Found</html>\n" * 10)
+
+
+def model_with(keep: tuple[str, ...], weights: Callable[[Path], None]) -> Callable[[Ctx], None]:
+    def setup(ctx: Ctx) -> None:
+        model_dir(keep)(ctx)
+        weights(ctx.files["model"] / "model.safetensors")
     return setup
 
 
@@ -182,6 +202,17 @@ CASES = [
     Case("target: no weights, local completions", EXIT_BAD_INPUT, ["{tmp}/model", "has no weights"],
          lambda c: ["run", "completions", "--target", c.files["model"], "--completions", "local",
                     "--num-prompts", "2", "--max-new-tokens", "4"], model_dir(TARGET_FILES)),
+    Case("target: tokenizer_config.json without tokenizer.json", EXIT_BAD_INPUT,
+         ["{tmp}/model has tokenizer_config.json but no tokenizer.json", "copy tokenizer.json"],
+         lambda c: ["run", "completions", "--target", c.files["model"], "--completions", "local",
+                    "--num-prompts", "2", "--max-new-tokens", "4"],
+         model_dir(("config.json", "generation_config.json", "tokenizer_config.json", "chat_template.jinja",
+                    "model.safetensors"))),
+    Case("target: truncated model.safetensors, local completions", EXIT_BAD_INPUT,
+         ["{tmp}/model/model.safetensors is not a valid safetensors file", "truncated", "re-download"],
+         lambda c: ["run", "completions", "--target", c.files["model"], "--completions", "local",
+                    "--num-prompts", "2", "--max-new-tokens", "4"],
+         model_with(TARGET_FILES + ("model.safetensors",), truncate)),
     # ---- drafters (exit 6)
     Case("drafter: config without target_layer_ids", EXIT_BAD_INPUT, ["target_layer_ids"],
          lambda c: c.run("eval", "--offline", "--drafter", c.files["drafter"]), drafter(_no_layer_ids),
@@ -189,6 +220,14 @@ CASES = [
     Case("drafter: hidden size differs from the target's", EXIT_BAD_INPUT, ["hidden"],
          lambda c: c.run("eval", "--offline", "--drafter", c.files["drafter"]), drafter(_other_hidden),
          needs="drafter_eval", heavy=True),
+    Case("drafter: truncated model.safetensors, checked before any stage runs", EXIT_BAD_INPUT,
+         ["{tmp}/drafter/model.safetensors is not a valid safetensors file", "truncated", "re-download"],
+         lambda c: c.run("eval", "--offline", "--drafter", c.files["drafter"]), drafter(weights=truncate),
+         needs="drafter_eval"),
+    Case("drafter: model.safetensors that is not safetensors", EXIT_BAD_INPUT,
+         ["{tmp}/drafter/model.safetensors is not a valid safetensors file", "header length"],
+         lambda c: c.run("eval", "--offline", "--drafter", c.files["drafter"]), drafter(weights=overwrite),
+         needs="drafter_eval"),
     Case("drafter: directory does not exist", EXIT_BAD_INPUT, ["{tmp}/no-drafter"],
          lambda c: c.run("eval", "--offline", "--drafter", c.tmp / "no-drafter"), needs="drafter_eval"),
     # ---- the completions server (exit 4): one check up front, no retry loop, nothing cached
@@ -232,6 +271,11 @@ CASES = [
          lambda c: ["verify", "0123"]),
     Case("usage: unknown run target", EXIT_USAGE, ["unknown target 'everything'"], lambda c: ["run", "everything"]),
     Case("usage: --max-new-tokens 0", EXIT_USAGE, ["--max-new-tokens 0"], lambda c: c.run("tokens", max_new=0)),
+    Case("gc: --key of an artifact that others depend on", EXIT_USAGE,
+         ["refusing to remove", "is upstream of", "(tokens)", "--force"],
+         lambda c: ["gc", "--yes", "--key", c.keys["completions"][:12]]),
+    Case("gc: --stage whose artifacts others depend on (dry run says so too)", EXIT_USAGE,
+         ["refusing to remove", "(completions)", "--force"], lambda c: ["gc", "--dry-run", "--stage", "prompts"]),
     Case("usage: --tree-budget 0", EXIT_USAGE, ["--tree-budget 0"], lambda c: c.run("eval", "--tree-budget", "0")),
     # ---- a store path that is a file (exit 2), whatever the command and wherever --store stands
     Case("store: a file (ls)", EXIT_USAGE, [FILE_STORE], lambda c: ["--store", c.tmp / "store-file", "ls"], a_file()),
@@ -263,6 +307,10 @@ def _server(kind: str | None):
     return ScriptedServer(chat=kind).start()
 
 
+def staging_listing(store: Path) -> list[str]:
+    return sorted(p.name for p in (Path(store) / "staging").iterdir()) if (Path(store) / "staging").is_dir() else []
+
+
 def check_one_message(r, code: int) -> str:
     err = r.err
     assert "Traceback" not in err, err
@@ -282,13 +330,14 @@ def _run_case(case: Case, zygote, heavy_zygote, base_store, tiny_target, tmp_pat
     if case.needs and not has_stage(case.needs):
         pytest.skip(f"needs runner/stages/{case.needs}.py (the {case.needs.replace('_', ' ')} stage), not there yet")
     store = copy_store(base_store, tmp_path / "store")
-    ctx = Ctx(store=store, tmp=tmp_path, target=str(tiny_target))
+    ctx = Ctx(store=store, tmp=tmp_path, target=str(tiny_target), keys=dict(base_store["keys"]))
     if case.setup:
         case.setup(ctx)
     server = _server(case.server)
     if server is not None:
         ctx.url = server.url
     before = artifacts_listing(store)
+    staging_before = staging_listing(store)
     argv = [str(a) for a in case.argv(ctx)] + list(extra)
     if argv[0] != "--store":
         argv = ["--store", str(store), *argv]
@@ -309,6 +358,8 @@ def _run_case(case: Case, zygote, heavy_zygote, base_store, tiny_target, tmp_pat
     for w in case.absent:
         assert w.format(**fmt) not in err, f"{case.id}: {w!r} should not be in the message:\n{err}"
     assert artifacts_listing(store) == before, f"{case.id}: the store changed"
+    if case.server is None:  # (a failed generation request may keep resumable progress)
+        assert staging_listing(store) == staging_before, f"{case.id}: left {staging_listing(store)} in staging"
     if case.code != EXIT_OK:
         ok = zygote.cli("--store", store, "verify", timeout=120)
         assert ok.code == 0, f"{case.id}: the store does not verify afterwards:\n{ok.err[-2000:]}"
