@@ -105,6 +105,8 @@ def _make_command(mode: str):
             end_rule=end_rule, offline=offline or state.offline or offline_from_env(),
             remotes=list(remote or []), endpoint_url=endpoint_url, json=json_out or state.json,
             progress=not no_progress and sys.stderr.isatty() and not (json_out or state.json))
+        if mode == "options":  # `dfcache watch` takes these options and validates them the same way
+            return opts
         run_pipeline(mode, RUN_TARGETS[target], opts, argv=_run_argv(ctx, target))
 
     command.__doc__ = ("Show the graph and each node's status; does no work." if mode == "plan" else
@@ -158,6 +160,9 @@ def _run_argv(ctx: typer.Context, target: str) -> list[str]:
 def register(app: typer.Typer) -> None:
     app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
     app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
+    from .watch import register as register_watch
+
+    register_watch(app)
 
 
 def open_remotes(opts: EvalOptions) -> list:
