@@ -16,7 +16,7 @@ import codecs
 import html
 import io
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -139,7 +139,6 @@ class Point:
     tau_tree: dict[str, float | None]
     histogram: list[int]
     key: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 def tau_by_step_png(points: Sequence[Point], reference: Point | None, budgets: Sequence[int]) -> bytes:

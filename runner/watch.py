@@ -142,6 +142,7 @@ class Watch:
         self.target_dir: str | None = None
         self.budgets = sorted({int(b) for b in opts.tree_budgets})
         self.started = time.perf_counter()
+        self.computed_keys: set[str] = set()  # evaluated by this process (a record may be redone from cache)
         self._header = False
 
     # ------------------------------------------------------------------ discovery
@@ -255,7 +256,9 @@ class Watch:
                 self.log(f"note: checkpoint {ref.path} changed while it was evaluated ({type(e).__name__}); "
                          "it is evaluated again once it is stable.")
                 continue
-            rec = Evaluated(ref.step, str(ref.path), ref.name, node.key, node.key in ctx.work_done,
+            if node.key in ctx.work_done:
+                self.computed_keys.add(node.key)
+            rec = Evaluated(ref.step, str(ref.path), ref.name, node.key, node.key in self.computed_keys,
                             drafter_eval.read_summary(self.store, node.key),
                             () if is_reference else self.readiness.seen.get(ref.path, ((), 0))[0])
             if is_reference:
@@ -426,7 +429,7 @@ class Watch:
                 first = False
                 if self.once:
                     break
-                self.sleep(self.interval)
+                self.sleep(max(self.interval, 0.1))  # --interval 0 must not spin
         except KeyboardInterrupt:
             self.log(f"watch stopped: {len(self.records)} checkpoint(s) evaluated; report in {self.out_dir}")
             raise

@@ -301,10 +301,15 @@ def test_watch_keeps_watching_takes_new_complete_checkpoints_and_stops_cleanly_o
         partial = run / "checkpoint-12"
         os.rename(staged, partial)
         weights = partial / "model.safetensors"
+        bad = shutil.copytree(training["made"] / "s2", tmp_path / "bad")
+        (bad / "config.json").write_text('{"hidden_size": 128}')  # no dflash_config: never evaluable
+        os.rename(bad, run / "checkpoint-4")
         save_checkpoint(training["made"] / "s6", run / "checkpoint-6", 6)
         second = json.loads(p.stdout.readline())
         assert [c["step"] for c in second["checkpoints"]] == [2, 6]
         assert [x["path"] for x in second["pending"]] == [str(partial)]
+        assert [x["path"] for x in second["failed"]] == [str(run / "checkpoint-4")]
+        assert "target_layer_ids" in second["failed"][0]["error"]
         weights.write_bytes(full)  # the trainer finished it
         third = json.loads(p.stdout.readline())
         assert [c["step"] for c in third["checkpoints"]] == [2, 6, 12]
