@@ -55,20 +55,6 @@ def manifest_row(m: Manifest) -> dict:
             "arrays": {n: {"shape": a.shape, "dtype": a.dtype} for n, a in m.arrays.items()}}
 
 
-def dependents(manifests, keys) -> dict[str, list[Manifest]]:
-    """For each of ``keys``, the artifacts among ``manifests`` whose ``upstream`` names it.
-
-    Read from the manifests' upstream keys only, so it holds for any stage graph (and for
-    finer-grained artifacts that list their upstream the same way)."""
-    wanted = set(keys)
-    out: dict[str, list[Manifest]] = {}
-    for m in manifests:
-        for u in m.upstream_keys:
-            if u in wanted:
-                out.setdefault(u, []).append(m)
-    return out
-
-
 def missing_upstream(store, manifests) -> list[tuple[Manifest, str]]:
     """(artifact, upstream key) pairs where the upstream artifact is not in ``store``."""
     present = {m.key for m in manifests}
@@ -78,14 +64,6 @@ def missing_upstream(store, manifests) -> list[tuple[Manifest, str]]:
             if u not in present and not store.has(u):
                 out.append((m, u))
     return out
-
-
-class DependentsError(Exception):
-    """Raised by :func:`gc_plan` when artifacts to remove have dependents that stay."""
-
-    def __init__(self, kept: dict[str, list[Manifest]]) -> None:
-        super().__init__("dependents")
-        self.kept = kept
 
 
 @dataclass
@@ -127,13 +105,12 @@ def _age_days(created: str) -> float:
 
 def gc_plan(store, *, tmp: bool = True, stage: str | None = None, older_than_days: float | None = None,
             keys: list[str] | None = None, bad: bool = False, grace_s: float = 60.0,
-            force: bool = False) -> GcPlan:
+            duplicates: bool = False, force: bool = False) -> GcPlan:
     """What gc would remove. Temporaries held by a live writer are never listed.
 
-    An artifact chosen by a scope (--key, --stage, --older-than) that an artifact staying behind
-    depends on raises :class:`DependentsError` unless ``force``; the dependent would be left
-    with a broken chain. Artifacts that fail verification (``bad``) go regardless: a rerun
-    recomputes the same key."""
+    ``duplicates``: segments whose every sample is read from another segment (nothing is lost).
+    Artifacts (or samples) that kept artifacts depend on are refused with
+    :class:`~dfcache.errors.DependentsError` naming the dependents, unless ``force``."""
     plan = GcPlan()
     if tmp:
         for t in store.backend.list_temporaries():
@@ -151,6 +128,25 @@ def gc_plan(store, *, tmp: bool = True, stage: str | None = None, older_than_day
             chosen[m.key] = "scope"
     for k in keys or []:
         chosen[k] = "named"
+    if duplicates:
+        from .references import redundant_segments
+
+        for k, where in redundant_segments(store).items():
+            chosen.setdefault(k, f"duplicate: every sample is also in {where}")
+    if chosen and not force:
+        from .references import dependents
+
+        checked = [k for k, why in chosen.items() if why in ("scope", "named")]
+        deps = dependents(store, list(chosen)) if checked else {}
+        deps = {k: v for k, v in deps.items() if k in checked}
+        if deps:
+            from .errors import DependentsError
+
+            lines = [f"  {k[:12]} is needed by {', '.join(d[:12] for d in v[:5])}" + (" ..." if len(v) > 5 else "")
+                     for k, v in list(deps.items())[:10]]
+            raise DependentsError(f"gc would remove {len(deps)} artifact(s) that others depend on:\n" + "\n".join(lines)
+                                  + "\nRemove the dependents too (add them with --key), or pass --force to remove "
+                                  "anyway.", dependents=deps)
     if bad:
         errors: list = []
         for m in store.list_manifests(errors=errors):
@@ -158,13 +154,6 @@ def gc_plan(store, *, tmp: bool = True, stage: str | None = None, older_than_day
                 chosen[m.key] = "fails verification"
         for k, _msg in errors:
             chosen[k] = "invalid manifest"
-    scoped = [k for k, why in chosen.items() if why in ("scope", "named")]
-    if scoped and not force:
-        every = store.list_manifests()
-        kept = {k: [m for m in ms if m.key not in chosen] for k, ms in dependents(every, scoped).items()}
-        kept = {k: ms for k, ms in kept.items() if ms}
-        if kept:
-            raise DependentsError(kept)
     sizes = {}
     for k in chosen:
         try:

@@ -105,6 +105,8 @@ def _make_command(mode: str):
             end_rule=end_rule, offline=state.offline or offline_from_env(),
             remotes=list(remote or []), endpoint_url=endpoint_url, json=state.json,
             progress=progress_enabled())
+        if mode == "options":  # `dfcache watch` takes these options and validates them the same way
+            return opts
         run_pipeline(mode, RUN_TARGETS[target], opts, argv=_run_argv(ctx, target))
 
     command.__doc__ = ("Show the graph and each node's status; does no work." if mode == "plan" else
@@ -165,6 +167,9 @@ def register(app: typer.Typer) -> None:
     state.known_kernels.update(KERNELS)
     app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
     app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
+    from .watch import register as register_watch
+
+    register_watch(app)
 
 
 def open_remotes(opts: EvalOptions) -> list:

@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from ..errors import IntegrityError, UsageError
-from ..maintenance import DependentsError, backend_summary, gc_plan, input_summary, manifest_row, missing_upstream
+from ..maintenance import backend_summary, gc_plan, input_summary, manifest_row, missing_upstream
 from ._common import check_kernel, check_stage, emit_json, get_store, human_bytes, progress_enabled, state
 
 
@@ -158,25 +158,19 @@ def register(app: typer.Typer) -> None:
            key: Optional[List[str]] = typer.Option(None, "--key", help="These artifacts (keys or prefixes)."),
            bad: bool = typer.Option(False, "--bad", help="Artifacts that fail verification."),
            grace: float = typer.Option(60.0, "--grace", help="Keep temporaries younger than this many seconds."),
-           force: bool = typer.Option(False, "--force", help="Remove artifacts even when others depend on them "
+           duplicates: bool = typer.Option(False, "--duplicates", help="Segments whose every sample is also in another segment (part of the default scope)."),
+           force: bool = typer.Option(False, "--force", help="Remove artifacts even if others depend on them "
                                                             "(`verify` then reports the broken chains).")) -> None:
         """Remove stale temporaries and, with a scope, artifacts. Needs --dry-run or --yes."""
         if dry_run == yes:
             raise UsageError("gc needs exactly one of --dry-run (show what would go) or --yes (remove it).")
         store = get_store()
         stage = check_stage(stage, store.list_manifests)
-        try:
-            plan = gc_plan(store, tmp=tmp or not (stage or older_than is not None or key or bad),
-                           stage=stage, older_than_days=older_than,
-                           keys=[store.resolve(k) for k in (key or [])], bad=bad, grace_s=grace, force=force)
-        except DependentsError as e:
-            parts = []
-            for k, ms in e.kept.items():
-                deps = ", ".join(f"{m.key[:12]} ({m.stage})" for m in ms[:5]) + (", ..." if len(ms) > 5 else "")
-                parts.append(f"{k[:12]} is upstream of {deps}")
-            raise UsageError(f"refusing to remove artifacts that others depend on: {'; '.join(parts)}. Remove "
-                             "the dependents too (add them with --key, or use a --stage that covers them), or "
-                             "pass --force to leave them with a broken chain.") from None
+        default_scope = not (stage or older_than is not None or key or bad or duplicates)
+        plan = gc_plan(store, tmp=tmp or default_scope,
+                       stage=stage, older_than_days=older_than,
+                       keys=[store.resolve(k) for k in (key or [])], bad=bad, grace_s=grace,
+                       duplicates=duplicates or default_scope, force=force)
         removed = plan.execute(store, grace_s=grace) if yes else []
         if state.json:
             emit_json({"dry_run": dry_run, "items": [i.__dict__ for i in plan.items],

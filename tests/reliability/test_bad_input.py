@@ -272,10 +272,11 @@ CASES = [
     Case("usage: unknown run target", EXIT_USAGE, ["unknown target 'everything'"], lambda c: ["run", "everything"]),
     Case("usage: --max-new-tokens 0", EXIT_USAGE, ["--max-new-tokens 0"], lambda c: c.run("tokens", max_new=0)),
     Case("gc: --key of an artifact that others depend on", EXIT_USAGE,
-         ["refusing to remove", "is upstream of", "(tokens)", "--force"],
+         ["that others depend on", "{key_completions} is needed by {key_tokens}", "--force"],
          lambda c: ["gc", "--yes", "--key", c.keys["completions"][:12]]),
     Case("gc: --stage whose artifacts others depend on (dry run says so too)", EXIT_USAGE,
-         ["refusing to remove", "(completions)", "--force"], lambda c: ["gc", "--dry-run", "--stage", "prompts"]),
+         ["that others depend on", "{key_prompts} is needed by {key_completions}", "--force"],
+         lambda c: ["gc", "--dry-run", "--stage", "prompts"]),
     Case("usage: --tree-budget 0", EXIT_USAGE, ["--tree-budget 0"], lambda c: c.run("eval", "--tree-budget", "0")),
     # ---- a store path that is a file (exit 2), whatever the command and wherever --store stands
     Case("store: a file (ls)", EXIT_USAGE, [FILE_STORE], lambda c: ["--store", c.tmp / "store-file", "ls"], a_file()),
@@ -351,7 +352,8 @@ def _run_case(case: Case, zygote, heavy_zygote, base_store, tiny_target, tmp_pat
             (server.stop if hasattr(server, "stop") else server.close)()
     assert r.code == case.code, f"{case.id}: exit {r.code}, want {case.code}\n{r.err[-3000:]}"
     err = check_one_message(r, case.code)
-    fmt = {"tmp": str(tmp_path), "prompts": str(ctx.files.get("prompts")), "url": ctx.url}
+    fmt = {"tmp": str(tmp_path), "prompts": str(ctx.files.get("prompts")), "url": ctx.url,
+           **{f"key_{stage}": key[:12] for stage, key in ctx.keys.items()}}
     for w in case.words:
         w = w.format(**fmt)
         assert w in err, f"{case.id}: {w!r} not in the message:\n{err}"
