@@ -29,13 +29,18 @@ def backend_summary(m: Manifest) -> str:
     return "/".join(parts)
 
 
-def input_summary(m: Manifest, width: int = 60) -> str:
+def input_summary(m: Manifest, width: int = 72) -> str:
     if m.summary:
         text = m.summary
     else:
         skip = {"backend"}
         text = " ".join(f"{k}={_short(v)}" for k, v in sorted(m.inputs.items()) if k not in skip)
-    return text if len(text) <= width else text[: width - 1] + "…"
+    if len(text) <= width:
+        return text
+    cut = text[: width - 1]
+    # Cut between words, never inside one (a half "float32" reads as another dtype).
+    space = max(cut.rfind(" "), cut.rfind(","))
+    return (cut[:space] if space > width // 2 else cut).rstrip(" ,") + "…"
 
 
 def _short(v) -> str:

@@ -47,12 +47,13 @@ def _make_command(mode: str):
         enable_thinking: bool = typer.Option(False, "--enable-thinking/--no-enable-thinking"),
         layers: Optional[List[int]] = typer.Option(None, "--layer", help="Layer ids to extract (run hidden-states without a drafter)."),
         backend: str = typer.Option("auto", "--backend", help="auto|fla|torch"),
-        device: str = typer.Option("auto", "--device", help="auto|cuda|cpu"),
+        device: str = typer.Option("auto", "--device", help="auto|cuda|cpu: where hidden states (and local completions) are computed."),
+        eval_device: str = typer.Option("auto", "--eval-device", help="auto|cuda|cpu: where drafters are evaluated (auto: CUDA where usable, else CPU), whatever device made the states."),
         dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16|float32"),
         batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Tokens per extraction batch."),
         compression: str = typer.Option("none", "--compression", help="none|zstd (lossless) for hidden states."),
         tree_budget: Optional[List[int]] = typer.Option(None, "--tree-budget", help="DDTree budget (repeatable)."),
-        end_rule: str = typer.Option("within", "--end-rule", help="within|continuation: how the last block of a completion counts."),
+        end_rule: str = typer.Option("within", "--end-rule", help="within: how the last block of a completion counts (continuation is not wired yet; see docs/metrics.md)."),
         remote: Optional[List[str]] = typer.Option(None, "--remote", help="A remote store to look in before computing (repeatable)."),
         endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
     ) -> None:
@@ -75,11 +76,19 @@ def _make_command(mode: str):
                                      ("--server-api", server_api, ("openai", "sglang")),
                                      ("--backend", backend, ("auto", "fla", "torch")),
                                      ("--device", device, ("auto", "cuda", "cpu")),
+                                     ("--eval-device", eval_device, ("auto", "cuda", "cpu")),
                                      ("--dtype", dtype, ("bfloat16", "float32")),
                                      ("--compression", compression, ("none", "zstd")),
                                      ("--end-rule", end_rule, ("within", "continuation"))):
             if value not in allowed:
                 raise UsageError(f"{name} {value!r} is not one of {', '.join(allowed)}.")
+        if end_rule == "continuation":
+            # Refused rather than keyed: it needs the target's greedy tokens past the end of every
+            # completion, which no completion source stores yet; accepting it changed the keys and
+            # still computed the within-output rule.
+            raise UsageError("--end-rule continuation is not available yet: it needs the target's greedy "
+                             "continuation past each completion, which dfcache does not store; use "
+                             "--end-rule within (the default). docs/metrics.md describes both rules.")
         if trained_on not in (None, "fla", "torch"):
             raise UsageError(f"--trained-on {trained_on!r} is not one of fla, torch.")
         for name, value in (("--num-prompts", num_prompts), ("--max-new-tokens", max_new_tokens),
@@ -102,7 +111,7 @@ def _make_command(mode: str):
             seed=seed, enable_thinking=enable_thinking, layers=list(layers) if layers else None,
             backend=backend, device=device, dtype=dtype, batch_tokens=batch_tokens,
             compression=compression, tree_budgets=list(tree_budget or []), max_blocks=max_blocks,
-            end_rule=end_rule, offline=state.offline or offline_from_env(),
+            end_rule=end_rule, eval_device=eval_device, offline=state.offline or offline_from_env(),
             remotes=list(remote or []), endpoint_url=endpoint_url, json=state.json,
             progress=progress_enabled())
         if mode == "options":  # `dfcache watch` takes these options and validates them the same way
@@ -195,8 +204,35 @@ def open_remotes(opts: EvalOptions) -> list:
     return remotes
 
 
+def quiet_libraries(*, bars: bool, notices: bool) -> None:
+    """Keep transformers and huggingface_hub in line with our own progress settings: no
+    "Loading weights" bars when ours are off (no terminal, --json, --no-progress), and with
+    --no-progress none of their notices either (kernel fallback warnings). Set through the
+    environment before they are imported (a run imports them only when it computes), and through
+    their APIs when already imported."""
+    import os
+
+    if not bars:
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if not notices:
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as tlog
+
+        if not bars:
+            tlog.disable_progress_bar()
+        if not notices:
+            tlog.set_verbosity_error()
+    if not bars and "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
 def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None = None):
     """Plan (and for mode "run", execute) the graph. Returns (ctx, nodes)."""
+    quiet_libraries(bars=opts.progress, notices=opts.progress or not state.no_progress)
     from .graph import RunContext, check_offline, execute, resolve
     from .pipeline import build_graph
 

@@ -154,3 +154,15 @@ def test_gc_refuses_dependents_force_removes_and_verify_reports_the_broken_chain
     assert code == 0 and f"BROKEN CHAIN {down} (conformance2): upstream {up} is not in this store" in out
     code, out, err = _main(capsys, "--store", store, "verify", "--json")
     assert json.loads(out)["missing_upstream"] == [{"key": down, "stage": "conformance2", "upstream": up}]
+
+
+def test_ls_summary_is_cut_between_words(tmp_path):
+    from dfcache.maintenance import input_summary
+
+    s = open_store(tmp_path / "store")
+    text = "layer 12/64 (qwen3_5_text): reasoning-prompts-v2.jsonl×1000, openai server model Qwen3.5-27B-FP8"
+    with s.writer("ef" * 16, stage="hidden_states", stage_version=1, inputs={}, summary=text) as w:
+        w.put_json("x", {})
+    short = input_summary(s.manifest("ef" * 16), width=60)
+    assert short.endswith("…") and len(short) <= 60
+    assert text.startswith(short[:-1]) and text[len(short) - 1] in " ,"  # ends at a word's end

@@ -7,14 +7,17 @@ Key recipe::
                  target_head:  fingerprint of the target (its embeddings and lm_head are used),
                  block_size, target_layer_ids, mask_token_id   (from the drafter's config),
                  tree_budgets: sorted unique budgets, max_blocks, end_rule,
-                 dtype:        compute dtype of the drafter, device: cpu|cuda},
+                 dtype:        compute dtype of the drafter,
+                 device:       cpu|cuda, where the eval runs (--eval-device; not the states' device)},
         upstream: {tokens: tokens key,
                    hidden_states: [hidden-state keys in the drafter's target_layer_ids order]}}))
 
 The exact hidden-state keys are upstream, so the backend class that produced the states (fla or
-torch, device, dtype) is part of this key through them.
+torch, device, dtype) is part of this key through them. The eval's own numerics (its device
+and dtype) are keyed here, apart from them: states extracted with fla on a GPU are evaluated on
+any machine (``--eval-device auto`` is CUDA where one is usable, else the CPU).
 
-What it computes (``reference/dflash.md`` §2, §3, §6; ``runner/metrics.py``): for each response,
+What it computes (docs/metrics.md, ``runner/metrics.py``): for each response,
 the draft logits of every candidate block root are scored in batched drafter passes
 (``score_roots``: context features of positions < p only), then the greedy walk runs once for the
 chain and once per tree budget. ``--max-blocks N`` scores only the roots the first N blocks can
@@ -149,18 +152,36 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
         raise BadInputError(f"--tree-budget {budgets}: budgets are positive numbers of drafted nodes.")
     if opts.max_blocks is not None and opts.max_blocks < 1:
         raise BadInputError(f"--max-blocks {opts.max_blocks}: give a positive number.")
+    device = eval_device(getattr(opts, "eval_device", "auto"))
     inputs = {"drafter": drafter.fingerprint, "target_head": tokens_node.inputs["target"],
               "block_size": drafter.block_size, "target_layer_ids": drafter.target_layer_ids,
               "mask_token_id": drafter.mask_token_id, "tree_budgets": budgets,
               "max_blocks": opts.max_blocks, "end_rule": opts.end_rule, "dtype": opts.dtype,
-              "device": backend["device"]}
-    return Node.make(NAME, VERSION, inputs=inputs,
+              "device": device}
+    node = Node.make(NAME, VERSION, inputs=inputs,
                      upstream={"tokens": tokens_node.key, "hidden_states": [n.key for n in layers]},
-                     needs="gpu" if backend["device"] == "cuda" else "cpu",
+                     needs="gpu" if device == "cuda" else "cpu",
                      deps=[tokens_node, *layers], label=f"drafter_eval {drafter.name}",
                      payload={"drafter": drafter, "target_dir": tokens_node.payload["target_dir"],
                               "backend": backend},
                      summary=f"{drafter.name}: budgets {budgets or '-'}, layers {drafter.target_layer_ids}")
+    if device == "cuda" and not ctx.store.has(node.key):
+        from ..models.target import cuda_visible
+
+        visible, why = cuda_visible()
+        if not visible:
+            raise BadInputError(f"--eval-device cuda: no CUDA GPU is usable here ({why}); pass --eval-device cpu "
+                                "or auto (stored hidden states of any backend evaluate on the CPU).")
+    return node
+
+
+def eval_device(choice: str) -> str:
+    """``--eval-device``: ``auto`` is ``cuda`` where a GPU is usable, else ``cpu`` (no torch import)."""
+    if choice != "auto":
+        return choice
+    from ..models.target import cuda_visible
+
+    return "cuda" if cuda_visible()[0] else "cpu"
 
 
 def _max_root(prompt_len: int, max_blocks: int | None, block_size: int) -> int | None:
@@ -179,7 +200,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
     dtype = torch.float32 if opts.dtype == "float32" else torch.bfloat16
     for node in nodes:
         ref: DrafterRef = node.payload["drafter"]
-        device = "cuda" if node.payload["backend"]["device"] == "cuda" else "cpu"
+        device = node.inputs["device"]
         drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
         head = load_target_head(node.payload["target_dir"], device=device, dtype=dtype)
         toks = read_tokens(ctx.store, node.upstream["tokens"])

@@ -31,6 +31,7 @@ from dfcache.errors import BadInputError, UsageError
 from dfcache.keys import fingerprint_path
 
 from ..graph import Node, RunContext
+from ..summaries import origin
 from ..models.target import BackendClass, backend_problem, check_layer_ids, read_model_info, resolve_backend
 
 NAME = "hidden_states"
@@ -90,7 +91,7 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
             upstream={"tokens": tokens_node.key}, needs=needs, deps=[tokens_node],
             label=f"hidden_states[{k}]", group=group,
             fix=(f"{ctx.command_with()} (on a machine with a CUDA GPU)" if needs == "gpu" else None),
-            summary=f"layer {k} of {info.num_layers} ({info.model_type or 'model'})",
+            summary=f"layer {k}/{info.num_layers}",
             payload={"target_dir": str(target_dir), "layer": k, "backend": backend.to_key(),
                      "note": backend.note, "tokens": tokens_node.key})
     if any(not _stored_somewhere(ctx, n.key) for n in nodes.values()):
@@ -179,7 +180,8 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
         # share some layers wait for each other instead of deadlocking.
         for n in nodes:
             w = ctx.store.writer(n.key, stage=NAME, stage_version=VERSION, inputs=n.inputs,
-                                 upstream=n.upstream, provenance=provenance, summary=n.summary,
+                                 upstream=n.upstream, provenance=provenance,
+                                 summary=f"{n.summary}: {origin(ctx.store, p['tokens'])}",
                                  resumable=True)
             if ctx.store.has(n.key):  # another process committed it while we waited for its lock
                 w.discard()

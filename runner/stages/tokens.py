@@ -34,6 +34,7 @@ import numpy as np
 from dfcache.errors import BadInputError
 
 from ..graph import Node, RunContext
+from ..summaries import completions_origin
 from ..models.resolve import eos_token_ids, resolved_target
 
 NAME = "tokens"
@@ -95,7 +96,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum([len(p) for p in pieces])
         with ctx.store.writer(node.key, stage=NAME, stage_version=VERSION, inputs=node.inputs,
-                              upstream=node.upstream, summary=node.summary) as w:
+                              upstream=node.upstream, summary=f"ids of {completions_origin(ctx.store, ckey)}") as w:
             w.write_array("token_ids", ids.astype(np.int32))
             w.write_array("offsets", offsets)
             w.write_array("prompt_lens", np.asarray(prompt_lens, dtype=np.int32))

@@ -277,6 +277,9 @@ CASES = [
     Case("gc: --stage whose artifacts others depend on (dry run says so too)", EXIT_USAGE,
          ["that others depend on", "{key_prompts} is needed by {key_completions}", "--force"],
          lambda c: ["gc", "--dry-run", "--stage", "prompts"]),
+    Case("usage: --end-rule continuation (not wired: refused before any key)", EXIT_USAGE,
+         ["--end-rule continuation is not available yet", "--end-rule within"],
+         lambda c: c.run("eval", "--offline", "--end-rule", "continuation")),
     Case("usage: --tree-budget 0", EXIT_USAGE, ["--tree-budget 0"], lambda c: c.run("eval", "--tree-budget", "0")),
     # ---- a store path that is a file (exit 2), whatever the command and wherever --store stands
     Case("store: a file (ls)", EXIT_USAGE, [FILE_STORE], lambda c: ["--store", c.tmp / "store-file", "ls"], a_file()),
