@@ -158,6 +158,9 @@ def _run_argv(ctx: typer.Context, target: str) -> list[str]:
 def register(app: typer.Typer) -> None:
     app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
     app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
+    from .trust_cli import register as register_trust_tools
+
+    register_trust_tools(app)
 
 
 def open_remotes(opts: EvalOptions) -> list:

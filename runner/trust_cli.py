@@ -1,0 +1,72 @@
+"""`dfcache doctor`, `dfcache parity`, `dfcache compare-backends`: the trust tools on the command line.
+
+Registered by ``runner.cli.register``. ``doctor`` imports neither torch nor transformers; the
+other two run models and import them when they start working.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional
+
+import typer
+
+from dfcache.cli._common import emit_json, get_store, state
+from dfcache.errors import EXIT_BAD_INPUT
+
+
+def _json(local: bool) -> bool:
+    return local or state.json
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("doctor")
+    def doctor(target: str = typer.Option(..., "--target", help="Target model: a local directory or a Hugging Face id in the local cache."),
+               drafter: str = typer.Option(..., "--drafter", help="DFlash drafter checkpoint directory."),
+               revision: Optional[str] = typer.Option(None, "--revision", "--target-revision", help="Revision of a Hugging Face id."),
+               completions_from: Optional[str] = typer.Option(None, "--completions-from", help="Key (or prefix) of cached completions, tokens or an eval, to check template and thinking mode."),
+               json_out: bool = typer.Option(False, "--json", help="Print the checks as JSON.")) -> None:
+        """Check that a drafter and a target belong together; exit 6 on any error."""
+        from .doctor import format_report, run_doctor
+
+        store = get_store(create=False) if completions_from else None
+        rep = run_doctor(target, drafter, target_revision=revision, store=store, completions_from=completions_from)
+        if _json(json_out):
+            out = rep.to_dict()
+            if not rep.ok:
+                out.update(error=f"{rep.count('error')} check(s) failed", exit_code=EXIT_BAD_INPUT)
+            emit_json(out)
+        else:
+            print(format_report(rep))
+        if not rep.ok:
+            raise typer.Exit(EXIT_BAD_INPUT)
+
+    @app.command("parity")
+    def parity(target: str = typer.Option(..., "--target", help="Target model directory or cached Hugging Face id."),
+               drafter: str = typer.Option(..., "--drafter", help="DFlash drafter checkpoint directory."),
+               prompts: str = typer.Option("builtin:coding", "--prompts", help="A JSONL file or builtin:NAME."),
+               num_prompts: int = typer.Option(4, "--num-prompts", help="Prompts to decode online."),
+               max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
+               dtype: str = typer.Option("float32", "--dtype", help="float32 (must match every block) or bfloat16 (agreement rate)."),
+               device: str = typer.Option("cpu", "--device", help="cpu|cuda"),
+               backend: str = typer.Option("auto", "--backend", help="auto|fla|torch, for both sides."),
+               attn_implementation: str = typer.Option("sdpa", "--attn-implementation", help="sdpa|eager|flash_attention_2"),
+               tree_budget: Optional[List[int]] = typer.Option(None, "--tree-budget", help="Also check DDTree with this budget (repeatable)."),
+               enable_thinking: bool = typer.Option(False, "--enable-thinking/--no-enable-thinking"),
+               max_mismatches: int = typer.Option(5, "--show-mismatches", help="How many first mismatches to list."),
+               json_out: bool = typer.Option(False, "--json")) -> None:
+        """Real greedy speculative decoding vs the offline eval from the store, block by block."""
+        from .parity import ParityOptions, format_parity, run_parity
+
+        popts = ParityOptions(target=target, drafter=drafter, prompts=prompts, num_prompts=num_prompts,
+                              max_new_tokens=max_new_tokens, dtype=dtype, device=device, backend=backend,
+                              attn_implementation=attn_implementation, tree_budgets=list(tree_budget or []),
+                              enable_thinking=enable_thinking, show_mismatches=max_mismatches,
+                              progress=sys.stderr.isatty() and not _json(json_out))
+        res = run_parity(get_store(), popts)
+        if _json(json_out):
+            emit_json(res.to_dict())
+        else:
+            print(format_parity(res))
+        if not res.ok:
+            raise typer.Exit(EXIT_BAD_INPUT)
