@@ -135,7 +135,7 @@ def capture_features(model, input_ids: Sequence[int] | torch.Tensor,
     Hooks on the decoder's ``layers[k]`` give the output of decoder layer k for every k, the last
     layer included (HF's last ``hidden_states`` entry has the final norm applied).
     """
-    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1).to(next(model.parameters()).device)
     layers = _decoder_layers(model)
     bad = [k for k in layer_ids if not 0 <= k < len(layers)]
     if bad:
