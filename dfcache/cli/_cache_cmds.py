@@ -156,18 +156,22 @@ def register(app: typer.Typer) -> None:
            bad: bool = typer.Option(False, "--bad", help="Artifacts that fail verification."),
            where: Optional[List[str]] = typer.Option(None, "--where", help="Artifacts whose provenance matches, e.g. 'fla<0.7' (repeatable; with --stage/--older-than all must hold)."),
            grace: float = typer.Option(60.0, "--grace", help="Keep temporaries younger than this many seconds."),
+           duplicates: bool = typer.Option(False, "--duplicates", help="Segments whose every sample is also in another segment (part of the default scope)."),
+           force: bool = typer.Option(False, "--force", help="Remove artifacts even if others depend on them."),
            json_out: bool = typer.Option(False, "--json")) -> None:
         """Remove stale temporaries and, with a scope, artifacts. Needs --dry-run or --yes."""
         if dry_run == yes:
             raise UsageError("gc needs exactly one of --dry-run (show what would go) or --yes (remove it).")
         store = get_store()
         keys = [store.resolve(k) for k in (key or [])]
+        default_scope = not (stage or older_than is not None or key or bad or duplicates or where)
         if where:
             # --where narrows --stage/--older-than instead of adding to them.
             keys += [m.key for m in where_scope(store, where, stage, older_than)]
             stage, older_than = None, None
-        plan = gc_plan(store, tmp=tmp or not (stage or older_than is not None or key or bad or where),
-                       stage=stage, older_than_days=older_than, keys=keys, bad=bad, grace_s=grace)
+        plan = gc_plan(store, tmp=tmp or default_scope,
+                       stage=stage, older_than_days=older_than, keys=keys, bad=bad, grace_s=grace,
+                       duplicates=duplicates or default_scope, force=force)
         removed = plan.execute(store, grace_s=grace) if yes else []
         if _json_flag(json_out):
             emit_json({"dry_run": dry_run, "items": [i.__dict__ for i in plan.items],
