@@ -110,6 +110,8 @@ def _make_command(mode: str):
             remotes=list(remote or []), endpoint_url=endpoint_url, json=json_out or state.json,
             progress=not no_progress and sys.stderr.isatty() and not (json_out or state.json),
             attn_implementation=attn_implementation, key_versions=_key_versions(key_versions))
+        if mode == "options":  # `dfcache watch` takes these options and validates them the same way
+            return opts
         run_pipeline(mode, RUN_TARGETS[target], opts, argv=_run_argv(ctx, target))
 
     command.__doc__ = ("Show the graph and each node's status; does no work." if mode == "plan" else
@@ -170,8 +172,10 @@ def register(app: typer.Typer) -> None:
     app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
     app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
     from .trust_cli import register as register_trust_tools
+    from .watch import register as register_watch
 
     register_trust_tools(app)
+    register_watch(app)
 
 
 def open_remotes(opts: EvalOptions) -> list:
