@@ -105,7 +105,7 @@ def _make_command(mode: str):
             end_rule=end_rule, offline=offline or state.offline or offline_from_env(),
             remotes=list(remote or []), endpoint_url=endpoint_url, json=json_out or state.json,
             progress=not no_progress and sys.stderr.isatty() and not (json_out or state.json))
-        if mode == "options":  # export and import take the same options (see runner/cli_peers.py)
+        if mode == "options":  # `dfcache watch` and `dfcache export` take these options, validated the same way
             return opts
         run_pipeline(mode, RUN_TARGETS[target], opts, argv=_run_argv(ctx, target))
 
@@ -161,8 +161,10 @@ def register(app: typer.Typer) -> None:
     app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
     app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
     from .cli_peers import register as register_peers
+    from .watch import register as register_watch
 
     register_peers(app)
+    register_watch(app)
 
 
 def open_remotes(opts: EvalOptions) -> list:
