@@ -21,8 +21,6 @@ import json
 import os
 from pathlib import Path
 
-from dfcache.cli._common import emit_json
-
 from ..graph import Node, RunContext
 
 NAME = "report"
@@ -212,21 +210,3 @@ def materialize(store, key: str) -> dict[str, Path]:
         tmp.write_bytes(data)
         os.replace(tmp, path)
     return paths
-
-
-def print_result(ctx: RunContext, node: Node, *, elapsed: float) -> None:
-    art = ctx.store.open(node.key)
-    report = art.json("report")
-    paths = materialize(ctx.store, node.key)
-    computed = len(ctx.work_done)
-    if ctx.options.json:
-        emit_json({**report, "report_key": node.key, "files": {k: str(v) for k, v in paths.items()},
-                   "computed": ctx.work_done, "seconds": round(elapsed, 3)})
-        return
-    for w in report["warnings"]:
-        print(f"\n!!! {w}\n")
-    print(art.json("markdown"))
-    print()
-    for name, path in paths.items():
-        print(f"{name:<28} {path}")
-    print(f"\n{computed} artifact(s) computed, the rest from the cache; {elapsed:.1f} s.")
