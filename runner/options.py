@@ -48,3 +48,4 @@ class EvalOptions:
     progress: bool = True
     # hidden states (extraction)
     attn_implementation: str = "sdpa"  # sdpa|eager|...: keyed with the backend class
+    key_versions: list[str] = field(default_factory=list)  # packages whose versions join hidden-state keys

@@ -58,12 +58,16 @@ def apply_global(name: str, value) -> None:
 
 
 def with_global_options(func):
-    """``func`` with every global option added as a keyword option (commands declare none of them)."""
+    """``func`` with every global option it does not declare added as a keyword option."""
     sig = inspect.signature(func, eval_str=True)
     if any(p.name.startswith(_PREFIX) for p in sig.parameters.values()):
         return func  # already wrapped
+    # A plugin command that declares one of them itself keeps its own (two --json options would
+    # clash in the parser); main() has read --json and --debug from the whole line already.
+    declared = {d for p in sig.parameters.values() for d in (getattr(p.default, "param_decls", None) or ())}
     extra = [inspect.Parameter(_PREFIX + name, inspect.Parameter.KEYWORD_ONLY, default=make(), annotation=ann)
-             for name, (ann, make) in GLOBAL_OPTIONS.items()]
+             for name, (ann, make) in GLOBAL_OPTIONS.items()
+             if "--" + name.replace("_", "-") not in declared]
 
     @functools.wraps(func)
     def wrapper(*args, **kwargs):

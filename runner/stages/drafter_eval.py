@@ -175,9 +175,10 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
     return node
 
 
-def eval_device(choice: str) -> str:
-    """``--eval-device``: ``auto`` is ``cuda`` where a GPU is usable, else ``cpu`` (no torch import)."""
-    if choice != "auto":
+def eval_device(choice: str | None) -> str:
+    """``--eval-device``: ``auto`` (or None) is ``cuda`` where a GPU is usable, else ``cpu``, whatever
+    device made the states (decided without importing torch)."""
+    if choice not in (None, "auto"):
         return choice
     from ..models.target import cuda_visible
 

@@ -21,12 +21,10 @@ import json
 import os
 from pathlib import Path
 
-from dfcache.cli._common import emit_json
-
 from ..graph import Node, RunContext
 
 NAME = "report"
-VERSION = 3  # 2: steps, report.html, tau_by_step.png; 3: "definitions", the table's legend
+VERSION = 4  # 2: steps, report.html, tau_by_step.png; 3: "latest" is the highest step; 4: "definitions", the legend
 
 FILES = {"report.json": "report", "report.md": "markdown", "histogram.png": "png_histogram",
          "acceptance_by_position.png": "png_position", "tau_by_step.png": "png_tau_by_step",
@@ -147,21 +145,26 @@ def _plots(report: dict) -> dict[str, bytes]:
 
 def html_page(store, report: dict, pngs: dict[str, bytes], target_dir: str | None) -> str:
     """The report as one self-contained page: the table, the plots, and per-prompt block views of
-    every drafter (of the last and the best when there are more than three)."""
+    every drafter (when there are more than three: of the latest step, the best, and up to two
+    drafters without a step, such as references)."""
     from .. import reporting
     from .tokens import read_tokens
 
     drafters = report["drafters"]
     head, rows = table(report)
     best = max(range(len(drafters)), key=lambda i: drafters[i]["tau_chain"] or 0) if drafters else None
-    stepped = any(d.get("step") is not None for d in drafters)
-    classes = [" ".join(c for c, hit in (("best", i == best), ("latest", stepped and i == len(drafters) - 1)) if hit)
+    stepped = [i for i, d in enumerate(drafters) if d.get("step") is not None]
+    # The latest checkpoint is the highest step; drafters without one (references) are never "latest".
+    latest = max(stepped, key=lambda i: drafters[i]["step"]) if stepped else None
+    classes = [" ".join(c for c, hit in (("best", i == best), ("latest", i == latest)) if hit)
                for i in range(len(drafters))]
-    shown = list(range(len(drafters))) if len(drafters) <= 3 else sorted({len(drafters) - 1, best})
+    unstepped = [i for i in range(len(drafters)) if i not in stepped]
+    shown = list(range(len(drafters))) if len(drafters) <= 3 else \
+        sorted({i for i in (latest, best) if i is not None} | set(unstepped[:2]))
     views = []
     for i in shown:
         d = drafters[i]
-        role = "latest: " if stepped and i == len(drafters) - 1 else ("best: " if i == best and len(drafters) > 3 else "")
+        role = "latest: " if i == latest else ("best: " if i == best and len(drafters) > 3 else "")
         step = f" (step {d['step']})" if d.get("step") is not None else ""
         views.append(reporting.DrafterView(f"{role}{d['drafter']}{step}", store.open(d["key"]).json("responses"),
                                            int(d["block_size"])))
@@ -224,21 +227,3 @@ def materialize(store, key: str) -> dict[str, Path]:
         tmp.write_bytes(data)
         os.replace(tmp, path)
     return paths
-
-
-def print_result(ctx: RunContext, node: Node, *, elapsed: float) -> None:
-    art = ctx.store.open(node.key)
-    report = art.json("report")
-    paths = materialize(ctx.store, node.key)
-    computed = len(ctx.work_done)
-    if ctx.options.json:
-        emit_json({**report, "report_key": node.key, "files": {k: str(v) for k, v in paths.items()},
-                   "computed": ctx.work_done, "seconds": round(elapsed, 3)})
-        return
-    for w in report["warnings"]:
-        print(f"\n!!! {w}\n")
-    print(art.json("markdown"))
-    print()
-    for name, path in paths.items():
-        print(f"{name:<28} {path}")
-    print(f"\n{computed} artifact(s) computed, the rest from the cache; {elapsed:.1f} s.")
