@@ -133,3 +133,57 @@ def test_http_messages_name_no_runner_flags():
 def test_key_encoding_is_pinned(material, key):
     """Cached artifacts must keep hitting: the encoding of key material never changes silently."""
     assert compute_key(*material) == key
+
+
+# Fixed bytes, so the keys depend on nothing but dfcache's and the stages' recipes (no library
+# version, no training): planning reads configs and hashes files, it loads no model.
+_TARGET = {
+    "config.json": '{"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_size": 64, '
+                   '"num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, '
+                   '"intermediate_size": 128, "vocab_size": 512, "eos_token_id": 2, "torch_dtype": "bfloat16"}',
+    "tokenizer_config.json": '{"eos_token": "<|im_end|>", "chat_template": "{% for m in messages %}<|im_start|>'
+                             '{{ m[\'role\'] }}\\n{{ m[\'content\'] }}<|im_end|>\\n{% endfor %}<|im_start|>'
+                             'assistant\\n"}',
+    "tokenizer.json": "{}",
+    "model.safetensors": "\0" * 64,
+}
+_DRAFTER = {
+    "config.json": '{"model_type": "dflash", "hidden_size": 64, "block_size": 4, "dflash_config": '
+                   '{"target_layer_ids": [0, 2], "mask_token_id": 5, "block_size": 4}}',
+    "model.safetensors": "\1" * 64,
+}
+PINNED_PLANS = [
+    (["--completions", "server", "--server", "http://127.0.0.1:9", "--tree-budget", "4"],
+     [("prompts", "fa0a6f0f687ba65dcb2a160b3ab2548c"), ("completions", "287dab0570d991e3a4391330080becb7"),
+      ("tokens", "b9afd9e9477ba262bc0c7e3ba2c84a78"), ("hidden_states", "7bf0a430644e74233b56083bc08c83d8"),
+      ("hidden_states", "d3375152767db94aed128af485ef250e"), ("drafter_eval", "3ac0559f8ecdb8a55ea6f307b1cf6225"),
+      ("report", "ab43e138166150eab353db8cf472f0d8")]),
+    (["--completions", "local", "--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32",
+      "--max-blocks", "3", "--tree-budget", "8", "--tree-budget", "2"],
+     [("prompts", "bae03ff98e28ed985750a4ab3f5008b3"), ("completions", "68068ef816bdf8f720d6f53fc1cea386"),
+      ("tokens", "8eefe0ad955f4c0b939a18118da31206"), ("hidden_states", "ff297cb1a697d8f9ff50b02a99004fcc"),
+      ("hidden_states", "be572cb3c4d33d30af0d8105e3123fa3"), ("drafter_eval", "29b35b06f6522212bc24cfff81272509"),
+      ("report", "133414c46834a0413e071bc9ff04a8c1")]),
+]
+
+
+@pytest.mark.parametrize("args,keys", PINNED_PLANS, ids=["server", "local"])
+def test_plan_keys_are_pinned(args, keys, tmp_path):
+    """Every stage's key for fixed model bytes, as the first release computed them: a refactor of
+    the stages or the store must leave them as they are, or every cached artifact would miss."""
+    import json
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from cli_util import dfcache
+
+    for name, files in (("t", _TARGET), ("d", _DRAFTER)):
+        (tmp_path / name).mkdir()
+        for fname, text in files.items():
+            (tmp_path / name / fname).write_bytes(text.encode())
+    r = dfcache("plan", "eval", "--target", tmp_path / "t", "--drafter", tmp_path / "d", *args, "--json",
+                store=tmp_path / "store", env={"DFCACHE_HOME": str(tmp_path / "home"), "DFCACHE_OFFLINE": "0",
+                                                  "HF_HUB_OFFLINE": "0"})  # planning contacts nothing
+    assert r.code == 0, r.err
+    assert [(n["stage"], n["key"]) for n in json.loads(r.out)] == keys
