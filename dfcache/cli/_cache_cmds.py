@@ -151,14 +151,18 @@ def register(app: typer.Typer) -> None:
            key: Optional[List[str]] = typer.Option(None, "--key", help="These artifacts (keys or prefixes)."),
            bad: bool = typer.Option(False, "--bad", help="Artifacts that fail verification."),
            grace: float = typer.Option(60.0, "--grace", help="Keep temporaries younger than this many seconds."),
+           duplicates: bool = typer.Option(False, "--duplicates", help="Segments whose every sample is also in another segment (part of the default scope)."),
+           force: bool = typer.Option(False, "--force", help="Remove artifacts even if others depend on them."),
            json_out: bool = typer.Option(False, "--json")) -> None:
         """Remove stale temporaries and, with a scope, artifacts. Needs --dry-run or --yes."""
         if dry_run == yes:
             raise UsageError("gc needs exactly one of --dry-run (show what would go) or --yes (remove it).")
         store = get_store()
-        plan = gc_plan(store, tmp=tmp or not (stage or older_than is not None or key or bad),
+        default_scope = not (stage or older_than is not None or key or bad or duplicates)
+        plan = gc_plan(store, tmp=tmp or default_scope,
                        stage=stage, older_than_days=older_than,
-                       keys=[store.resolve(k) for k in (key or [])], bad=bad, grace_s=grace)
+                       keys=[store.resolve(k) for k in (key or [])], bad=bad, grace_s=grace,
+                       duplicates=duplicates or default_scope, force=force)
         removed = plan.execute(store, grace_s=grace) if yes else []
         if _json_flag(json_out):
             emit_json({"dry_run": dry_run, "items": [i.__dict__ for i in plan.items],
