@@ -4,7 +4,8 @@ The tree (exit code in brackets)::
 
     DfcacheError (Exception)                         [1]  also: an internal fault (a bug)
     ├── UsageError (ValueError)                      [2]  wrong flags or arguments
-    │   └── KeyMaterialError                              a value that must not enter a key
+    │   ├── KeyMaterialError                              a value that must not enter a key
+    │   └── DependentsError                               gc would remove what kept artifacts need
     ├── OfflineMissingError (ConnectionError)        [3]  needs the network while offline
     │     (carries the list of missing nodes)
     ├── NetworkError (ConnectionError)               [4]
@@ -21,7 +22,8 @@ The tree (exit code in brackets)::
     ├── BadInputError (ValueError)                   [6]  prompts, model, checkpoint, layer ids
     │   └── ModelNotFoundError (FileNotFoundError)
     └── ArtifactNotFoundError (KeyError, LookupError) [2] no artifact with that key or prefix
-        └── AmbiguousKeyError                              a prefix that matches several keys
+        ├── AmbiguousKeyError                              a prefix that matches several keys
+        └── SamplesMissingError                            samples asked for are in no segment
 
 Each exception also subclasses the stdlib class a caller would naturally catch. Messages name
 the thing that is wrong and end with the fix. Where the fix depends on who called (a local read
@@ -198,3 +200,11 @@ class DependentsError(UsageError):
     def __init__(self, message: str, *, dependents: dict | None = None) -> None:
         super().__init__(message)
         self.dependents = dict(dependents or {})
+
+
+class SamplesMissingError(ArtifactNotFoundError):
+    """Samples asked for are in no segment of the store (``missing``: their keys)."""
+
+    def __init__(self, message: str, *, missing: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])

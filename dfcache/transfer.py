@@ -39,8 +39,8 @@ from .manifest import Manifest
 from .store import Store, open_store
 from .store import format as fmt
 
-__all__ = ["Comparison", "TransferResult", "compare", "list_remote", "open_remote", "pull_keys", "push_keys",
-           "select_keys"]
+__all__ = ["Comparison", "TransferResult", "compare", "damage_fix", "list_remote", "open_remote", "pull_keys",
+           "push_keys", "read_bounded", "select_keys", "source_manifest"]
 
 # ------------------------------------------------------------------------------ results
 
@@ -165,7 +165,8 @@ class _Item:
     manifest: Manifest
 
 
-def _fix(direction: str, key: str, where: str) -> str:
+def damage_fix(direction: str, key: str, where: str) -> str:
+    """The fix a damaged copy's error ends with, for a push or a pull (the damage is the source's)."""
     if direction == "pull":
         return (f"The copy in {where} is damaged: push a good copy there again (or delete it there), "
                 "then pull.")
@@ -217,11 +218,7 @@ def _plan(direction: str, src: Store, dst: Store, keys: list[str], with_upstream
                                                 "to see what each side has.")
                 missing.append(key)
                 continue
-            try:
-                manifest = Manifest.from_json(raw, expect_key=key)
-                fmt.check_manifest(manifest)
-            except UntrustedManifestError as e:
-                raise e.with_fix(_fix(direction, key, src.url)) from None
+            manifest = source_manifest(raw, key, direction, src.url)
             items[key] = _Item(key, raw, manifest)
         stack.append((key, True))
         if with_upstream and manifest is not None:
@@ -238,21 +235,36 @@ class _Cancelled(Exception):
     """Another artifact failed or the user interrupted: stop without starting new work."""
 
 
-def _read_verified(store: Store, m: Manifest, rel: str, role: fmt.FileRole, direction: str) -> bytes:
-    """The file's bytes from the source, read at most up to what the manifest allows and checked
-    against the manifest; IntegrityError with the fix for this direction otherwise."""
-    fix = _fix(direction, m.key, store.url)
+def source_manifest(raw: bytes, key: str, direction: str, where: str) -> Manifest:
+    """A source's manifest, validated and checked against the format before anything is written
+    (UntrustedManifestError with the fix for this direction otherwise)."""
     try:
-        data = store.backend.read_file_limited(m.key, rel, fmt.file_limit(m, role))
+        manifest = Manifest.from_json(raw, expect_key=key)
+        fmt.check_manifest(manifest)
+    except UntrustedManifestError as e:
+        raise e.with_fix(damage_fix(direction, key, where)) from None
+    return manifest
+
+
+def read_bounded(store: Store, m: Manifest, rel: str, role: fmt.FileRole, direction: str) -> bytes:
+    """A file of a source copy, never more than its manifest allows (:func:`format.file_limit`);
+    IntegrityError with the fix for this direction if it is missing or larger. Not yet checked:
+    pass it to :func:`format.check_file` (or :func:`format.check_chunk`)."""
+    try:
+        return store.backend.read_file_limited(m.key, rel, fmt.file_limit(m, role))
     except FileNotFoundError:
         raise IntegrityError(f"{rel} of artifact {m.key} is missing in {store.url}; that copy is incomplete.",
-                             key=m.key, fix=fix) from None
+                             key=m.key, fix=damage_fix(direction, m.key, store.url)) from None
     except IntegrityError as e:
-        raise e.with_fix(fix) from None
+        raise e.with_fix(damage_fix(direction, m.key, store.url)) from None
+
+
+def _read_verified(store: Store, m: Manifest, rel: str, role: fmt.FileRole, direction: str) -> bytes:
+    data = read_bounded(store, m, rel, role, direction)
     try:
         fmt.check_file(m, rel, role, data)
     except IntegrityError as e:
-        raise e.with_fix(fix) from None
+        raise e.with_fix(damage_fix(direction, m.key, store.url)) from None
     return data
 
 
@@ -305,7 +317,7 @@ def _transfer(direction: str, src: Store, dst: Store, keys: list[str], *, with_u
             if nbytes != item.manifest.size_bytes:
                 raise IntegrityError(f"artifact {item.key} holds {nbytes} bytes of files but its manifest says "
                                      f"{item.manifest.size_bytes}.", key=item.key,
-                                     fix=_fix(direction, item.key, src.url))
+                                     fix=damage_fix(direction, item.key, src.url))
             if cancel.is_set():
                 raise _Cancelled()
             won = staging.publish(item.raw)

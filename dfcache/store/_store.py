@@ -607,7 +607,6 @@ class Store:
             problems = segment_problems(self, key)
         return problems
 
-
     def local_dir(self, name: str) -> Path | None:
         """A directory on this machine beside the store's artifacts, for files made from them
         (report files, generated example models); None when the store is not a local directory.
