@@ -163,3 +163,11 @@ class ArtifactNotFoundError(DfcacheError, KeyError):
 
 class AmbiguousKeyError(ArtifactNotFoundError):
     """A key prefix matches more than one artifact."""
+
+
+class DependentsError(UsageError):
+    """gc was asked to remove artifacts that kept artifacts depend on (``dependents``: key -> keys)."""
+
+    def __init__(self, message: str, *, dependents: dict | None = None) -> None:
+        super().__init__(message)
+        self.dependents = dict(dependents or {})

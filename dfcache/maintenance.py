@@ -93,8 +93,13 @@ def _age_days(created: str) -> float:
 
 
 def gc_plan(store, *, tmp: bool = True, stage: str | None = None, older_than_days: float | None = None,
-            keys: list[str] | None = None, bad: bool = False, grace_s: float = 60.0) -> GcPlan:
-    """What gc would remove. Temporaries held by a live writer are never listed."""
+            keys: list[str] | None = None, bad: bool = False, grace_s: float = 60.0,
+            duplicates: bool = False, force: bool = False) -> GcPlan:
+    """What gc would remove. Temporaries held by a live writer are never listed.
+
+    ``duplicates``: segments whose every sample is read from another segment (nothing is lost).
+    Artifacts (or samples) that kept artifacts depend on are refused with
+    :class:`~dfcache.errors.DependentsError` naming the dependents, unless ``force``."""
     plan = GcPlan()
     if tmp:
         for t in store.backend.list_temporaries():
@@ -112,6 +117,25 @@ def gc_plan(store, *, tmp: bool = True, stage: str | None = None, older_than_day
             chosen[m.key] = "scope"
     for k in keys or []:
         chosen[k] = "named"
+    if duplicates:
+        from .references import redundant_segments
+
+        for k, where in redundant_segments(store).items():
+            chosen.setdefault(k, f"duplicate: every sample is also in {where}")
+    if chosen and not force:
+        from .references import dependents
+
+        checked = [k for k, why in chosen.items() if why in ("scope", "named")]
+        deps = dependents(store, list(chosen)) if checked else {}
+        deps = {k: v for k, v in deps.items() if k in checked}
+        if deps:
+            from .errors import DependentsError
+
+            lines = [f"  {k[:12]} is needed by {', '.join(d[:12] for d in v[:5])}" + (" ..." if len(v) > 5 else "")
+                     for k, v in list(deps.items())[:10]]
+            raise DependentsError(f"gc would remove {len(deps)} artifact(s) that others depend on:\n" + "\n".join(lines)
+                                  + "\nRemove the dependents too (add them with --key), or pass --force to remove "
+                                  "anyway.", dependents=deps)
     if bad:
         errors: list = []
         for m in store.list_manifests(errors=errors):
@@ -128,3 +152,12 @@ def gc_plan(store, *, tmp: bool = True, stage: str | None = None, older_than_day
     for k, reason in chosen.items():
         plan.items.append(GcItem("artifact", k, sizes[k], reason))
     return plan
+
+
+def where_scope(store, where: list[str], stage: str | None = None, older_than_days: float | None = None) -> list[Manifest]:
+    """Artifacts matching every ``--where`` condition (and the stage / age, when given)."""
+    from .query import filter_manifests
+
+    ms = [m for m in store.list_manifests(stage=stage)
+          if older_than_days is None or _age_days(m.created) >= older_than_days]
+    return filter_manifests(ms, where)

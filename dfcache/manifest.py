@@ -77,12 +77,21 @@ class Manifest:
     dfcache_version: str
     format_version: int = FORMAT_VERSION
     summary: str = ""
+    # A segment (many samples of one partition, see dfcache/samples.py): {"partition": key,
+    # "partition_upstream": {role: partition key}, "keys": [sample keys, in segment order]}.
+    samples: dict[str, Any] | None = None
+    # Samples this artifact was made from: [{"partition": key, "keys": [sample keys]}] (gc keeps them).
+    sample_refs: list[dict[str, Any]] | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True, indent=1)
+        return json.dumps(self.to_dict(), sort_keys=True, indent=1)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        for name in ("samples", "sample_refs"):  # absent, not null, in artifacts that have none
+            if d[name] is None:
+                del d[name]
+        return d
 
     @property
     def upstream_keys(self) -> list[str]:
@@ -199,8 +208,35 @@ def validate_manifest(data: Any, *, expect_key: str | None = None) -> Manifest:
     for name in ("created", "dfcache_version"):
         if not isinstance(data.get(name), str):
             raise _bad(f"{name} is not a string", k)
+    samples = data.get("samples")
+    if samples is not None:
+        if (not isinstance(samples, dict) or not _is_key(samples.get("partition"))
+                or not isinstance(samples.get("partition_upstream", {}), dict)
+                or not _key_list(samples.get("keys")) or not samples["keys"]):
+            raise _bad("samples is not {partition, partition_upstream, keys} with 32-hex-digit keys", k)
+        for role, v in samples.get("partition_upstream", {}).items():
+            if not all(_is_key(x) for x in (v if isinstance(v, list) else [v])):
+                raise _bad(f"samples.partition_upstream {role!r} is not a key", k)
+    refs = data.get("sample_refs")
+    if refs is not None:
+        if not isinstance(refs, list) or not all(
+                isinstance(r, dict) and _is_key(r.get("partition")) and _key_list(r.get("keys")) for r in refs):
+            raise _bad("sample_refs is not a list of {partition, keys} with 32-hex-digit keys", k)
     return Manifest(key=key, stage=stage, stage_version=data["stage_version"], inputs=data["inputs"],
                     upstream=data["upstream"], provenance=data["provenance"], arrays=arrays,
                     blobs=blobs, created=data["created"], size_bytes=data["size_bytes"],
                     dfcache_version=data["dfcache_version"], format_version=fmt,
-                    summary=str(data.get("summary", ""))[:500])
+                    summary=str(data.get("summary", ""))[:500], samples=samples, sample_refs=refs)
+
+
+_HEX = re.compile(r"[0-9a-f]*")
+
+
+def _is_key(v: Any) -> bool:
+    return isinstance(v, str) and KEY_PATTERN.match(v) is not None
+
+
+def _key_list(v: Any) -> bool:
+    """A list of keys, checked in two C-speed passes (a segment lists thousands)."""
+    return (isinstance(v, list) and all(isinstance(x, str) and len(x) == 32 for x in v)
+            and _HEX.fullmatch("".join(v)) is not None)

@@ -270,7 +270,8 @@ class ArtifactWriter:
 
     def __init__(self, store: "Store", key: str, *, stage: str, stage_version: int, inputs: dict,
                  upstream: dict | None = None, provenance: dict | None = None, summary: str = "",
-                 resumable: bool = False) -> None:
+                 resumable: bool = False, samples: dict | None = None,
+                 sample_refs: list | None = None) -> None:
         if not KEY_PATTERN.match(key):
             raise UsageError(f"{key!r} is not a key (32 hex digits).")
         self.store = store
@@ -282,6 +283,8 @@ class ArtifactWriter:
         self.provenance = dict(provenance or {})
         self.summary = summary
         self.resumable = resumable
+        self.samples = samples  # manifest fields of segments and of artifacts made from samples
+        self.sample_refs = sample_refs
         self.manifest: Manifest | None = None
         self.won = False
         self._arrays: dict[str, ArrayWriter] = {}
@@ -410,7 +413,7 @@ class ArtifactWriter:
                             arrays=arrays, blobs=dict(self._blobs),
                             created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                             size_bytes=sum(files.values()), dfcache_version=__version__,
-                            summary=self.summary)
+                            summary=self.summary, samples=self.samples, sample_refs=self.sample_refs)
         # Validate what we are about to publish with the same rules readers apply.
         validate_manifest(json.loads(manifest.to_json()), expect_key=self.key)
         self.won = self._staging.publish(manifest.to_json().encode())
@@ -688,10 +691,11 @@ class Store:
 
     def writer(self, key: str, *, stage: str, stage_version: int, inputs: dict,
                upstream: dict | None = None, provenance: dict | None = None, summary: str = "",
-               resumable: bool = False) -> ArtifactWriter:
+               resumable: bool = False, samples: dict | None = None,
+               sample_refs: list | None = None) -> ArtifactWriter:
         return ArtifactWriter(self, key, stage=stage, stage_version=stage_version, inputs=inputs,
                               upstream=upstream, provenance=provenance, summary=summary,
-                              resumable=resumable)
+                              resumable=resumable, samples=samples, sample_refs=sample_refs)
 
     def list_manifests(self, stage: str | None = None, *, errors: list | None = None) -> list[Manifest]:
         """Every committed artifact's manifest (never array data). Invalid manifests are skipped
@@ -740,7 +744,12 @@ class Store:
             art = self.open(key)
         except IntegrityError as e:
             return [e.message]
-        return art.problems()
+        problems = art.problems()
+        if not problems and art.manifest.samples:
+            from ..samples import segment_problems
+
+            problems = segment_problems(self, key)
+        return problems
 
 
 def open_store(location: str | os.PathLike | None = None, *, create: bool = True,

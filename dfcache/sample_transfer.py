@@ -1,0 +1,207 @@
+"""Push and pull samples, not whole sets: a machine with 900 of 1,000 samples fetches 100.
+
+    pull_samples(remote, local, {partition: [sample keys]})   # what the runner does per stage
+    push_samples(local, remote, {partition: [sample keys]})
+    compare_samples(local, remote)                             # per partition: only here / only there / both
+
+For each partition the destination's sample index says what it lacks; the source's says which
+segment holds each missing sample. A source segment whose every sample is needed (and that the
+destination lacks) is copied whole with :mod:`dfcache.transfer` (every file verified, manifest
+last). From any other segment only the needed samples' rows are copied: the chunk files their
+rows touch are fetched with the manifest's size bounds and verified (crc32c and chunk digest),
+the segment's samples document is verified against its digest and checked against the manifest
+(sample keys must derive from the partition and the upstream keys), each sample's rows are
+checked against its own digest, and the samples go into new segments at the destination,
+committed atomically like any other. Nothing unverified is ever published; the destination
+never holds part of a segment.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import IntegrityError
+from .manifest import Manifest
+from .samples import (DOC, INDEX, Partition, SampleArray, SampleSink, _digest_rows, index_of, index_problem,
+                      sample_digest)
+from .transfer import _check_manifest, _check_offline, _fix, _limit, _read_source, _safe_source, _transfer, _verify
+
+__all__ = ["SampleTransferResult", "compare_samples", "pull_samples", "push_samples"]
+
+
+@dataclass
+class SampleTransferResult:
+    direction: str
+    source: str
+    destination: str
+    requested: int = 0  # distinct samples asked for
+    present: int = 0  # already at the destination
+    copied: int = 0  # newly at the destination
+    missing: list[str] = field(default_factory=list)  # in neither store
+    whole_segments: list[str] = field(default_factory=list)  # copied as they are
+    new_segments: list[str] = field(default_factory=list)  # assembled from parts of source segments
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def summary(self) -> str:
+        verb = "pushed" if self.direction == "push" else "pulled"
+        where = f"to {self.destination}" if self.direction == "push" else f"from {self.source}"
+        miss = f"; {len(self.missing)} in neither store" if self.missing else ""
+        return (f"{verb} {self.copied} sample(s) {where} ({len(self.whole_segments)} whole segment(s), "
+                f"{len(self.new_segments)} new); {self.present} already there{miss}; {self.seconds:.1f} s")
+
+    def to_dict(self) -> dict:
+        return {"direction": self.direction, "source": self.source, "destination": self.destination,
+                "requested": self.requested, "present": self.present, "copied": self.copied,
+                "missing": self.missing, "whole_segments": self.whole_segments,
+                "new_segments": self.new_segments, "bytes": self.bytes, "seconds": round(self.seconds, 3)}
+
+
+def _rows_of(src, m: Manifest, name: str, ranges: list[tuple[int, int]], direction: str) -> list[np.ndarray]:
+    """The rows [a, b) of each range of one array, from verified chunk files only."""
+    from .store._store import _decode_chunk, chunk_relpath
+
+    spec = m.arrays[name]
+    cr = spec.chunk_rows
+    ndim = len(spec.shape)
+    chunks: dict[int, np.ndarray] = {}
+    for a, b in ranges:
+        for i in range(a // cr, (b - 1) // cr + 1 if b > a else a // cr):
+            if i in chunks:
+                continue
+            rel = chunk_relpath(name, i, ndim)
+            data = _read_source(src, m.key, rel, _limit(m, "chunk", (name, i)), direction)
+            _verify(m, rel, "chunk", (name, i), data, direction, src.url)
+            chunks[i] = _decode_chunk(data, spec.codec, (cr,) + tuple(spec.shape[1:]), spec.storage_dtype,
+                                      f"chunk {i} of array {name} in artifact {m.key}", m.key)
+    out = []
+    for a, b in ranges:
+        rows = np.empty((b - a,) + tuple(spec.shape[1:]), dtype=np.dtype(spec.storage_dtype).newbyteorder("<"))
+        for i in range(a // cr, (b - 1) // cr + 1 if b > a else a // cr):
+            lo = i * cr
+            x, y = max(a, lo), min(b, lo + cr)
+            rows[x - a:y - a] = chunks[i][x - lo:y - lo]
+        out.append(rows)
+    return out
+
+
+def _copy(direction: str, src, dst, wanted: dict[str, list[str]], *, progress: bool, jobs: int) -> SampleTransferResult:
+    t0 = time.monotonic()
+    result = SampleTransferResult(direction=direction, source=src.url, destination=dst.url)
+    src_index, dst_index = index_of(src), index_of(dst)
+    sinks: dict[tuple, SampleSink] = {}
+    from tqdm import tqdm
+
+    bar = None
+    try:
+        for partition, keys in wanted.items():
+            keys = list(dict.fromkeys(keys))
+            result.requested += len(keys)
+            have = dst_index.partition(partition)
+            need = [k for k in keys if k not in have]
+            result.present += len(keys) - len(need)
+            if not need:
+                continue
+            where = src_index.partition(partition)
+            segs = src_index.segments(partition)
+            by_seg: dict[str, list[int]] = {}
+            for k in need:
+                loc = where.get(k)
+                if loc is None:
+                    result.missing.append(k)
+                else:
+                    by_seg.setdefault(loc[0], []).append(loc[1])
+            whole, partial = [], {}
+            for seg, positions in sorted(by_seg.items()):
+                m = segs[seg]
+                Partition.of_segment(m)
+                _check_manifest(m, direction, src.url)
+                if len(positions) == len(m.samples["keys"]) and not dst.has(seg):
+                    whole.append(seg)
+                else:
+                    partial[seg] = sorted(positions)
+            if whole:
+                r = _transfer(direction, src, dst, whole, with_upstream=False, progress=progress, jobs=jobs)
+                result.bytes += r.bytes
+                result.whole_segments.extend(r.transferred)
+                for seg in whole:
+                    dst_index.add(dst.manifest(seg))
+                    result.copied += len(segs[seg].samples["keys"])
+            if partial and bar is None:
+                bar = tqdm(total=None, desc=f"{direction} samples", unit="sample", file=sys.stderr,
+                           disable=None if progress else True, leave=False)
+            for seg, positions in partial.items():
+                m = segs[seg]
+                part = Partition.of_segment(m)
+                raw = _read_source(src, seg, f"blobs/{INDEX}.json", _limit(m, "blob", INDEX), direction)
+                _verify(m, f"blobs/{INDEX}.json", "blob", INDEX, raw, direction, src.url)
+                index = json.loads(raw)
+                problem = index_problem(m, index)
+                if problem:
+                    raise IntegrityError(f"segment {seg} in {src.url} is corrupt: {problem}. "
+                                         f"{_fix(direction, seg, src.url)}", key=seg)
+                names = sorted(m.arrays)
+                rows = {n: _rows_of(src, m, n, [(index["offsets"][n][p], index["offsets"][n][p + 1])
+                                                 for p in positions], direction) for n in names}
+                arrays = {n: SampleArray(tuple(m.arrays[n].shape[1:]), m.arrays[n].dtype, m.arrays[n].codec,
+                                         m.arrays[n].chunk_rows) for n in names if n != DOC}
+                sig = (part.key, tuple((n, a.row_shape, a.dtype, a.codec, a.chunk_rows) for n, a in arrays.items()),
+                       DOC in names)
+                sink = sinks.get(sig)
+                if sink is None:
+                    sink = sinks[sig] = SampleSink(dst, part, arrays=arrays, doc=DOC in names,
+                                                   summary=m.summary.split(": ", 1)[-1] if ": " in m.summary else "",
+                                                   provenance={**m.provenance, "copied_from": seg})
+                for j, p in enumerate(positions):
+                    got = {n: rows[n][j] for n in names}
+                    if sample_digest({n: _digest_rows(r) for n, r in got.items()}) != index["digests"][p]:
+                        raise IntegrityError(f"sample {m.samples['keys'][p]} of segment {seg} in {src.url} does not "
+                                             f"match its digest. {_fix(direction, seg, src.url)}", key=seg)
+                    sink.add(index["upstream"][p], got)
+                    result.bytes += sum(r.nbytes for r in got.values())
+                    result.copied += 1
+                    bar.update(1)
+        for sink in sinks.values():
+            sink.flush()
+    finally:
+        if bar is not None:
+            bar.close()
+    for sink in sinks.values():
+        result.new_segments.extend(m.key for m in sink.committed)
+    result.seconds = time.monotonic() - t0
+    return result
+
+
+def pull_samples(remote, local, wanted: dict[str, list[str]], *, progress: bool = True, jobs: int = 8,
+                 offline: bool | None = None) -> SampleTransferResult:
+    """Fetch the samples ``local`` lacks of each ``{partition: [sample keys]}`` from ``remote``."""
+    _check_offline(remote, offline)
+    _check_offline(local, offline)
+    return _copy("pull", _safe_source(remote), local, wanted, progress=progress, jobs=jobs)
+
+
+def push_samples(local, remote, wanted: dict[str, list[str]], *, progress: bool = True, jobs: int = 8,
+                 offline: bool | None = None) -> SampleTransferResult:
+    """Copy the samples ``remote`` lacks of each ``{partition: [sample keys]}`` from ``local``."""
+    _check_offline(remote, offline)
+    _check_offline(local, offline)
+    return _copy("push", local, remote, wanted, progress=progress, jobs=jobs)
+
+
+def compare_samples(local, remote, *, offline: bool | None = None) -> list[dict]:
+    """Per partition (of either store): stage, samples only local, only in the remote, in both."""
+    _check_offline(remote, offline)
+    li, ri = index_of(local), index_of(remote)
+    rows = []
+    for p in sorted(set(li.partitions()) | set(ri.partitions())):
+        mine, theirs = set(li.partition(p)), set(ri.partition(p))
+        segs = li.segments(p) or ri.segments(p)
+        stage = next(iter(segs.values())).stage if segs else None
+        rows.append({"partition": p, "stage": stage, "only_local": len(mine - theirs),
+                     "only_remote": len(theirs - mine), "both": len(mine & theirs)})
+    return rows

@@ -1,0 +1,630 @@
+"""Samples: the unit of reuse. Segments: the unit of commit.
+
+A *partition* is everything a per-sample stage keys except the set of samples (model
+fingerprint, sampling parameters, layer, backend class...); its key is an ordinary
+:func:`dfcache.compute_key` of (stage, version, inputs, upstream partition keys). A *sample* of a
+partition is identified by the key of the sample it was made from (its *upstream* sample; for a
+root stage the content digest of its record)::
+
+    sample_key(partition, upstream) = xxh3_128(canonical({"partition": partition, "sample": upstream}))
+
+so any subset, superset, reordering or overlap of a set of samples finds every sample already
+made, whatever set it was made in. Deriving a key costs one hash (not a canonical encoding of the
+whole partition), so planning 100,000 samples stays well under a second.
+
+Samples are committed in *segments*: one ordinary artifact (zarr group, manifest written last,
+atomic publish, content digests) holding many samples of one partition, never one file or
+manifest per sample. In a segment:
+
+* samples are ordered by ascending upstream key, so a set of samples has one layout and one key:
+  ``segment_key(partition, keys) = xxh3_128(canonical({"partition": p, "segment": xxh3_128(",".join(sorted(keys)))}))``;
+  two writers of the same samples publish one copy (the store's atomic publish);
+* each per-sample array is the samples' rows concatenated along axis 0 (hidden states: tokens),
+  chunked along it, so reading one sample opens only the chunks its rows touch;
+* per-sample JSON documents are the uint8 array ``doc`` (UTF-8 JSON, concatenated);
+* the manifest's ``samples`` field holds the partition, its upstream partitions and the ordered
+  sample keys (planning reads manifests only);
+* the document ``samples`` holds, per sample, its upstream key, its row offsets in every array
+  and its digest (xxh3-128 over ``name=<xxh3 of its rows>`` joined by ``,``, arrays by name), so
+  one sample can be verified, and copied alone, without the rest of its segment.
+
+A sample held by several segments (two writers that overlapped) is read from the segment with
+the smallest key: reads of a set assembled from any segments are deterministic; ``gc`` removes
+segments none of whose samples are read from them.
+
+Roles of a partition's upstream: ``"sample"`` names the partition the upstream samples belong
+to; any other role names partitions whose sample *with the same upstream key* this sample also
+needs (an eval sample needs the hidden states of its tokens sample, layer by layer).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import numpy as np
+import xxhash
+
+from .errors import ArtifactNotFoundError, IntegrityError, UsageError
+from .keys import compute_key
+from .manifest import STORAGE_DTYPE, Manifest
+
+__all__ = ["DOC", "Partition", "SampleArray", "SampleSet", "SampleSink", "SamplesMissingError", "SegmentWriter",
+           "index_of", "partition_key", "record_digest", "sample_key", "segment_key"]
+
+DOC = "doc"  # the array of per-sample JSON documents
+INDEX = "samples"  # the document with per-sample upstream keys, row offsets and digests
+DOC_CHUNK_ROWS = 1 << 16  # 64 KiB of JSON a chunk: one completion's text reads one or two chunks
+SAMPLE_CHUNK_BYTES = 1 << 18  # small-row arrays (token ids): 256 KiB chunks, little over-read
+
+
+class SamplesMissingError(ArtifactNotFoundError):
+    """Samples asked for are in no segment of the store."""
+
+    def __init__(self, message: str, *, missing: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])
+
+
+# ------------------------------------------------------------------------------------- keys
+
+
+def partition_key(stage: str, version: int, inputs: dict, upstream: dict | None = None) -> str:
+    return compute_key(stage, version, inputs, upstream or {})
+
+
+def sample_key(partition: str, upstream: str) -> str:
+    # Exactly canonical_encode({"partition": partition, "sample": upstream}): both are hex.
+    return xxhash.xxh3_128_hexdigest(('{"partition":"%s","sample":"%s"}' % (partition, upstream)).encode())
+
+
+def segment_key(partition: str, keys: Iterable[str]) -> str:
+    inner = xxhash.xxh3_128_hexdigest(",".join(sorted(keys)).encode())
+    return xxhash.xxh3_128_hexdigest(('{"partition":"%s","segment":"%s"}' % (partition, inner)).encode())
+
+
+def record_digest(record: Any) -> str:
+    """Content digest of a JSON record (the upstream key of a root sample, e.g. a prompt).
+
+    Plain sorted compact JSON, not key material: a prompt may well contain text that looks like
+    an absolute path."""
+    return xxhash.xxh3_128_hexdigest(json.dumps(record, sort_keys=True, separators=(",", ":"),
+                                                ensure_ascii=False, allow_nan=False).encode())
+
+
+@dataclass(eq=False)
+class Partition:
+    """One per-sample stage's inputs without the samples; ``key`` is derived from the rest."""
+
+    stage: str
+    version: int
+    inputs: dict
+    upstream: dict = field(default_factory=dict)  # role -> partition key (or list of them)
+    key: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.key = partition_key(self.stage, self.version, self.inputs, self.upstream)
+
+    def sample_key(self, upstream: str) -> str:
+        return sample_key(self.key, upstream)
+
+    def sample_keys(self, upstream: Iterable[str]) -> list[str]:
+        p = self.key
+        return [sample_key(p, u) for u in upstream]
+
+    @classmethod
+    def of_segment(cls, m: Manifest) -> "Partition":
+        """The partition a segment manifest claims, checked: its key must derive from the
+        manifest's stage, version, inputs and upstream partitions (else it is not trusted)."""
+        s = m.samples or {}
+        try:
+            p = cls(m.stage, m.stage_version, m.inputs, dict(s.get("partition_upstream") or {}))
+        except UsageError:
+            p = None
+        if p is None or p.key != s.get("partition"):
+            raise IntegrityError(f"segment {m.key} claims partition {s.get('partition')} but its inputs give "
+                                 f"{p.key if p else 'no key'}; the manifest was altered. Delete it "
+                                 f"(`dfcache gc --key {m.key[:12]} --force --yes`) or pull it again.", key=m.key)
+        return p
+
+
+# ------------------------------------------------------------------------------------ writing
+
+
+@dataclass
+class SampleArray:
+    """One per-sample array of a partition: the shape of a row and how rows are stored."""
+
+    row_shape: tuple = ()
+    dtype: str = "float32"
+    codec: str = "none"
+    chunk_rows: int | None = None
+
+
+def _chunk_rows_for(spec: SampleArray) -> int:
+    if spec.chunk_rows:
+        return int(spec.chunk_rows)
+    from .store import default_chunk_rows
+
+    rows = default_chunk_rows((0,) + tuple(spec.row_shape), spec.dtype)
+    row_bytes = max(1, int(np.prod(spec.row_shape, dtype=np.int64)) * np.dtype(STORAGE_DTYPE[spec.dtype]).itemsize)
+    small = max(16, 1 << max(0, (SAMPLE_CHUNK_BYTES // row_bytes).bit_length() - 1))
+    return min(rows, small)
+
+
+def _doc_bytes(doc: Any) -> np.ndarray:
+    data = json.dumps(doc, sort_keys=True, ensure_ascii=False, allow_nan=False).encode()
+    return np.frombuffer(data, dtype=np.uint8)
+
+
+def _digest_rows(storage: np.ndarray) -> str:
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(storage).view(np.uint8).reshape(-1))
+
+
+def sample_digest(array_digests: dict[str, str]) -> str:
+    return xxhash.xxh3_128_hexdigest(",".join(f"{n}={array_digests[n]}" for n in sorted(array_digests)).encode())
+
+
+def _storage(rows: np.ndarray, dtype: str) -> np.ndarray:
+    rows = np.asarray(rows)
+    if dtype == "bfloat16" and rows.dtype.name in ("bfloat16", "uint16"):
+        rows = rows.view(np.uint16)
+    if rows.dtype != np.dtype(STORAGE_DTYPE[dtype]):
+        raise UsageError(f"rows of dtype {rows.dtype} given for a {dtype} array.")
+    if rows.dtype.byteorder == ">":
+        rows = rows.astype(rows.dtype.newbyteorder("<"))
+    return rows
+
+
+class SegmentWriter:
+    """Writes one segment; samples are added in ascending order of their upstream keys.
+
+    ``arrays`` declares the per-sample arrays; ``doc=True`` adds the JSON document array. Use as
+    a context manager (commit on success, nothing published on error) or call :meth:`commit`.
+    Rows are streamed to the store's staging as chunks fill; only the commit publishes.
+    """
+
+    def __init__(self, store, partition: Partition, upstream: list[str], *, arrays: dict[str, SampleArray] | None = None,
+                 doc: bool = True, summary: str = "", provenance: dict | None = None) -> None:
+        upstream = list(upstream)
+        if not upstream:
+            raise UsageError("a segment holds at least one sample.")
+        if any(a >= b for a, b in zip(upstream, upstream[1:])):
+            raise UsageError("a segment's samples must be given once each, in ascending order of upstream key.")
+        self.store = store
+        self.partition = partition
+        self.upstream = upstream
+        self.keys = partition.sample_keys(upstream)
+        self.key = segment_key(partition.key, self.keys)
+        self.specs = dict(sorted((arrays or {}).items()))
+        if DOC in self.specs:
+            raise UsageError(f"array name {DOC!r} is reserved for per-sample documents.")
+        if doc:
+            self.specs[DOC] = SampleArray((), "uint8", "none", DOC_CHUNK_ROWS)
+        self._n = 0
+        self._offsets = {name: [0] for name in self.specs}
+        self._digests: list[str] = []
+        self.manifest: Manifest | None = None
+        self.won = False
+        self._w = store.writer(self.key, stage=partition.stage, stage_version=partition.version,
+                               inputs=partition.inputs, upstream={}, provenance=provenance,
+                               summary=f"{len(upstream)} samples" + (f": {summary}" if summary else ""),
+                               samples={"partition": partition.key, "partition_upstream": partition.upstream,
+                                        "keys": self.keys})
+        self._aw = {name: self._w.create_array(name, (0,) + tuple(s.row_shape), s.dtype, codec=s.codec,
+                                               chunk_rows=_chunk_rows_for(s), unknown_rows=True)
+                    for name, s in self.specs.items()}
+
+    @property
+    def added(self) -> int:
+        return self._n
+
+    def add(self, arrays: dict[str, np.ndarray] | None = None, doc: Any = None) -> str:
+        """Append the next sample's rows (every declared array) and document; returns its key."""
+        if self._n >= len(self.keys):
+            raise UsageError(f"segment {self.key[:12]} was declared with {len(self.keys)} samples; one more given.")
+        arrays = dict(arrays or {})
+        if DOC in self.specs and DOC not in arrays:  # given as bytes when copied from another segment
+            arrays[DOC] = _doc_bytes(doc)
+        if set(arrays) != set(self.specs):
+            raise UsageError(f"sample {self._n} gives arrays {sorted(arrays)}; the partition has {sorted(self.specs)}.")
+        digests = {}
+        for name, spec in self.specs.items():
+            rows = _storage(arrays[name], spec.dtype)
+            digests[name] = _digest_rows(rows)
+            self._aw[name].append(rows)
+            self._offsets[name].append(self._offsets[name][-1] + len(rows))
+        self._digests.append(sample_digest(digests))
+        self._n += 1
+        return self.keys[self._n - 1]
+
+    def commit(self) -> Manifest:
+        if self.manifest is not None:
+            return self.manifest
+        if self._n != len(self.keys):
+            raise UsageError(f"segment {self.key[:12]} has {self._n} of its {len(self.keys)} samples; add them all.")
+        self._w.put_json(INDEX, {"upstream": self.upstream, "offsets": self._offsets, "digests": self._digests})
+        self.manifest = self._w.commit()
+        self.won = self._w.won
+        index_of(self.store).add(self.manifest)
+        return self.manifest
+
+    def abort(self) -> None:
+        if self.manifest is None:
+            self._w.abort()
+
+    def __enter__(self) -> "SegmentWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            try:
+                self.commit()
+            except BaseException:
+                self.abort()
+                raise
+        else:
+            self.abort()
+
+
+class SampleSink:
+    """Buffers finished samples and commits them as segments every ``max_samples`` samples,
+    ``max_bytes`` bytes or ``max_seconds`` seconds, and at the end.
+
+    What is committed stays committed: an interrupted producer loses only the samples of the
+    segment it had not yet committed, and a rerun produces only the samples still missing. Leaving
+    the ``with`` block commits what is buffered, also on an exception (every buffered sample is
+    complete); a killed process loses the buffer only.
+    """
+
+    def __init__(self, store, partition: Partition, *, arrays: dict[str, SampleArray] | None = None, doc: bool = True,
+                 max_samples: int = 4096, max_bytes: int = 256 << 20, max_seconds: float = 30.0, summary: str = "",
+                 provenance: dict | None = None) -> None:
+        self.store = store
+        self.partition = partition
+        self.arrays = dict(arrays or {})
+        self.doc = doc
+        self.max_samples = max(1, int(max_samples))
+        self.max_bytes = max(1, int(max_bytes))
+        self.max_seconds = float(max_seconds)
+        self.summary = summary
+        self.provenance = provenance
+        self._buf: dict[str, tuple[dict, Any]] = {}
+        self._bytes = 0
+        self._since = time.monotonic()
+        self._lock = threading.Lock()
+        self.committed: list[Manifest] = []
+        self.samples_committed = 0
+
+    def add(self, upstream: str, arrays: dict[str, np.ndarray] | None = None, doc: Any = None) -> str:
+        with self._lock:
+            if upstream not in self._buf:
+                arrays = {n: np.array(a, copy=True) for n, a in (arrays or {}).items()}
+                self._buf[upstream] = (arrays, doc)
+                self._bytes += sum(a.nbytes for a in arrays.values()) + (len(json.dumps(doc)) if doc is not None else 0)
+            due = (len(self._buf) >= self.max_samples or self._bytes >= self.max_bytes
+                   or time.monotonic() - self._since >= self.max_seconds)
+        if due:
+            self.flush()
+        return self.partition.sample_key(upstream)
+
+    def flush(self) -> Manifest | None:
+        with self._lock:
+            buf, self._buf, self._bytes, self._since = self._buf, {}, 0, time.monotonic()
+        if not buf:
+            return None
+        order = sorted(buf)
+        with SegmentWriter(self.store, self.partition, order, arrays=self.arrays, doc=self.doc, summary=self.summary,
+                           provenance=self.provenance) as w:
+            for u in order:
+                arrays, doc = buf[u]
+                w.add(arrays, doc)
+        self.committed.append(w.manifest)
+        self.samples_committed += len(order)
+        return w.manifest
+
+    def __enter__(self) -> "SampleSink":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.flush()
+            return
+        try:
+            self.flush()  # keep every finished sample, whatever stopped the producer
+        except Exception:
+            pass
+
+
+# ------------------------------------------------------------------------------------ the index
+
+_SAMPLES_AT = re.compile(rb'"samples":\s*\{')
+_PARTITION = re.compile(rb'"partition":\s*"([0-9a-f]{32})"')
+
+
+class SampleIndex:
+    """Where every sample of a store is: partition -> {sample key: (segment key, position)}.
+
+    Built from manifests only (one listing of the store; a manifest is parsed only when its
+    partition is asked for), kept for the life of the :class:`~dfcache.store.Store` object and
+    updated by this process's own commits. A sample in several segments resolves to the segment
+    with the smallest key.
+    """
+
+    def __init__(self, store) -> None:
+        self.store = store
+        self._lock = threading.RLock()
+        self._raw: dict[str, list[tuple[str, bytes]]] | None = None
+        self._parts: dict[str, dict[str, tuple[str, int]]] = {}
+        self._segments: dict[str, dict[str, Manifest]] = {}
+        self.errors: list[tuple[str, str]] = []  # (segment key, why it was skipped)
+
+    def refresh(self) -> None:
+        with self._lock:
+            self._raw = None
+            self._parts.clear()
+            self._segments.clear()
+            self.errors = []
+
+    def _scan(self) -> dict[str, list[tuple[str, bytes]]]:
+        if self._raw is None:
+            raw: dict[str, list[tuple[str, bytes]]] = {}
+            for key, data in self.store.backend.iter_manifests():
+                at = _SAMPLES_AT.search(data)
+                if at is None:
+                    continue
+                m = _PARTITION.search(data, at.end())
+                if m is not None:
+                    raw.setdefault(m.group(1).decode(), []).append((key, data))
+            self._raw = raw
+        return self._raw
+
+    def partitions(self) -> list[str]:
+        with self._lock:
+            return sorted(set(self._scan()) | set(self._parts))
+
+    def _load(self, partition: str) -> dict[str, tuple[str, int]]:
+        got = self._parts.get(partition)
+        if got is not None:
+            return got
+        where: dict[str, tuple[str, int]] = {}
+        segs: dict[str, Manifest] = {}
+        from .errors import UntrustedManifestError
+
+        for key, data in self._scan().get(partition, []):
+            try:
+                m = Manifest.from_json(data, expect_key=key)
+            except UntrustedManifestError as e:
+                self.errors.append((key, e.message))
+                continue
+            if not m.samples or m.samples["partition"] != partition:
+                continue
+            segs[key] = m
+        for key in sorted(segs):  # ascending: the first holder of a sample is the smallest key
+            for pos, k in enumerate(segs[key].samples["keys"]):
+                if k not in where:
+                    where[k] = (key, pos)
+        self._parts[partition] = where
+        self._segments[partition] = segs
+        return where
+
+    def partition(self, partition: str) -> dict[str, tuple[str, int]]:
+        """sample key -> (segment key, position in it) of every sample of ``partition``."""
+        with self._lock:
+            return self._load(partition)
+
+    def segments(self, partition: str) -> dict[str, Manifest]:
+        with self._lock:
+            self._load(partition)
+            return self._segments[partition]
+
+    def missing(self, partition: str, keys: Iterable[str]) -> list[str]:
+        where = self.partition(partition)
+        return [k for k in dict.fromkeys(keys) if k not in where]
+
+    def add(self, m: Manifest) -> None:
+        """Record a segment this process committed (or found committed by another)."""
+        if not m.samples:
+            return
+        p = m.samples["partition"]
+        with self._lock:
+            if p not in self._parts:
+                return  # not loaded yet: the next load lists it from the store
+            segs = self._segments[p]
+            if m.key in segs:
+                return
+            segs[m.key] = m
+            where = self._parts[p]
+            for pos, k in enumerate(m.samples["keys"]):
+                cur = where.get(k)
+                if cur is None or m.key < cur[0]:
+                    where[k] = (m.key, pos)
+
+
+_indexes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_indexes_lock = threading.Lock()
+
+
+def index_of(store) -> SampleIndex:
+    """The sample index of ``store`` (one per Store object)."""
+    with _indexes_lock:
+        idx = _indexes.get(store)
+        if idx is None:
+            idx = SampleIndex(store)
+            _indexes[store] = idx
+        return idx
+
+
+# ------------------------------------------------------------------------------------ reading
+
+
+class Segment:
+    """A committed segment opened for reads: its manifest and its per-sample index document."""
+
+    def __init__(self, store, key: str) -> None:
+        self.artifact = store.open(key)
+        self.key = key
+        m = self.artifact.manifest
+        if not m.samples:
+            raise UsageError(f"artifact {key} is not a segment of samples.")
+        self.keys: list[str] = m.samples["keys"]
+        index = self.artifact.json(INDEX)
+        problem = index_problem(m, index)
+        if problem:
+            raise IntegrityError(f"segment {key} is corrupt: {problem}. Delete it with `dfcache gc --key "
+                                 f"{key[:12]} --force --yes` and run again, or pull it again.", key=key)
+        self.upstream: list[str] = index["upstream"]
+        self.offsets: dict[str, list[int]] = index["offsets"]
+        self.digests: list[str] = index["digests"]
+        self._readers: dict = {}
+
+    def reader(self, name: str):
+        r = self._readers.get(name)
+        if r is None:
+            r = self._readers[name] = self.artifact.array(name)
+        return r
+
+    def rows(self, pos: int, name: str) -> tuple[int, int]:
+        off = self.offsets[name]
+        return off[pos], off[pos + 1]
+
+    def read_raw(self, pos: int, name: str) -> np.ndarray:
+        a, b = self.rows(pos, name)
+        return self.reader(name).read_raw(a, b)
+
+    def read(self, pos: int, name: str) -> np.ndarray:
+        a, b = self.rows(pos, name)
+        return self.reader(name).read(a, b)
+
+    def doc(self, pos: int) -> Any:
+        return json.loads(self.read_raw(pos, DOC).tobytes())
+
+    def sample_problem(self, pos: int) -> str | None:
+        digests = {name: _digest_rows(self.read_raw(pos, name)) for name in self.offsets}
+        if sample_digest(digests) != self.digests[pos]:
+            return f"sample {self.keys[pos]} (position {pos}) does not match its digest"
+        return None
+
+
+def index_problem(m: Manifest, index: Any) -> str | None:
+    """What is wrong with a segment's index document given its manifest (None if they agree)."""
+    keys = m.samples["keys"]
+    n = len(keys)
+    if not isinstance(index, dict):
+        return "its samples document is not an object"
+    up, offsets, digests = index.get("upstream"), index.get("offsets"), index.get("digests")
+    if not (isinstance(up, list) and len(up) == n and all(isinstance(u, str) for u in up)):
+        return f"its samples document lists {len(up) if isinstance(up, list) else 'no'} upstream keys for {n} samples"
+    if any(a >= b for a, b in zip(up, up[1:])):
+        return "its samples are not in ascending upstream order"
+    if sample_keys_of(m.samples["partition"], up) != keys:
+        return "its sample keys do not derive from the partition and the upstream keys"
+    if not (isinstance(digests, list) and len(digests) == n and all(isinstance(d, str) and len(d) == 32 for d in digests)):
+        return "its samples document has no digest for every sample"
+    if not isinstance(offsets, dict) or set(offsets) != set(m.arrays):
+        return f"its samples document gives offsets for {sorted(offsets) if isinstance(offsets, dict) else '?'}, " \
+               f"the manifest has arrays {sorted(m.arrays)}"
+    for name, off in offsets.items():
+        if (not isinstance(off, list) or len(off) != n + 1 or off[0] != 0 or off[-1] != m.arrays[name].shape[0]
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in off)
+                or any(a > b for a, b in zip(off, off[1:]))):
+            return f"the row offsets of array {name} do not cover its {m.arrays[name].shape[0]} rows"
+    return None
+
+
+def sample_keys_of(partition: str, upstream: list[str]) -> list[str]:
+    return [sample_key(partition, u) for u in upstream]
+
+
+def segment_problems(store, key: str) -> list[str]:
+    """Per-sample checks ``dfcache verify`` adds for a segment (the chunks are checked apart)."""
+    try:
+        m = store.manifest(key)
+        Partition.of_segment(m)
+        seg = Segment(store, key)
+    except IntegrityError as e:
+        return [e.message]
+    problems = []
+    for pos in range(len(seg.keys)):
+        try:
+            p = seg.sample_problem(pos)
+        except IntegrityError:
+            continue  # the chunk checks name it
+        if p:
+            problems.append(p)
+    return problems
+
+
+class SampleSet:
+    """An ordered list of samples of one partition, read from whichever segments hold them.
+
+    Raises :class:`SamplesMissingError` (with ``.missing``) if any is in no segment.
+    """
+
+    def __init__(self, store, partition: str, keys: list[str]) -> None:
+        self.store = store
+        self.partition = partition
+        self.keys = list(keys)
+        idx = index_of(store)
+        where = idx.partition(partition)
+        missing = [k for k in dict.fromkeys(self.keys) if k not in where]
+        if missing:
+            idx.refresh()  # another process may have committed them since we listed
+            where = idx.partition(partition)
+            missing = [k for k in dict.fromkeys(self.keys) if k not in where]
+        if missing:
+            raise SamplesMissingError(f"{len(missing)} of {len(self.keys)} samples of partition {partition[:12]} are "
+                                      f"not in {store.url} (first: {', '.join(k[:12] for k in missing[:3])}).",
+                                      missing=missing)
+        self.where = [where[k] for k in self.keys]
+        self._segments: dict[str, Segment] = {}
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def segment(self, i: int) -> tuple[Segment, int]:
+        key, pos = self.where[i]
+        seg = self._segments.get(key)
+        if seg is None:
+            try:
+                seg = Segment(self.store, key)
+            except ArtifactNotFoundError:
+                # gc removed a duplicate since we listed: the sample is in the segment kept.
+                idx = index_of(self.store)
+                idx.refresh()
+                now = idx.partition(self.partition).get(self.keys[i])
+                if now is None or now[0] == key:
+                    raise
+                self.where[i] = now
+                return self.segment(i)
+            self._segments[key] = seg
+        return seg, pos
+
+    def read(self, i: int, name: str) -> np.ndarray:
+        seg, pos = self.segment(i)
+        return seg.read(pos, name)
+
+    def read_raw(self, i: int, name: str) -> np.ndarray:
+        seg, pos = self.segment(i)
+        return seg.read_raw(pos, name)
+
+    def rows(self, i: int, name: str) -> int:
+        seg, pos = self.segment(i)
+        a, b = seg.rows(pos, name)
+        return b - a
+
+    def doc(self, i: int) -> Any:
+        seg, pos = self.segment(i)
+        return seg.doc(pos)
+
+    def docs(self) -> list[Any]:
+        return [self.doc(i) for i in range(len(self))]
+
+    def upstream(self, i: int) -> str:
+        seg, pos = self.segment(i)
+        return seg.upstream[pos]
