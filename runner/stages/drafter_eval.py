@@ -53,6 +53,7 @@ class DrafterRef:
     mask_token_id: int
     trained_on: str | None
     hidden_size: int | None = None
+    step: int | None = None  # training step (runner/checkpoints.py), when the checkpoint says
 
 
 def _int_list(v) -> bool:
@@ -101,7 +102,26 @@ def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
     if not opts.drafters:
         raise BadInputError("run eval needs at least one drafter: pass --drafter DIR (repeatable), or "
                             "--example for the embedded one.")
-    refs = [read_drafter(d, opts.trained_on) for d in opts.drafters]
+    from ..checkpoints import expand_drafter_arg, incomplete_reason
+
+    refs = []
+    for value in opts.drafters:  # a directory, a glob, or a training-output directory
+        found, several = expand_drafter_arg(value)
+        complete = []
+        for c in found:
+            # A glob or training directory may hold a checkpoint the trainer is still writing.
+            problem = incomplete_reason(c.path) if several else None
+            if problem:
+                ctx.log(f"note: skipping {c.path}: {problem} (still being written?)")
+            else:
+                complete.append(c)
+        if not complete:
+            raise BadInputError(f"--drafter {value}: none of its {len(found)} checkpoint(s) is complete yet; "
+                                "wait for the trainer to finish writing one (or use dfcache watch).")
+        for c in complete:
+            ref = read_drafter(str(c.path), opts.trained_on)
+            ref.step = c.step
+            refs.append(ref)
     names = [r.name for r in refs]
     for i, r in enumerate(refs):  # side-by-side columns need distinct names
         if names.count(r.name) > 1:
@@ -129,10 +149,10 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
               "block_size": drafter.block_size, "target_layer_ids": drafter.target_layer_ids,
               "mask_token_id": drafter.mask_token_id, "tree_budgets": budgets,
               "max_blocks": opts.max_blocks, "end_rule": opts.end_rule, "dtype": opts.dtype,
-              "device": backend["device"]}
+              "device": getattr(opts, "eval_device", None) or backend["device"]}
     return Node.make(NAME, VERSION, inputs=inputs,
                      upstream={"tokens": tokens_node.key, "hidden_states": [n.key for n in layers]},
-                     needs="gpu" if backend["device"] == "cuda" else "cpu",
+                     needs="gpu" if inputs["device"] == "cuda" else "cpu",
                      deps=[tokens_node, *layers], label=f"drafter_eval {drafter.name}",
                      payload={"drafter": drafter, "target_dir": tokens_node.payload["target_dir"],
                               "backend": backend},
@@ -155,7 +175,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
     dtype = torch.float32 if opts.dtype == "float32" else torch.bfloat16
     for node in nodes:
         ref: DrafterRef = node.payload["drafter"]
-        device = "cuda" if node.payload["backend"]["device"] == "cuda" else "cpu"
+        device = "cuda" if node.inputs["device"] == "cuda" else "cpu"
         drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
         head = load_target_head(node.payload["target_dir"], device=device, dtype=dtype)
         toks = read_tokens(ctx.store, node.upstream["tokens"])
