@@ -147,7 +147,9 @@ def _torch_build() -> dict:
 
 def cuda_visible() -> tuple[bool, str]:
     """Whether a CUDA GPU is usable here, decided without importing torch; and why not."""
-    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    from dfcache.config import cuda_visible_devices
+
+    cvd = cuda_visible_devices()
     if cvd is not None and cvd.strip() in ("", "-1", "none", "NoDevFiles"):
         return False, f"CUDA_VISIBLE_DEVICES={cvd!r} hides every GPU"
     torch = sys.modules.get("torch")
