@@ -500,12 +500,24 @@ class ArrayReader:
         except IntegrityError as e:
             raise IntegrityError(f"{e.message} {repair_hint(key)}", key=key) from None
 
-    def read_raw(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Rows [start, stop) in the storage dtype (bf16 comes back as its uint16 bits)."""
+    def read_raw(self, start: int = 0, stop: int | None = None, *, out: np.ndarray | None = None) -> np.ndarray:
+        """Rows [start, stop) in the storage dtype (bf16 comes back as its uint16 bits).
+
+        ``out``: a C-contiguous array of at least that many rows (storage dtype, row shape) to
+        read into, e.g. a buffer reused across reads (fresh memory costs a page fault per 4 KiB);
+        the rows read are returned as a view of it."""
         n = self.shape[0]
         stop = n if stop is None else min(stop, n)
         start = max(0, start)
-        out = np.empty((max(0, stop - start),) + self.shape[1:], dtype=self._storage)
+        rows = max(0, stop - start)
+        if out is None:
+            out = np.empty((rows,) + self.shape[1:], dtype=self._storage)
+        else:
+            if (out.dtype != self._storage or out.shape[1:] != self.shape[1:] or len(out) < rows
+                    or not out.flags.c_contiguous):
+                raise UsageError(f"out= must be a C-contiguous {self._storage} array of at least "
+                                 f"{rows} rows of shape {self.shape[1:]}.")
+            out = out[:rows]
         if stop <= start:
             return out
         c0, c1 = start // self.chunk_rows, (stop - 1) // self.chunk_rows
