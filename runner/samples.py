@@ -150,25 +150,14 @@ class StoredSamples:
 
     def _hidden(self, layers, a: int, b: int) -> np.ndarray:
         if len(layers) == 1:
-            return layers[0].read_raw(a, b)
-        n = b - a
-        out = np.empty((n, sum(self.widths)), dtype=np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype))
-        # Each layer is read into one reused buffer, then placed in its columns: the only fresh
-        # memory per sample is the result (fresh pages cost a fault each, as much as the copy).
+            return layers[0].read_raw(a, b, mapped=True)
+        out = np.empty((b - a, sum(self.widths)), dtype=np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype))
+        # Each layer's rows go straight from its mapped chunks into its columns: one copy.
         col = 0
         for arr, w in zip(layers, self.widths):
-            scratch = self._scratch(arr, n)
-            out[:, col:col + w] = arr.read_raw(a, b, out=scratch)
+            arr.read_raw(a, b, out=out[:, col:col + w], mapped=True)
             col += w
         return out
-
-    def _scratch(self, arr, n: int) -> np.ndarray:
-        dtype = np.uint16 if arr.dtype == "bfloat16" else np.dtype(arr.dtype)
-        buf = self._handles.get("scratch")
-        if buf is None or buf.dtype != dtype or len(buf) < n or buf.shape[1:] != tuple(arr.shape[1:]):
-            buf = np.empty((max(n, 4096),) + tuple(arr.shape[1:]), dtype=dtype)
-            self._handles["scratch"] = buf
-        return buf
 
     def loss_mask(self, index: int) -> np.ndarray:
         """One sample's loss mask (int64)."""

@@ -360,4 +360,26 @@ def test_read_raw_into_a_reused_buffer(cached):
     assert got.base is buf or got.base is buf.base
     assert np.array_equal(got, arr.read_raw(10, 200))
     with pytest.raises(UsageError):
-        arr.read_raw(0, 400, out=buf)  # too few rows
+        arr.read_raw(0, 100, out=buf[:50])  # too few rows
+
+
+def test_mapped_reads_check_each_chunk_and_refuse_a_corrupt_one(cached, tmp_path):
+    import shutil
+
+    from dfcache.errors import IntegrityError
+
+    store_dir = tmp_path / "copy"
+    shutil.copytree(cached["store"], store_dir)
+    ds = api.hidden_state_dataset(store=store_dir, layers=[1], **cached["sel"])
+    arr = open_store(store_dir).open(ds.source.layer_keys[0]).array("hidden")
+    assert np.array_equal(arr.read_raw(0, 100, mapped=True), arr.read_raw(0, 100))
+    wide = np.zeros((100, 3 * 128), dtype=np.uint16)
+    arr.read_raw(0, 100, out=wide[:, 128:256], mapped=True)  # columns of a wider array
+    assert np.array_equal(wide[:, 128:256], arr.read_raw(0, 100)) and not wide[:, :128].any()
+    chunk = next(p for p in store_dir.rglob("hidden/c/0/0"))
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    fresh = open_store(store_dir).open(ds.source.layer_keys[0]).array("hidden")
+    with pytest.raises(IntegrityError, match="crc32c"):
+        fresh.read_raw(0, 10, mapped=True)
