@@ -10,8 +10,8 @@ its data reaches the end of the file, and none of its files changed for ``--inte
 (seen unchanged over one interval, or last modified longer ago than that). A checkpoint that
 fails (bad config, another target's width) is reported and skipped until its files change.
 
-After each round the report directory is rewritten (each file replaced atomically): watch.json
-(what ``--json`` prints), watch.md, tau_by_step.png, histograms.png and report.html.
+After each round that evaluated something, or changed which checkpoints wait or failed, the
+report directory is rewritten (each file replaced atomically): watch.json (what ``--json`` prints), watch.md, tau_by_step.png, histograms.png and report.html.
 ``--once`` evaluates what is there (waiting at most one interval for a checkpoint that was just
 written to settle) and exits; without it the watch runs until interrupted. Ctrl-C exits with 130:
 artifacts are committed atomically by the store, report files are replaced whole, so nothing is
@@ -410,6 +410,7 @@ class Watch:
             self.log(f"watching {self.directory} every {self.interval:g} s (Ctrl-C to stop); report in {self.out_dir}")
         first = True
         paths: dict[str, Path] = {}
+        shown_waiting: tuple = ((), ())
         try:
             while True:
                 ready, soonest = self.poll()
@@ -422,9 +423,11 @@ class Watch:
                 if first and self.reference:
                     self.print_rows([self.reference])
                 self.print_rows(new)
-                if new or first:
+                waiting = (tuple(sorted(self.pending)), tuple(sorted(self.failed)))
+                if new or first or waiting != shown_waiting:  # the page lists what is not evaluated
                     paths = self.write_report()
-                    if self.opts.json and not self.once:
+                    shown_waiting = waiting
+                    if self.opts.json and not self.once and (new or first):
                         emit_json(self.result(paths))
                 first = False
                 if self.once:

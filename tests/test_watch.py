@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -209,11 +210,15 @@ def test_run_eval_takes_a_glob_or_a_training_directory_in_step_order(training, w
     by_step = {c["step"]: c["key"] for c in watched["doc"]["checkpoints"]}
     assert [d["key"] for d in doc["drafters"]] == [by_step[6], by_step[12]]
     assert [open_stage(store, k) for k in doc["computed"]] == ["report"]
-    rc, out, err, _ = cli(env, store, "run", "eval", "--drafter", run, "--target", training["target"], *EVAL, "--json")
+    rc, out, err, _ = cli(env, store, "run", "eval", "--drafter", run, "--drafter", training["reference"],
+                          "--target", training["target"], *EVAL, "--json")
     assert rc == 0, err
-    assert [d["step"] for d in json.loads(out)["drafters"]] == list(STEPS)
+    assert [d["step"] for d in json.loads(out)["drafters"]] == [*STEPS, None]
     html = Path(json.loads(out)["files"]["report.html"]).read_text()
-    assert 'id="summary"' in html and 'class="per-prompt"' in html and "checkpoint-12" in html
+    assert 'id="summary"' in html and html.count('class="per-prompt"') in (2, 3)
+    # The latest is the highest step, not the last --drafter (the reference, which has none).
+    assert 'data-drafter="latest: checkpoint-12 (step 12)"' in html \
+        and re.search(r'data-drafter="(best: )?reference"', html)
     assert Path(json.loads(out)["files"]["tau_by_step.png"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

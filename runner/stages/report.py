@@ -24,7 +24,7 @@ from pathlib import Path
 from ..graph import Node, RunContext
 
 NAME = "report"
-VERSION = 2  # 2: steps, report.html, tau_by_step.png
+VERSION = 3  # 2: steps, report.html, tau_by_step.png; 3: "latest" is the highest step
 
 FILES = {"report.json": "report", "report.md": "markdown", "histogram.png": "png_histogram",
          "acceptance_by_position.png": "png_position", "tau_by_step.png": "png_tau_by_step",
@@ -128,21 +128,26 @@ def _plots(report: dict) -> dict[str, bytes]:
 
 def html_page(store, report: dict, pngs: dict[str, bytes], target_dir: str | None) -> str:
     """The report as one self-contained page: the table, the plots, and per-prompt block views of
-    every drafter (of the last and the best when there are more than three)."""
+    every drafter (when there are more than three: of the latest step, the best, and up to two
+    drafters without a step, such as references)."""
     from .. import reporting
     from .tokens import read_tokens
 
     drafters = report["drafters"]
     head, rows = table(report)
     best = max(range(len(drafters)), key=lambda i: drafters[i]["tau_chain"] or 0) if drafters else None
-    stepped = any(d.get("step") is not None for d in drafters)
-    classes = [" ".join(c for c, hit in (("best", i == best), ("latest", stepped and i == len(drafters) - 1)) if hit)
+    stepped = [i for i, d in enumerate(drafters) if d.get("step") is not None]
+    # The latest checkpoint is the highest step; drafters without one (references) are never "latest".
+    latest = max(stepped, key=lambda i: drafters[i]["step"]) if stepped else None
+    classes = [" ".join(c for c, hit in (("best", i == best), ("latest", i == latest)) if hit)
                for i in range(len(drafters))]
-    shown = list(range(len(drafters))) if len(drafters) <= 3 else sorted({len(drafters) - 1, best})
+    unstepped = [i for i in range(len(drafters)) if i not in stepped]
+    shown = list(range(len(drafters))) if len(drafters) <= 3 else \
+        sorted({i for i in (latest, best) if i is not None} | set(unstepped[:2]))
     views = []
     for i in shown:
         d = drafters[i]
-        role = "latest: " if stepped and i == len(drafters) - 1 else ("best: " if i == best and len(drafters) > 3 else "")
+        role = "latest: " if i == latest else ("best: " if i == best and len(drafters) > 3 else "")
         step = f" (step {d['step']})" if d.get("step") is not None else ""
         views.append(reporting.DrafterView(f"{role}{d['drafter']}{step}", store.open(d["key"]).json("responses"),
                                            int(d["block_size"])))
