@@ -151,10 +151,10 @@ def run(ctx: Ctx) -> Result:
         ours_sp = False
     from runner.samples import StoredSamples
 
-    def ours():
+    def make_ours():
         return HiddenStateDataset(StoredSamples(str(root / "store"), tkey, keys))
 
-    contenders = {"dfcache": ours(),
+    contenders = {"dfcache": make_ours(),
                   "specforge": _SpecForge([str(root / "specforge" / specforge_relpath(i))
                                            for i in range(len(h.lengths))], ours_sd)}
     files = {"dfcache": files_under(root / "store"), "specforge": files_under(root / "specforge")}
@@ -185,7 +185,7 @@ def run(ctx: Ctx) -> Result:
                     return _epoch(ds, workers, seed=1)
                 # A fresh reader: the warm one keeps its chunks mapped, and mapped pages cannot be
                 # evicted (its mappings are dropped first, so the eviction really empties the cache).
-                fresh = ours() if name == "dfcache" else ds
+                fresh = make_ours() if name == "dfcache" else ds
                 gc.collect()
                 evict(files[name])
                 t = _epoch(fresh, workers, seed=1)

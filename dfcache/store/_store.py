@@ -563,6 +563,8 @@ class ArrayReader:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError):
             return None  # _chunk() reports what is wrong
+        if hasattr(mm, "madvise"):  # one large read-ahead for the crc pass, not a fault per few pages
+            mm.madvise(mmap.MADV_WILLNEED)
         raw = np.frombuffer(mm, dtype=np.uint8)
         if len(raw) != body + 4 or google_crc32c.extend(0, raw[:body]) != int.from_bytes(raw[body:].tobytes(), "little"):
             del raw
