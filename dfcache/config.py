@@ -7,6 +7,17 @@ Environment:
     DFCACHE_HOME       where dfcache keeps machine-local state (fingerprint memo); default
                        ``~/.cache/dfcache``.
     DFCACHE_CONFIG     path of a config file to use instead of the usual search.
+    DFCACHE_DEBUG      any non-empty value: tracebacks instead of one-line errors (as ``--debug``).
+    AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, AWS_ENDPOINT, AWS_REGION, AWS_DEFAULT_REGION
+                       the S3 endpoint and region when neither ``--endpoint-url`` nor the remote's
+                       config gives one (credentials, ``AWS_ACCESS_KEY_ID`` and friends, are read
+                       by obstore itself and never by dfcache).
+    HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, HF_HOME, XDG_CACHE_HOME
+                       where huggingface_hub keeps models (read the way huggingface_hub reads them).
+    CUDA_VISIBLE_DEVICES
+                       which GPUs exist for this process (decides "is a GPU usable" without torch).
+
+Nothing else in dfcache or the runner reads the environment.
 
 Config files (TOML), first found wins: ``$DFCACHE_CONFIG``, ``./dfcache.toml``,
 ``~/.config/dfcache/config.toml``. See ``docs/config.md``.
@@ -31,6 +42,41 @@ def _env_true(name: str) -> bool:
 def offline_from_env() -> bool:
     """True if ``DFCACHE_OFFLINE`` or ``HF_HUB_OFFLINE`` is set to a true value."""
     return _env_true("DFCACHE_OFFLINE") or _env_true("HF_HUB_OFFLINE")
+
+
+def debug_from_env() -> bool:
+    return bool(os.environ.get("DFCACHE_DEBUG"))
+
+
+@dataclass(frozen=True)
+class AwsSettings:
+    endpoint_url: str | None
+    region: str | None
+
+
+def aws_settings() -> AwsSettings:
+    """The S3 endpoint and region from the AWS_* variables (None where unset)."""
+    env = os.environ
+    return AwsSettings(endpoint_url=(env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+                                     or env.get("AWS_ENDPOINT") or None),
+                       region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None)
+
+
+def hub_cache_dir() -> Path:
+    """Where huggingface_hub keeps models, by the same environment variables it reads."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "huggingface" / "hub"
+
+
+def cuda_visible_devices() -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` as set (None if unset)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def default_store_location() -> str:

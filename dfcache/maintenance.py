@@ -152,3 +152,12 @@ def gc_plan(store, *, tmp: bool = True, stage: str | None = None, older_than_day
     for k, reason in chosen.items():
         plan.items.append(GcItem("artifact", k, sizes[k], reason))
     return plan
+
+
+def where_scope(store, where: list[str], stage: str | None = None, older_than_days: float | None = None) -> list[Manifest]:
+    """Artifacts matching every ``--where`` condition (and the stage / age, when given)."""
+    from .query import filter_manifests
+
+    ms = [m for m in store.list_manifests(stage=stage)
+          if older_than_days is None or _age_days(m.created) >= older_than_days]
+    return filter_manifests(ms, where)

@@ -51,6 +51,8 @@ def _make_command(mode: str):
         dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16|float32"),
         batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Tokens per extraction batch."),
         compression: str = typer.Option("none", "--compression", help="none|zstd (lossless) for hidden states."),
+        attn_implementation: str = typer.Option("sdpa", "--attn-implementation", help="sdpa|eager|flash_attention_2: the target's attention kernels (keyed with the backend)."),
+        key_versions: Optional[str] = typer.Option(None, "--key-versions", help="Comma list of packages (fla,transformers,torch,...) whose exact versions join the hidden-state key (opt-in)."),
         tree_budget: Optional[List[int]] = typer.Option(None, "--tree-budget", help="DDTree budget (repeatable)."),
         end_rule: str = typer.Option("within", "--end-rule", help="within|continuation: how the last block of a completion counts."),
         offline: bool = typer.Option(False, "--offline", help="Never touch the network; report what is missing."),
@@ -84,6 +86,8 @@ def _make_command(mode: str):
                                      ("--device", device, ("auto", "cuda", "cpu")),
                                      ("--dtype", dtype, ("bfloat16", "float32")),
                                      ("--compression", compression, ("none", "zstd")),
+                                     ("--attn-implementation", attn_implementation,
+                                      ("sdpa", "eager", "flash_attention_2")),
                                      ("--end-rule", end_rule, ("within", "continuation"))):
             if value not in allowed:
                 raise UsageError(f"{name} {value!r} is not one of {', '.join(allowed)}.")
@@ -104,7 +108,8 @@ def _make_command(mode: str):
             compression=compression, tree_budgets=list(tree_budget or []), max_blocks=max_blocks,
             end_rule=end_rule, offline=offline or state.offline or offline_from_env(),
             remotes=list(remote or []), endpoint_url=endpoint_url, json=json_out or state.json,
-            progress=not no_progress and sys.stderr.isatty() and not (json_out or state.json))
+            progress=not no_progress and sys.stderr.isatty() and not (json_out or state.json),
+            attn_implementation=attn_implementation, key_versions=_key_versions(key_versions))
         if mode == "options":  # `dfcache watch` and `dfcache export` take these options, validated the same way
             return opts
         run_pipeline(mode, RUN_TARGETS[target], opts, argv=_run_argv(ctx, target))
@@ -112,6 +117,12 @@ def _make_command(mode: str):
     command.__doc__ = ("Show the graph and each node's status; does no work." if mode == "plan" else
                        "Run the graph up to TARGET, reusing everything cached.")
     return command
+
+
+def _key_versions(value: str | None) -> list[str]:
+    from .provenance_keys import parse_key_versions
+
+    return parse_key_versions(value)
 
 
 def _arg(v) -> str:
@@ -161,9 +172,11 @@ def register(app: typer.Typer) -> None:
     app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
     app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
     from .cli_peers import register as register_peers
+    from .trust_cli import register as register_trust_tools
     from .watch import register as register_watch
 
     register_peers(app)
+    register_trust_tools(app)
     register_watch(app)
 
 

@@ -47,3 +47,5 @@ class EvalOptions:
     progress: bool = True
     # hidden states (extraction)
     attn_implementation: str = "sdpa"  # sdpa|eager|...: keyed with the backend class
+    key_versions: list[str] = field(default_factory=list)  # packages whose versions join hidden-state keys
+    eval_device: str | None = None  # cpu|cuda for the drafter eval; None: where the states were made

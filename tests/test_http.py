@@ -51,8 +51,12 @@ def test_closed_port_is_connection_refused_at_once():
         wait_ready(url, 0)
     assert time.monotonic() - t < 1.0
     msg = str(e.value)
-    assert url in msg and "nothing listens" in msg and "--wait-server" in msg
-    assert e.value.exit_code == EXIT_NETWORK
+    assert url in msg and "nothing listens" in msg and "wait for it" in msg
+    assert " --" not in msg  # dfcache.http names no caller's flags; the caller supplies them:
+    assert e.value.exit_code == EXIT_NETWORK and e.value.reason == "refused"
+    with pytest.raises(ConnectionRefused) as e:
+        wait_ready(url, 0, fixes={"refused": "Pass --my-server URL."})
+    assert str(e.value).endswith("nothing listens on " + url.split("//")[1] + ". Pass --my-server URL.")
 
 
 def test_wait_ready_waits_the_bound_with_visible_progress(capsys):
@@ -92,7 +96,7 @@ def test_not_ready_503_then_models_fallback():
     with ScriptedServer(health="loading") as s:
         with pytest.raises(ServerNotReady) as e:
             wait_ready(s.url, 0)
-        assert "not ready" in str(e.value) and "--wait-server" in str(e.value)
+        assert "not ready" in str(e.value) and "loaded the model" in str(e.value) and " --" not in str(e.value)
     with ScriptedServer(health="missing") as s:
         assert wait_ready(s.url, 0) == "models"
 

@@ -8,7 +8,6 @@ design assigns (see ``dfcache.errors``).
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Optional
 
@@ -72,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("--json", "--debug"):
         if flag in argv and argv.index(flag) > 0:
             setattr(state, flag[2:], True)
-    if os.environ.get("DFCACHE_DEBUG"):
+    from ..config import debug_from_env
+
+    if debug_from_env():
         state.debug = True
     try:
         _register_all()

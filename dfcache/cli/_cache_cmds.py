@@ -8,7 +8,8 @@ from typing import List, Optional
 import typer
 
 from ..errors import IntegrityError, UsageError
-from ..maintenance import backend_summary, gc_plan, input_summary, manifest_row
+from ..maintenance import backend_summary, gc_plan, input_summary, manifest_row, where_scope
+from ..query import filter_manifests
 from ._common import emit_json, get_store, human_bytes, state
 
 
@@ -22,6 +23,7 @@ def register(app: typer.Typer) -> None:
            backend: Optional[str] = typer.Option(None, "--backend", help="Only hidden states of this kernel family (fla|torch)."),
            remote: Optional[str] = typer.Option(None, "--remote", help="List a remote store instead (URL or configured name)."),
            endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
+           where: Optional[List[str]] = typer.Option(None, "--where", help="Provenance condition, e.g. 'fla<0.7', 'gpu~H100' (repeatable; all must hold)."),
            json_out: bool = typer.Option(False, "--json", help="Print a JSON list.")) -> None:
         """List artifacts: key, stage, size, created, backend, inputs."""
         errors: list = []
@@ -34,6 +36,8 @@ def register(app: typer.Typer) -> None:
         manifests = store.list_manifests(stage=stage, errors=errors)
         if backend:
             manifests = [m for m in manifests if (m.backend or {}).get("kernel") == backend]
+        if where:
+            manifests = filter_manifests(manifests, where)
         manifests.sort(key=lambda m: (m.created, m.key))
         rows = [manifest_row(m) for m in manifests]
         if _json_flag(json_out):
@@ -150,6 +154,7 @@ def register(app: typer.Typer) -> None:
            older_than: Optional[float] = typer.Option(None, "--older-than", help="Artifacts created more than DAYS ago."),
            key: Optional[List[str]] = typer.Option(None, "--key", help="These artifacts (keys or prefixes)."),
            bad: bool = typer.Option(False, "--bad", help="Artifacts that fail verification."),
+           where: Optional[List[str]] = typer.Option(None, "--where", help="Artifacts whose provenance matches, e.g. 'fla<0.7' (repeatable; with --stage/--older-than all must hold)."),
            grace: float = typer.Option(60.0, "--grace", help="Keep temporaries younger than this many seconds."),
            duplicates: bool = typer.Option(False, "--duplicates", help="Segments whose every sample is also in another segment (part of the default scope)."),
            force: bool = typer.Option(False, "--force", help="Remove artifacts even if others depend on them."),
@@ -158,10 +163,14 @@ def register(app: typer.Typer) -> None:
         if dry_run == yes:
             raise UsageError("gc needs exactly one of --dry-run (show what would go) or --yes (remove it).")
         store = get_store()
-        default_scope = not (stage or older_than is not None or key or bad or duplicates)
+        keys = [store.resolve(k) for k in (key or [])]
+        default_scope = not (stage or older_than is not None or key or bad or duplicates or where)
+        if where:
+            # --where narrows --stage/--older-than instead of adding to them.
+            keys += [m.key for m in where_scope(store, where, stage, older_than)]
+            stage, older_than = None, None
         plan = gc_plan(store, tmp=tmp or default_scope,
-                       stage=stage, older_than_days=older_than,
-                       keys=[store.resolve(k) for k in (key or [])], bad=bad, grace_s=grace,
+                       stage=stage, older_than_days=older_than, keys=keys, bad=bad, grace_s=grace,
                        duplicates=duplicates or default_scope, force=force)
         removed = plan.execute(store, grace_s=grace) if yes else []
         if _json_flag(json_out):

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from dfcache.config import hub_cache_dir
 from dfcache.errors import BadInputError, ModelNotFoundError, UsageError
 from dfcache.keys import canonical_encode, fingerprint_path, fingerprint_text, hash_file
 
@@ -31,18 +32,6 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)
 _TOKENIZER_FILES = re.compile(
     r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|.*\.model|"
     r"chat_template.*)$")
-
-
-def hub_cache_dir() -> Path:
-    """Where huggingface_hub keeps models, by the same environment variables it reads."""
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(var):
-            return Path(os.environ[var]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "huggingface" / "hub"
 
 
 def _hub_snapshot(repo_id: str, revision: str | None) -> tuple[Path | None, list[str]]:

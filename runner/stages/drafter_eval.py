@@ -149,10 +149,10 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
               "block_size": drafter.block_size, "target_layer_ids": drafter.target_layer_ids,
               "mask_token_id": drafter.mask_token_id, "tree_budgets": budgets,
               "max_blocks": opts.max_blocks, "end_rule": opts.end_rule, "dtype": opts.dtype,
-              "device": backend["device"]}
+              "device": getattr(opts, "eval_device", None) or backend["device"]}
     return Node.make(NAME, VERSION, inputs=inputs,
                      upstream={"tokens": tokens_node.key, "hidden_states": [n.key for n in layers]},
-                     needs="gpu" if backend["device"] == "cuda" else "cpu",
+                     needs="gpu" if inputs["device"] == "cuda" else "cpu",
                      deps=[tokens_node, *layers], label=f"drafter_eval {drafter.name}",
                      payload={"drafter": drafter, "target_dir": tokens_node.payload["target_dir"],
                               "backend": backend},
@@ -175,7 +175,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
     dtype = torch.float32 if opts.dtype == "float32" else torch.bfloat16
     for node in nodes:
         ref: DrafterRef = node.payload["drafter"]
-        device = "cuda" if node.payload["backend"]["device"] == "cuda" else "cpu"
+        device = "cuda" if node.inputs["device"] == "cuda" else "cpu"
         drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
         head = load_target_head(node.payload["target_dir"], device=device, dtype=dtype)
         toks = read_tokens(ctx.store, node.upstream["tokens"])

@@ -32,6 +32,7 @@ from dfcache.keys import fingerprint_path
 
 from ..graph import Node, RunContext
 from ..models.target import BackendClass, backend_problem, check_layer_ids, read_model_info, resolve_backend
+from ..provenance_keys import key_version_inputs
 
 NAME = "hidden_states"
 VERSION = 1
@@ -85,7 +86,8 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
     nodes = {}
     for k in layers:
         nodes[k] = Node.make(
-            NAME, VERSION, inputs={"target": target_fp, "layer": k, "backend": backend.to_key()},
+            NAME, VERSION, inputs={"target": target_fp, "layer": k, "backend": backend.to_key(),
+                                   **key_version_inputs(opts)},
             upstream={"tokens": tokens_node.key}, needs=needs, deps=[tokens_node],
             label=f"hidden_states[{k}]", group=group,
             fix=(f"{ctx.command_with()} (on a machine with a CUDA GPU)" if needs == "gpu" else None),

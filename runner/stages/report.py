@@ -188,10 +188,10 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
 def materialize(store, key: str) -> dict[str, Path]:
     """Write the report's files under <store>/reports/<key[:12]>/ (once) and return their paths."""
     art = store.open(key)
-    root = getattr(store.backend, "root", None)
-    if root is None:
+    reports = store.local_dir("reports")
+    if reports is None:
         return {}
-    out = Path(root) / "reports" / key[:12]
+    out = reports / key[:12]
     paths = {}
     for filename, name in FILES.items():
         if name not in art.manifest.blobs and name not in art.manifest.arrays:
