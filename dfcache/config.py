@@ -16,6 +16,10 @@ Environment:
                        where huggingface_hub keeps models (read the way huggingface_hub reads them).
     CUDA_VISIBLE_DEVICES
                        which GPUs exist for this process (decides "is a GPU usable" without torch).
+    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID
+                       set by torchrun: which worker of a distributed run this is (docs/distributed.md).
+    SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_MIN, SLURM_ARRAY_TASK_COUNT
+                       read for ``--shard slurm`` only.
 
 Nothing else in dfcache or the runner reads the environment.
 
@@ -89,6 +93,16 @@ def dfcache_home() -> Path:
 
 def fingerprint_memo_path() -> Path:
     return dfcache_home() / "fingerprints.json"
+
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "TORCHELASTIC_RUN_ID", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT",
+                  "CUDA_VISIBLE_DEVICES")
+
+
+def launcher_env() -> dict[str, str]:
+    """What a launcher (torchrun, a Slurm array) told this process about its place in a job."""
+    return {k: os.environ[k] for k in _LAUNCHER_VARS if k in os.environ}
 
 
 @dataclass
