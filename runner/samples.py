@@ -62,6 +62,8 @@ class StoredSamples:
         self.offsets = art.array("offsets").read().astype(np.int64)
         self.prompt_lens = art.array("prompt_lens").read().astype(np.int64)
         self.sample_ids = [str(s.get("id", i)) for i, s in enumerate(art.json("samples"))]
+        # Imported tokens carry the peer's own loss mask; the pipeline's is prompt 0, completion 1.
+        self.has_loss_mask = "loss_mask" in art.manifest.arrays
         if len(self.prompt_lens) != len(self.offsets) - 1 or len(self.sample_ids) != len(self.prompt_lens):
             raise BadInputError(f"tokens artifact {tokens_key} is inconsistent (offsets, prompt_lens and "
                                 f"samples disagree); delete it (dfcache gc --key {tokens_key[:12]} --yes) "
@@ -98,7 +100,9 @@ class StoredSamples:
     def _open(self) -> dict:
         if self._handles is None or self._pid != os.getpid():  # a forked child reopens
             st = self._store()
-            self._handles = {"tokens": st.open(self.tokens_key).array("token_ids"),
+            tok = st.open(self.tokens_key)
+            self._handles = {"tokens": tok.array("token_ids"),
+                             "loss_mask": tok.array("loss_mask") if self.has_loss_mask else None,
                              "layers": [st.open(k).array("hidden") for k in self.layer_keys]}
             self._pid = os.getpid()
         return self._handles
@@ -115,19 +119,59 @@ class StoredSamples:
     def read(self, index: int) -> Sample:
         h = self._open()
         a, b = int(self.offsets[index]), int(self.offsets[index + 1])
-        ids = h["tokens"].read(a, b).astype(np.int64)
-        mask = np.zeros(b - a, dtype=np.int64)
-        mask[int(self.prompt_lens[index]):] = 1
-        parts = [arr.read_raw(a, b) for arr in h["layers"]]
-        hidden = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        ids = self._rows("tokens", a, b).astype(np.int64)
+        mask = self.loss_mask(index)
+        hidden = self._hidden(h["layers"], a, b)
         return Sample(key=self._keys[index],
                       arrays={"input_ids": ids, "loss_mask": mask, "hidden_states": hidden},
                       dtypes={"input_ids": "int64", "loss_mask": "int64", "hidden_states": self.dtype})
 
+    def _rows(self, name: str, a: int, b: int) -> np.ndarray:
+        """Rows of a per-token array of the tokens artifact. Its chunks hold ~256k tokens (4 bytes
+        a row), so each decoded chunk is kept (a few per process): a random sample read would
+        otherwise decode a whole chunk for a few hundred ids."""
+        h = self._open()
+        arr = h[name]
+        cache = h.setdefault("chunks", {})
+        cr = arr.chunk_rows
+        parts = []
+        for c in range(a // cr, (b - 1) // cr + 1 if b > a else a // cr):
+            chunk = cache.get((name, c))
+            if chunk is None:
+                if len(cache) >= 8:
+                    cache.pop(next(iter(cache)))
+                chunk = cache[(name, c)] = arr.read(c * cr, (c + 1) * cr)
+            lo = max(a, c * cr) - c * cr
+            hi = min(b, (c + 1) * cr) - c * cr
+            parts.append(chunk[lo:hi])
+        if not parts:
+            return arr.read(a, b)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _hidden(self, layers, a: int, b: int) -> np.ndarray:
+        if len(layers) == 1:
+            return layers[0].read_raw(a, b, mapped=True)
+        out = np.empty((b - a, sum(self.widths)), dtype=np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype))
+        # Each layer's rows go straight from its mapped chunks into its columns: one copy.
+        col = 0
+        for arr, w in zip(layers, self.widths):
+            arr.read_raw(a, b, out=out[:, col:col + w], mapped=True)
+            col += w
+        return out
+
+    def loss_mask(self, index: int) -> np.ndarray:
+        """One sample's loss mask (int64)."""
+        a, b = int(self.offsets[index]), int(self.offsets[index + 1])
+        if self.has_loss_mask:
+            return self._rows("loss_mask", a, b).astype(np.int64)
+        mask = np.zeros(b - a, dtype=np.int64)
+        mask[int(self.prompt_lens[index]):] = 1
+        return mask
+
     def read_tokens(self, index: int) -> np.ndarray:
         """One sample's token ids (int64)."""
         a, b = int(self.offsets[index]), int(self.offsets[index + 1])
-        return self._open()["tokens"].read(a, b).astype(np.int64)
+        return self._rows("tokens", a, b).astype(np.int64)
 
     def read_layers(self, index: int) -> list[np.ndarray]:
         """One sample's rows of each layer, separately (storage dtype: bf16 as uint16 bits)."""
@@ -211,6 +255,31 @@ def _quote(a: str) -> str:
     import shlex
 
     return shlex.quote(a)
+
+
+def stored_selection(store, tokens_key: str, layers: list[int], *, backend: dict | None = None) -> Selection:
+    """A selection named by its tokens key (e.g. an import's) and layer ids: the hidden-state
+    artifacts over those tokens, one per layer (``backend`` chooses when several classes exist)."""
+    tokens_key = store.resolve(tokens_key)
+    by_layer: dict[int, list] = {}
+    for m in store.list_manifests(stage="hidden_states"):
+        if m.upstream.get("tokens") == tokens_key and (backend is None or m.inputs.get("backend") == backend):
+            by_layer.setdefault(int(m.inputs["layer"]), []).append(m)
+    missing = [k for k in layers if k not in by_layer]
+    if missing:
+        raise OfflineMissingError(f"no hidden states of layer(s) {', '.join(map(str, missing))} over tokens "
+                                  f"{tokens_key} in {store.url}; `dfcache ls --stage hidden_states` shows "
+                                  "which layers are there.")
+    several = [k for k in layers if len(by_layer[k]) > 1]
+    if several:
+        raise BadInputError(f"layer(s) {', '.join(map(str, several))} over tokens {tokens_key} exist for several "
+                            "backend classes; pass backend= (the 'backend' inputs of the one you mean).")
+    chosen = [by_layer[k][0] for k in layers]
+    art = store.manifest(chosen[0].key)
+    spec = art.arrays["hidden"]
+    return Selection(store=store, options=EvalOptions(), layers=list(layers), tokens_key=tokens_key,
+                     layer_keys=[m.key for m in chosen], target_dir="", num_layers=-1,
+                     hidden_size=int(spec.shape[1]), backend=chosen[0].inputs.get("backend"))
 
 
 def _run_args(argv: list[str], layers: list[int]) -> list[str]:

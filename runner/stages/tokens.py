@@ -23,6 +23,10 @@ Output (one artifact):
     array ``completion_lens`` int32, n
     document ``samples``      ``[{"id", "finish_reason", "tokens_source", "eos_appended",
                                  "prompt_len", "completion_len"}]``
+
+Imported sets (`dfcache import`, runner/imports.py) are tokens artifacts too, with an
+``imported`` input (the ids' digest) instead of an upstream, and one more array, ``loss_mask``
+int8 (the peer's own mask).
 """
 
 from __future__ import annotations
