@@ -166,3 +166,13 @@ def load_config() -> Config:
         cfg.default_remotes = [default] if isinstance(default, str) else list(default)
         return cfg
     return Config()
+
+
+def quiet_hub_libraries(*, bars: bool, notices: bool) -> None:
+    """Silence transformers/huggingface_hub progress bars and notices through their environment
+    (read when they are imported); environment access stays in this module."""
+    if not bars:
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if not notices:
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"

@@ -225,13 +225,9 @@ def quiet_libraries(*, bars: bool, notices: bool) -> None:
     --no-progress none of their notices either (kernel fallback warnings). Set through the
     environment before they are imported (a run imports them only when it computes), and through
     their APIs when already imported."""
-    import os
+    from dfcache.config import quiet_hub_libraries
 
-    if not bars:
-        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    if not notices:
-        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
-        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"
+    quiet_hub_libraries(bars=bars, notices=notices)
     if "transformers" in sys.modules:
         from transformers.utils import logging as tlog
 

@@ -16,7 +16,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import numpy as np
 
 from .. import __version__
@@ -443,7 +442,7 @@ class ArrayReader:
         if hasattr(mm, "madvise"):  # one large read-ahead for the crc pass, not a fault per few pages
             mm.madvise(mmap.MADV_WILLNEED)
         raw = np.frombuffer(mm, dtype=np.uint8)
-        if len(raw) != body + 4 or google_crc32c.extend(0, raw[:body]) != int.from_bytes(raw[body:].tobytes(), "little"):
+        if len(raw) != body + 4 or not fmt.crc_ok(raw[:body], raw[body:].tobytes()):
             del raw
             mm.close()
             return None  # _chunk() re-reads it and says exactly what is wrong
