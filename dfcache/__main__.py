@@ -1,3 +1,108 @@
-from dfcache.cli import _entry
+"""The ``dfcache`` executable (``python -m dfcache``, and the installed ``dfcache`` script).
 
-_entry()
+``dfcache ls`` over a local store is answered here, from the store's listing index, before the
+command-line framework (typer, click, pydantic) and the command plugins are imported: those
+cost more than the listing itself (docs/benchmarks.md, the ``ls`` row). Only a command line this
+module understands completely takes this path: ``ls`` with ``--json``, ``--store``, ``--stage``
+or ``--backend`` naming something the store holds, ``--offline``, ``--no-progress``,
+``--debug``. Anything else (``--help``, ``--where``, ``--remote``, an unknown stage, a store that
+is missing, damaged or of another format, any error) goes to :mod:`dfcache.cli` unchanged, which
+says what is wrong exactly as it always did. Both paths print through
+:func:`dfcache.maintenance.ls_output`, so their output is the same bytes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+_FLAGS = {"--json", "--offline", "--no-progress", "--debug"}
+_VALUED = {"--store", "--stage", "--backend"}
+
+
+def _parse(argv: list[str]) -> dict | None:
+    """The options of a plain ``ls`` command line, or None for anything else."""
+    opts: dict = {"command": None}
+    i = 0
+    while i < len(argv):
+        a = argv[i]
+        name, eq, value = a.partition("=")
+        if a in _FLAGS:
+            opts[a] = True
+        elif name in _VALUED:
+            if not eq:
+                if i + 1 >= len(argv):
+                    return None
+                value = argv[i + 1]
+                i += 1
+            if not value or value.startswith("-"):
+                return None
+            if name != "--store" and name in opts:
+                return None  # given twice: the parser decides what that means
+            opts[name] = value
+        elif a == "ls" and opts["command"] is None:
+            opts["command"] = a
+        else:
+            return None
+        i += 1
+    return opts if opts["command"] == "ls" else None
+
+
+def _fast_ls(argv: list[str]) -> int | None:
+    """Print ``ls``'s output and return 0, or None when dfcache.cli must answer instead."""
+    opts = _parse(argv)
+    if opts is None:
+        return None
+    loc = opts.get("--store") or os.environ.get("DFCACHE_STORE") or "store"
+    if "://" in loc:
+        return None
+    try:
+        import json
+        from pathlib import Path
+
+        root = Path(loc).expanduser().absolute()
+        with open(root / "dfcache-store.json", "rb") as f:
+            marker = json.loads(f.read())
+        from .manifest import FORMAT_VERSION
+
+        if not isinstance(marker, dict) or marker.get("format_version") != FORMAT_VERSION:
+            return None
+        from .maintenance import ls_output
+        from .store import listing
+
+        listed = listing(root)
+        entries = listed.artifacts
+        stage = opts.get("--stage")
+        if stage is not None:
+            stage = stage.strip().replace("-", "_")
+            if not any(e[2] == stage for e in entries):
+                return None  # a stage a plugin defines, or none at all: the full CLI says which
+            entries = [e for e in entries if e[2] == stage]
+        kernel = opts.get("--backend")
+        if kernel is not None:
+            backends = [json.loads(e[5])["backend"] for e in listed.artifacts]
+            if kernel not in {str(b.get("kernel")) for b in backends if b}:
+                return None
+            keep = {id(e) for e, b in zip(listed.artifacts, backends) if (b or {}).get("kernel") == kernel}
+            entries = [e for e in entries if id(e) in keep]
+        entries.sort(key=lambda e: (e[0], e[1]))
+        text = ls_output(entries, json_out="--json" in opts, url=str(root), stage=stage,
+                         errors=len(listed.errors))
+    except Exception:  # noqa: BLE001 - whatever it is, the full CLI reports it properly
+        return None
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    return 0
+
+
+def main() -> None:
+    rc = _fast_ls(sys.argv[1:])
+    if rc is not None:
+        sys.exit(rc)
+    from dfcache.cli import _entry
+
+    _entry()
+
+
+if __name__ == "__main__":
+    main()

@@ -8,6 +8,7 @@ what makes an artifact exist. Manifests from anywhere (a remote especially) are 
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -27,6 +28,8 @@ STORAGE_DTYPE = {
     "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
     "uint8": "uint8", "uint16": "uint16", "uint32": "uint32", "uint64": "uint64", "bool": "bool",
 }
+ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "float16": 2, "int16": 2, "uint16": 2, "float32": 4, "int32": 4,
+            "uint32": 4, "float64": 8, "int64": 8, "uint64": 8}  # of the storage dtypes, without numpy
 CODECS = ("none", "zstd")
 MAX_ARRAY_BYTES = 1 << 44  # 16 TiB: anything larger in a manifest is hostile or broken
 MAX_NDIM = 8
@@ -172,9 +175,7 @@ def validate_manifest(data: Any, *, expect_key: str | None = None) -> Manifest:
         cr = spec.get("chunk_rows")
         if not _int(cr) or not 1 <= cr <= 1 << 30:
             raise _bad(f"array {name} has chunk_rows {cr!r}", k)
-        import numpy as np
-
-        nbytes = int(np.prod(shape, dtype=np.float64)) * np.dtype(STORAGE_DTYPE[dtype]).itemsize
+        nbytes = math.prod(shape) * ITEMSIZE[STORAGE_DTYPE[dtype]]  # exact; numpy is not needed to list a store
         if nbytes > MAX_ARRAY_BYTES or spec.get("nbytes") != nbytes:
             raise _bad(f"array {name} claims {spec.get('nbytes')!r} bytes for shape {shape}", k)
         if spec.get("codec", "none") not in CODECS:

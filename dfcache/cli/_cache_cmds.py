@@ -3,12 +3,13 @@
 
 from __future__ import annotations
 
+import sys
 from typing import List, Optional
 
 import typer
 
 from ..errors import IntegrityError, UsageError
-from ..maintenance import backend_summary, gc_plan, input_summary, manifest_row, missing_upstream, where_scope
+from ..maintenance import backend_summary, gc_plan, ls_entry, ls_output, missing_upstream, where_scope
 from ..query import filter_manifests
 from ._common import check_kernel, check_stage, emit_json, get_store, human_bytes, progress_enabled, state
 
@@ -21,38 +22,41 @@ def register(app: typer.Typer) -> None:
            endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
            where: Optional[List[str]] = typer.Option(None, "--where", help="Provenance condition, e.g. 'fla<0.7', 'gpu~H100' (repeatable; all must hold).")) -> None:
         """List artifacts: key, stage, size, created, backend, inputs."""
-        errors: list = []
+        import json
+        from types import SimpleNamespace
+
+        listed = None
         if remote:
             from ..transfer import open_remote
 
             store = open_remote(remote, endpoint_url=endpoint_url, offline=state.offline or None, create=False)
         else:
             store = get_store()
-        everything = store.list_manifests(errors=errors)
-        stage = check_stage(stage, lambda: everything)
-        backend = check_kernel(backend, everything)
-        manifests = [m for m in everything if stage is None or m.stage == stage]
-        if backend:
-            manifests = [m for m in manifests if (m.backend or {}).get("kernel") == backend]
-        if where:
-            manifests = filter_manifests(manifests, where)
-        manifests.sort(key=lambda m: (m.created, m.key))
-        rows = [manifest_row(m) for m in manifests]
-        if state.json:
-            emit_json(rows)
-            return
-        if not rows:
-            print(f"no artifacts in {store.url}" + (f" (stage {stage})" if stage else ""))
+            if not where:  # --where reads whole manifests; the index holds only what ls prints
+                listed = store.backend.listing()
+        if listed is None:
+            errors: list = []
+            everything = store.list_manifests(errors=errors)
+            stage = check_stage(stage, lambda: everything)
+            backend = check_kernel(backend, everything)
+            manifests = [m for m in everything if stage is None or m.stage == stage]
+            if backend:
+                manifests = [m for m in manifests if (m.backend or {}).get("kernel") == backend]
+            if where:
+                manifests = filter_manifests(manifests, where)
+            entries = [ls_entry(m) for m in manifests]
+            n_errors = len(errors)
         else:
-            print(f"{'KEY':<12}  {'STAGE':<14}  {'SIZE':>9}  {'CREATED':<19}  {'BACKEND':<18}  INPUTS")
-            for m, r in zip(manifests, rows):
-                print(f"{m.key[:12]}  {m.stage:<14}  {human_bytes(m.size_bytes):>9}  "
-                      f"{m.created[:19].replace('T', ' '):<19}  {backend_summary(m):<18}  {input_summary(m)}")
-        total = sum(m.size_bytes for m in manifests)
-        print(f"{len(rows)} artifact(s), {human_bytes(total)} in {store.url}")
-        if errors:
-            print(f"warning: {len(errors)} manifest(s) failed validation and are not listed; run "
-                  "`dfcache verify` to see them.")
+            entries, n_errors = listed.artifacts, len(listed.errors)
+            stage = check_stage(stage, lambda: [SimpleNamespace(stage=e[2]) for e in entries])
+            if backend:
+                kernels = [(e, json.loads(e[5])["backend"]) for e in entries]
+                backend = check_kernel(backend, [SimpleNamespace(backend=b) for _, b in kernels])
+                entries = [e for e, b in kernels if (b or {}).get("kernel") == backend]
+            entries = [e for e in entries if stage is None or e[2] == stage]
+        entries.sort(key=lambda e: (e[0], e[1]))  # (created, key); stable, so directory order between equals
+        sys.stdout.write(ls_output(entries, json_out=state.json, url=store.url, stage=stage, errors=n_errors))
+        sys.stdout.flush()
 
     @app.command("show")
     def show(key: str = typer.Argument(..., help="A key or unique key prefix.")) -> None:

@@ -5,13 +5,32 @@
 (``_local.py`` a directory, ``_file_remote.py`` a ``file://`` directory read without symlinks,
 ``_s3.py`` ``s3://`` with its write lease in ``_s3_lease.py``), behind the small interface in
 ``_backend.py``; ``_open.py`` picks one per URL scheme. ``dfcache.testing.store_conformance`` is
-the suite every backend passes.
+the suite every backend passes. ``listing(root)`` is what ``dfcache ls`` lists of a local store,
+from its listing index (``_index.py``, docs/format.md).
 """
 
-from . import format
-from ._backend import Backend, Staging, Temporary
-from ._store import (ArrayReader, ArrayWriter, Artifact, ArtifactWriter, Store, default_chunk_rows,
-                     open_store)
+from importlib import import_module
+
+# Loaded on first use: `dfcache ls` reads the listing index (``_index.py``) without numpy and
+# without the writer and reader code below.
+_WHERE = {"ArrayReader": "._store", "ArrayWriter": "._store", "Artifact": "._store", "ArtifactWriter": "._store",
+          "Store": "._store", "default_chunk_rows": "._store", "open_store": "._store",
+          "Backend": "._backend", "Staging": "._backend", "Temporary": "._backend", "format": ".format",
+          "listing": "._index"}
 
 __all__ = ["ArrayReader", "ArrayWriter", "Artifact", "ArtifactWriter", "Backend", "Staging", "Store", "Temporary",
-           "default_chunk_rows", "format", "open_store"]
+           "default_chunk_rows", "format", "listing", "open_store"]
+
+
+def __getattr__(name: str):
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = import_module(where, __name__)
+    value = module if name == "format" else getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -19,6 +19,7 @@ Capabilities are class attributes and methods here, never probed with ``getattr`
   download more than the manifest allows.
 - :meth:`Backend.local_file_path`: a committed file's path for zero-copy reads, or None.
 - :meth:`Backend.for_untrusted_reads`: the same store read as someone else's (no symlinks).
+- :meth:`Backend.listing`: ``ls``'s rows from an index kept beside the artifacts, or None.
 """
 
 from __future__ import annotations
@@ -134,6 +135,11 @@ class Backend(ABC):
 
     def local_file_path(self, key: str, relpath: str) -> Path | None:
         """Path of a committed file on a local filesystem, or None (fast read path)."""
+        return None
+
+    def listing(self):
+        """What ``dfcache ls`` lists, from the store's listing index (``_index.Listing``), or None:
+        list the manifests instead (a backend without an index)."""
         return None
 
     def for_untrusted_reads(self) -> "Backend":

@@ -223,6 +223,10 @@ class _LocalStaging(Staging):
         if not won:
             shutil.rmtree(self.path, ignore_errors=True)
         _fsync_dir(final.parent)
+        if won:
+            from ._index import record_commit
+
+            record_commit(self.backend.root, self.key, manifest_bytes)
         self._release()
         return won
 
@@ -340,6 +344,11 @@ class LocalBackend(Backend):
 
     def local_file_path(self, key: str, relpath: str) -> Path:
         return self._artifact_dir(key) / relpath
+
+    def listing(self):
+        from ._index import listing
+
+        return listing(self.root)
 
     def for_untrusted_reads(self) -> Backend:
         from ._file_remote import FileRemoteBackend

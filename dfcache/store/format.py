@@ -57,7 +57,7 @@ MAX_META_BYTES = 1 << 20  # a zarr.json is a few hundred bytes
 MAX_CHUNK_BYTES = 4 << 30  # dfcache writes ~1 MiB chunks; a manifest asking for more is refused
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest beyond this is hostile or broken; never download more
 RESERVED_NAMES = ("blobs", "c", GROUP_META, MANIFEST)  # array names that would collide with the layout
-RESERVED_DIRS = ("artifacts", "staging", "locks")  # a store's own directories below its root
+RESERVED_DIRS = ("artifacts", "staging", "locks", "index")  # a store's own directories below its root
 
 
 def store_marker_bytes() -> bytes:

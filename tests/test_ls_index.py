@@ -1,0 +1,184 @@
+"""The listing index (dfcache/store/_index.py) and `ls`'s fast entry (dfcache/__main__.py): `ls`
+prints exactly what the manifests say, whether the index is there, missing, stale, torn or
+written by a crashed commit."""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from cli_util import dfcache
+from dfcache.cli import main as cli_main
+from dfcache.keys import compute_key
+from dfcache.maintenance import ls_entry, ls_output
+from dfcache.store import _index, open_store
+
+
+def _commit(store, i, stage="tokens", kernel=None, summary=None):
+    inputs = {"i": i, "text": f"sample \u00e9 {i}"}
+    if kernel:
+        inputs["backend"] = {"kernel": kernel, "device": "cpu", "dtype": "bfloat16"}
+    key = compute_key(stage, 1, inputs)
+    with store.writer(key, stage=stage, stage_version=1, inputs=inputs,
+                      summary=summary if summary is not None else f"{stage} {i}") as w:
+        w.write_array("ids", np.arange(4 + i, dtype=np.int32))
+        w.put_json("meta", {"i": i})
+    return key
+
+
+def _manifest_path(store, key):
+    return store.backend.local_root / "artifacts" / key[:2] / key / "manifest.json"
+
+
+def _expected(store, *, json_out=True, stage=None, kernel=None):
+    """`ls` as it was before the index: every manifest read and validated."""
+    errors = []
+    ms = store.list_manifests(errors=errors)
+    ms = [m for m in ms if (stage is None or m.stage == stage)
+          and (kernel is None or (m.backend or {}).get("kernel") == kernel)]
+    entries = sorted((ls_entry(m) for m in ms), key=lambda e: (e[0], e[1]))
+    return ls_output(entries, json_out=json_out, url=store.url, stage=stage, errors=len(errors))
+
+
+def _in_process(capsys, store, *args):
+    capsys.readouterr()
+    assert cli_main(["--store", str(store.backend.local_root), "ls", *args]) == 0
+    return capsys.readouterr().out
+
+
+def _check(capsys, store):
+    """Subprocess (fast entry) and in-process (full CLI) listings both equal the manifests'."""
+    for args, kw in (((), {"json_out": False}), (("--json",), {}),
+                     (("--stage", "tokens", "--json"), {"stage": "tokens"}),
+                     (("--backend", "fla"), {"json_out": False, "kernel": "fla"})):
+        want = _expected(store, **kw)
+        r = dfcache("ls", *args, store=store.backend.local_root)
+        assert r.code == 0, r.err
+        assert r.out == want, args
+        assert _in_process(capsys, store, *args) == want, args
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = open_store(tmp_path / "s")
+    for i in range(6):
+        _commit(s, i, stage=("tokens", "prompts", "hidden_states")[i % 3], kernel="fla" if i % 3 == 2 else None)
+    return s
+
+
+def test_commit_logs_and_listing_compacts(store, capsys):
+    idx = store.backend.local_root / "index"
+    log = (idx / "listing.log").read_text().splitlines()
+    assert len(log) == 6  # one line per commit
+    lst = _index.listing(store.backend.local_root)
+    assert lst.reread == 0  # every manifest came from the commit log, none was parsed again
+    assert not (idx / "listing.log").exists() and (idx / "listing").exists()
+    _check(capsys, store)
+    again = _index.listing(store.backend.local_root)
+    assert again.reread == 0 and len(again.artifacts) == 6
+
+
+def test_missing_or_garbage_index_is_rebuilt(store, capsys):
+    _index.listing(store.backend.local_root)
+    shutil.rmtree(store.backend.local_root / "index")  # an old store: no index at all
+    _check(capsys, store)
+    snap = store.backend.local_root / "index" / "listing"
+    assert snap.exists()
+    lines = snap.read_bytes().split(b"\n")
+    snap.write_bytes(b"\n".join(lines[:3]) + b"\n" + lines[3][:40])  # torn (written without fsync)
+    _check(capsys, store)
+    snap.write_bytes(b"\x00" * 100)
+    _check(capsys, store)
+    assert len(_index.listing(store.backend.local_root).artifacts) == 6
+
+
+def test_changes_behind_the_index(store, capsys):
+    root = store.backend.local_root
+    _index.listing(root)
+    keys = sorted(m.key for m in store.list_manifests())
+    # deleted by hand, committed by a process that died before logging, and a manual copy
+    shutil.rmtree(root / "artifacts" / keys[0][:2] / keys[0])
+    new = _commit(store, 100, stage="tokens")
+    (root / "index" / "listing.log").unlink()
+    # an in-place edit of the same size, its mtime put back: the ctime still tells
+    p = _manifest_path(store, keys[1])
+    st = os.stat(p)
+    m = json.loads(p.read_text())
+    m["summary"] = m["summary"][:-1] + ("X" if m["summary"][-1] != "X" else "Y")
+    text = json.dumps(m, sort_keys=True, indent=1)
+    assert len(text) == st.st_size
+    p.write_text(text)
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    # a manifest that no longer validates, and a directory without one
+    bad = _manifest_path(store, keys[2])
+    bad.write_text(bad.read_text().replace('"format_version": 1', '"format_version": 7'))
+    (root / "artifacts" / "ab" / ("ab" + "0" * 30)).mkdir(parents=True)
+    _check(capsys, store)
+    lst = _index.listing(root)
+    listed = {e[1] for e in lst.artifacts}
+    assert new in listed and keys[0] not in listed and keys[2] not in listed
+    assert [name for name, _ in lst.errors] == [keys[2]]
+    assert any(m["summary"] in e[4] for e in lst.artifacts)
+    r = dfcache("ls", store=root)
+    assert "1 manifest(s) failed validation" in r.out
+
+
+def test_racy_entries_are_hashed_and_settle(store, monkeypatch):
+    root = store.backend.local_root
+    _index.listing(root)
+    snap = (root / "index" / "listing").read_text().splitlines()[1:]
+    assert {line.split("\t")[2] for line in snap} == {"0"}  # just committed: racy
+    monkeypatch.setattr(_index, "RACY_NS", -10**12)
+    _index.listing(root)  # hashed again, unchanged, now settled
+    snap = (root / "index" / "listing").read_text().splitlines()[1:]
+    assert {line.split("\t")[2] for line in snap} == {"1"}
+
+
+def test_log_lines_of_other_code_or_torn_are_ignored(store, capsys):
+    root = store.backend.local_root
+    log = root / "index" / "listing.log"
+    lines = log.read_text().splitlines()
+    # another dfcache's stamp; a line whose checksum fails; the last line cut short
+    other = lines[0].split(" ", 1)[1].replace(_index.stamp(), "0" * 16, 1)
+    import xxhash
+    forged = xxhash.xxh3_64_hexdigest(other.encode()) + " " + other
+    bent = lines[1][:-5] + "A" + lines[1][-4:]
+    log.write_text("\n".join([forged, bent, *lines[2:]])[:-7])
+    lst = _index.listing(root)
+    assert lst.reread == 3  # the forged, the bent and the torn line's manifests were read
+    _check(capsys, store)
+
+
+def test_fast_entry_falls_back_to_the_full_cli(store, tmp_path):
+    root = store.backend.local_root
+    r = dfcache("ls", "--stage", "no_such_stage", store=root)
+    assert r.code == 2 and "is not a stage" in r.err
+    r = dfcache("ls", "--stage", "report", "--json", store=root)  # a stage the runner defines
+    assert r.code == 0 and json.loads(r.out) == []
+    marker = root / "dfcache-store.json"
+    marker.write_text(json.dumps({"format_version": 99, "kind": "dfcache-store"}))
+    r = dfcache("ls", "--json", store=root)
+    assert r.code == 2 and "format 99" in json.loads(r.out)["error"]
+    fresh = tmp_path / "fresh"
+    r = dfcache("ls", store=fresh)  # created, as before
+    assert r.code == 0 and r.out.startswith("no artifacts in") and (fresh / "dfcache-store.json").exists()
+
+
+def test_format_version_is_one_constant():
+    # The fast entry checks the store marker against dfcache.manifest's FORMAT_VERSION without
+    # importing the store format module (numpy): the two must be the same number.
+    from dfcache import manifest
+    from dfcache.store import format as fmt
+
+    assert manifest.FORMAT_VERSION == fmt.FORMAT_VERSION
+
+
+def test_file_remote_and_local_dir_never_use_the_index(store):
+    from dfcache.errors import UsageError
+
+    remote = open_store(f"file://{store.backend.local_root}")
+    assert remote.backend.listing() is None
+    with pytest.raises(UsageError):
+        store.local_dir("index")
