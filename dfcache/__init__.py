@@ -8,8 +8,18 @@ storage only through this API:
 
 __version__ = "0.1.0"
 
-from .errors import DfcacheError  # noqa: E402
-from .keys import compute_key, fingerprint_path, fingerprint_text  # noqa: E402
+_LAZY = {"DfcacheError": "errors", "compute_key": "keys", "fingerprint_path": "keys", "fingerprint_text": "keys"}
+
+
+def __getattr__(name: str):
+    # Imported on first use: `dfcache ls` (dfcache/__main__.py) needs none of them.
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dfcache' has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
 
 
 def open_store(*args, **kwargs):

@@ -58,19 +58,18 @@ def _fast_ls(argv: list[str]) -> int | None:
         return None
     try:
         import json
-        from pathlib import Path
 
-        root = Path(loc).expanduser().absolute()
-        with open(root / "dfcache-store.json", "rb") as f:
+        root = os.path.abspath(os.path.expanduser(loc))
+        with open(os.path.join(root, "dfcache-store.json"), "rb") as f:
             marker = json.loads(f.read())
-        from .manifest import FORMAT_VERSION
-
-        if not isinstance(marker, dict) or marker.get("format_version") != FORMAT_VERSION:
-            return None
-        from .maintenance import ls_output
+        from .listing import ls_output
         from .store import listing
 
+        # The format version this code reads comes with the snapshot (written by this same
+        # code), so the store format module, and numpy with it, is never imported here.
         listed = listing(root)
+        if listed is None or not isinstance(marker, dict) or marker.get("format_version") != listed.format_version:
+            return None
         entries = listed.artifacts
         stage = opts.get("--stage")
         if stage is not None:

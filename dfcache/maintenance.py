@@ -10,16 +10,8 @@ import datetime as _dt
 import json
 from dataclasses import dataclass, field
 
+from .listing import LS_HEADER, human_bytes, ls_footer, ls_output  # noqa: F401  (the ls text; re-exported)
 from .manifest import Manifest
-
-
-def human_bytes(n: float) -> str:
-    """Decimal units, as `dfcache ls` and transfer summaries print sizes."""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} PB"
 
 
 def backend_summary(m: Manifest) -> str:
@@ -53,22 +45,10 @@ def _short(v) -> str:
     return str(v)
 
 
-LS_HEADER = f"{'KEY':<12}  {'STAGE':<14}  {'SIZE':>9}  {'CREATED':<19}  {'BACKEND':<18}  INPUTS"
-
-
 def ls_line(m: Manifest) -> str:
     """One artifact's line in `dfcache ls` (under :data:`LS_HEADER`)."""
     return (f"{m.key[:12]}  {m.stage:<14}  {human_bytes(m.size_bytes):>9}  "
             f"{m.created[:19].replace('T', ' '):<19}  {backend_summary(m):<18}  {input_summary(m)}")
-
-
-def ls_footer(count: int, total_bytes: int, url: str, errors: int) -> str:
-    """What `dfcache ls` prints after the lines: the count, the bytes, and invalid manifests."""
-    text = f"{count} artifact(s), {human_bytes(total_bytes)} in {url}"
-    if errors:
-        text += (f"\nwarning: {errors} manifest(s) failed validation and are not listed; run "
-                 "`dfcache verify` to see them.")
-    return text
 
 
 def ls_entry(m: Manifest) -> tuple[str, str, str, int, str, str]:
@@ -76,20 +56,6 @@ def ls_entry(m: Manifest) -> tuple[str, str, str, int, str, str]:
     ``ls --json`` row as JSON). The store's listing index keeps exactly this per manifest."""
     return (m.created, m.key, m.stage, m.size_bytes, json.dumps(ls_line(m)),
             json.dumps(manifest_row(m), separators=(",", ":"), default=str))
-
-
-def ls_output(entries, *, json_out: bool, url: str, stage: str | None, errors: int) -> str:
-    """`dfcache ls`'s whole output for ``entries`` (:func:`ls_entry` tuples, in order). The JSON
-    form is byte for byte ``json.dumps([rows], separators=(",", ":"))``; compact, because
-    indent= switches json to its pure-Python encoder, 3x slower on 10k artifacts."""
-    if json_out:
-        return "[" + ",".join(e[5] for e in entries) + "]\n"
-    if not entries:
-        lines = [f"no artifacts in {url}" + (f" (stage {stage})" if stage else "")]
-    else:
-        lines = [LS_HEADER, *(json.loads(e[4]) for e in entries)]
-    lines.append(ls_footer(len(entries), sum(e[3] for e in entries), url, errors))
-    return "\n".join(lines) + "\n"
 
 
 def manifest_row(m: Manifest) -> dict:

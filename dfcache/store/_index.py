@@ -32,8 +32,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import uuid
-from pathlib import Path
 
 import xxhash
 
@@ -43,7 +41,6 @@ LOG = "listing.log"
 MANIFEST = "manifest.json"
 INDEX_VERSION = 1
 RACY_NS = 3 * 10**9  # above the coarsest timestamp granularity in use (2 s on FAT, 1 s on ext3)
-_BAD_NAME = ("\t", "\n", "\r")
 _stamp_cache: str | None = None
 
 
@@ -51,11 +48,14 @@ def stamp() -> str:
     """xxh3-64 of the source files whose code decides what an entry holds."""
     global _stamp_cache
     if _stamp_cache is None:
-        pkg = Path(__file__).resolve().parent.parent
+        pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         h = xxhash.xxh3_64(f"{INDEX_VERSION}".encode())
-        for rel in ("store/_index.py", "manifest.py", "maintenance.py", "keys.py", "__init__.py"):
+        # format.py too: a snapshot's format_version is then that of the code reading it.
+        for rel in ("store/_index.py", "store/format.py", "manifest.py", "maintenance.py", "listing.py",
+                    "keys.py", "__init__.py"):
             try:
-                h.update((pkg / rel).read_bytes())
+                with open(os.path.join(pkg, rel), "rb") as f:
+                    h.update(f.read())
             except OSError:
                 h.update(b"?")
         _stamp_cache = h.hexdigest()
@@ -93,18 +93,20 @@ class Listing:
     manifest, its :func:`dfcache.maintenance.ls_entry`;
     ``errors`` holds ``(directory name, message)`` per manifest that failed validation."""
 
-    def __init__(self) -> None:
+    def __init__(self, format_version: int) -> None:
+        self.format_version = format_version  # of the store format the code that listed it reads
         self.artifacts: list[tuple[str, str, str, int, str, str]] = []
         self.errors: list[tuple[str, str]] = []
         self.reread = 0  # manifests parsed because the index did not hold them (or not as they are)
 
 
-def _read_lines(path: Path, st: str, checked: bool) -> dict[str, str]:
+def _read_lines(path: str, st: str, checked: bool) -> tuple[dict[str, str], int | None]:
+    """Entries of the snapshot (``checked=False``; with its header's format_version) or of the log."""
     try:
         with open(path, "rb") as f:
             data = f.read()
     except OSError:
-        return {}
+        return {}, None
     text = data.decode("utf-8", "surrogateescape")
     lines = text.split("\n")
     out: dict[str, str] = {}
@@ -112,14 +114,15 @@ def _read_lines(path: Path, st: str, checked: bool) -> dict[str, str]:
         try:
             header = json.loads(lines[0])
         except ValueError:
-            return {}
-        if not isinstance(header, dict) or header.get("stamp") != st:
-            return {}
+            return {}, None
+        if (not isinstance(header, dict) or header.get("stamp") != st
+                or not isinstance(header.get("format_version"), int)):
+            return {}, None
         for line in lines[1:]:
             rel, sep, rest = line.partition("\t")
             if sep:
                 out[rel] = rest
-        return out
+        return out, header["format_version"]
     # log lines: "<xxh3-64 of the rest> <stamp>\t<rel>\t<entry>", the last one possibly torn
     for line in lines[:-1] if not text.endswith("\n") else lines:
         check, sep, rest = line.partition(" ")
@@ -129,7 +132,7 @@ def _read_lines(path: Path, st: str, checked: bool) -> dict[str, str]:
         rel, sep, entry = rest.partition("\t")
         if s == st and sep:
             out[rel] = entry
-    return out
+    return out, None
 
 
 def _read(path: str) -> bytes | None:
@@ -144,34 +147,43 @@ def _decode_created(field: str) -> str:
     return field[1:-1] if "\\" not in field else json.loads(field)
 
 
-def listing(root: str | os.PathLike, *, write: bool = True) -> Listing:
+def listing(root: str | os.PathLike, format_version: int | None = None, *, write: bool = True) -> Listing | None:
     """Every artifact directory of the local store at ``root``, from the index where it still
     holds and from the manifest where it does not; the index is then brought up to date
-    (``write``; a read-only store is listed all the same)."""
-    root = Path(root)
-    idx = root / INDEX_DIR
+    (``write``; a read-only store is listed all the same).
+
+    ``format_version``: the store format the caller reads (``format.FORMAT_VERSION``). None (the
+    ``dfcache`` executable, which does not import the format module): take it from the snapshot,
+    written by this same code (its stamp covers ``format.py``), and return None if there is no
+    valid snapshot."""
+    root = os.fspath(root)
+    idx = os.path.join(root, INDEX_DIR)
     st_ = stamp()
-    known = _read_lines(idx / SNAPSHOT, st_, checked=False)
-    logged = _read_lines(idx / LOG, st_, checked=True)
-    had_log = bool(logged) or (idx / LOG).exists()
+    known, fv = _read_lines(os.path.join(idx, SNAPSHOT), st_, checked=False)
+    if format_version is None:
+        if fv is None:
+            return None
+        format_version = fv
+    logged, _ = _read_lines(os.path.join(idx, LOG), st_, checked=True)
+    had_log = bool(logged) or os.path.exists(os.path.join(idx, LOG))
+    dirty = had_log or fv != format_version
     known.update(logged)
-    out = Listing()
+    out = Listing(format_version)
     now_ns = time.time_ns()
     fresh: list[str] = []  # lines of the new snapshot, if one is needed
-    dirty = had_log
     base = os.path.join(root, "artifacts")
     try:
-        shards = sorted((e for e in os.scandir(base) if e.is_dir(follow_symlinks=False)), key=lambda e: e.name)
+        shards = sorted((e.name, e.path) for e in os.scandir(base) if e.is_dir(follow_symlinks=False))
     except FileNotFoundError:
         shards = []
     artifacts_append, errors_append, fresh_append = out.artifacts.append, out.errors.append, fresh.append
-    for shard in shards:
-        prefix = shard.name + "/"
-        for entry in sorted(os.scandir(shard.path), key=lambda e: e.name):
-            name = entry.name
-            path = entry.path + "/" + MANIFEST
+    stat, tail = os.stat, "/" + MANIFEST
+    for shard_name, shard_path in shards:
+        prefix = shard_name + "/"
+        for name in sorted(os.listdir(shard_path)):
+            path = shard_path + "/" + name + tail
             try:
-                st = os.stat(path)
+                st = stat(path)
             except (FileNotFoundError, NotADirectoryError):
                 continue  # a directory without a manifest is not an artifact
             rel = prefix + name
@@ -207,31 +219,31 @@ def listing(root: str | os.PathLike, *, write: bool = True) -> Listing:
                 artifacts_append((_decode_created(parts[5]), parts[6], parts[4], int(parts[7]), parts[8], parts[9]))
             else:
                 errors_append((name, json.loads(parts[9])))
-            if not any(c in rel for c in _BAD_NAME):
+            if "\t" not in name and "\n" not in name and "\r" not in name:
                 fresh_append(rel + "\t" + line)
     if known:
         dirty = True  # entries of directories that are gone
     if dirty and write:
-        _write_snapshot(idx, st_, fresh, drop_log=had_log)
+        _write_snapshot(idx, st_, format_version, fresh, drop_log=had_log)
     return out
 
 
-def _write_snapshot(idx: Path, st_: str, lines: list[str], *, drop_log: bool) -> None:
+def _write_snapshot(idx: str, st_: str, format_version: int, lines: list[str], *, drop_log: bool) -> None:
     """Replace the snapshot atomically; no fsync (after a crash a torn snapshot is rebuilt)."""
-    header = json.dumps({"dfcache_index": INDEX_VERSION, "stamp": st_})
-    tmp = idx / f".{SNAPSHOT}.{uuid.uuid4().hex[:12]}.tmp"
+    header = json.dumps({"dfcache_index": INDEX_VERSION, "stamp": st_, "format_version": format_version})
+    tmp = os.path.join(idx, f".{SNAPSHOT}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
     try:
-        idx.mkdir(exist_ok=True)
+        os.makedirs(idx, exist_ok=True)
         with open(tmp, "wb") as f:
             f.write("\n".join([header, *lines]).encode("utf-8", "surrogateescape"))
-        os.replace(tmp, idx / SNAPSHOT)
+        os.replace(tmp, os.path.join(idx, SNAPSHOT))
         if drop_log:
             # Lines appended since this listing read the log go with it: the next listing reads
             # those few manifests again.
-            os.unlink(idx / LOG)
+            os.unlink(os.path.join(idx, LOG))
     except OSError:
         try:
-            tmp.unlink()
+            os.unlink(tmp)
         except OSError:
             pass
 
@@ -240,15 +252,15 @@ def record_commit(root: str | os.PathLike, key: str, manifest_bytes: bytes) -> N
     """Append the entry of a just-published artifact to the log (best effort: a commit never
     fails because of its index; a missing line only costs the next listing a manifest read)."""
     try:
-        root = Path(root)
+        root = os.fspath(root)
         rel = f"{key[:2]}/{key}"
-        st = os.stat(root / "artifacts" / rel / MANIFEST)
+        st = os.stat(os.path.join(root, "artifacts", rel, MANIFEST))
         rest = f"{stamp()}\t{rel}\t{make_entry(rel, st, manifest_bytes, time.time_ns())}"
         data = rest.encode("utf-8", "surrogateescape")
         line = xxhash.xxh3_64_hexdigest(data).encode() + b" " + data + b"\n"
-        idx = root / INDEX_DIR
-        idx.mkdir(exist_ok=True)
-        fd = os.open(idx / LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        idx = os.path.join(root, INDEX_DIR)
+        os.makedirs(idx, exist_ok=True)
+        fd = os.open(os.path.join(idx, LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             os.write(fd, line)
         finally:

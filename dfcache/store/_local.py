@@ -348,7 +348,7 @@ class LocalBackend(Backend):
     def listing(self):
         from ._index import listing
 
-        return listing(self.root)
+        return listing(self.root, FORMAT_VERSION)
 
     def for_untrusted_reads(self) -> Backend:
         from ._file_remote import FileRemoteBackend
