@@ -1,6 +1,6 @@
 """`dfcache plan` and `dfcache run`: the eval graph on the command line.
 
-Registered into the `dfcache` app through the ``dfcache.commands`` entry point. Building the
+Registered into the `dfcache` app by dfcache.cli (no entry point needed). Building the
 plan imports neither torch nor transformers; a run whose every artifact is cached never does.
 """
 
@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import typer
 
-from dfcache.cli._common import emit_json, get_store, state
+from dfcache.cli.common import emit_json, get_store, state
 from dfcache.errors import UsageError
 
 from .options import EvalOptions
@@ -78,21 +78,6 @@ def _make_command(mode: str):
                                  "--completions server to take completions from it.")
         if target not in RUN_TARGETS:
             raise UsageError(f"unknown target {target!r}; use eval, prompts, completions, tokens or hidden-states.")
-        for name, value, allowed in (("--completions", completions, ("server", "local")),
-                                     ("--server-api", server_api, ("openai", "sglang")),
-                                     ("--backend", backend, ("auto", "fla", "torch")),
-                                     ("--device", device, ("auto", "cuda", "cpu")),
-                                     ("--dtype", dtype, ("bfloat16", "float32")),
-                                     ("--compression", compression, ("none", "zstd")),
-                                     ("--end-rule", end_rule, ("within", "continuation"))):
-            if value not in allowed:
-                raise UsageError(f"{name} {value!r} is not one of {', '.join(allowed)}.")
-        if trained_on not in (None, "fla", "torch"):
-            raise UsageError(f"--trained-on {trained_on!r} is not one of fla, torch.")
-        if not request_timeout > 0:
-            raise UsageError(f"--request-timeout {request_timeout:g}: give a positive number of seconds.")
-        if wait_server < 0:
-            raise UsageError(f"--wait-server {wait_server:g}: give 0 (check once) or a positive number of seconds.")
         opts = EvalOptions(
             example=example, target=model, target_revision=revision, drafters=list(drafter or []),
             trained_on=trained_on, prompts=prompts, num_prompts=num_prompts, completions=completions,
@@ -185,10 +170,11 @@ def open_remotes(opts: EvalOptions) -> list:
 
 def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None = None):
     """Plan (and for mode "run", execute) the graph. Returns (ctx, nodes)."""
-    from .graph import RunContext, check_offline, execute, resolve
-    from .pipeline import build_graph
+    from .graph import RunContext, check_offline, resolve
+    from .pipeline import build_graph, execute
 
     started = time.perf_counter()
+    opts.validate()  # before anything is opened; RunContext checks again for Python callers
     store = get_store()
     if opts.example:
         from .example import apply_example

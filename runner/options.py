@@ -1,8 +1,24 @@
-"""Every option of `dfcache run|plan`, as one plain dataclass the CLI fills in."""
+"""Every option of `dfcache run|plan`, as one plain dataclass the CLI fills in.
+
+:meth:`EvalOptions.validate` is the one place option values are checked: the CLI and the Python
+API both reach it (``RunContext`` calls it), and the stages trust what it let through.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from dfcache.errors import BadInputError, UsageError
+
+CHOICES = {  # option -> (its flag, allowed values)
+    "completions": ("--completions", ("server", "local")),
+    "server_api": ("--server-api", ("openai", "sglang")),
+    "backend": ("--backend", ("auto", "fla", "torch")),
+    "device": ("--device", ("auto", "cuda", "cpu")),
+    "dtype": ("--dtype", ("bfloat16", "float32")),
+    "compression": ("--compression", ("none", "zstd")),
+    "end_rule": ("--end-rule", ("within", "continuation")),
+}
 
 
 @dataclass
@@ -47,3 +63,35 @@ class EvalOptions:
     progress: bool = True
     # hidden states (extraction)
     attn_implementation: str = "sdpa"  # sdpa|eager|...: keyed with the backend class
+
+    def validate(self) -> "EvalOptions":
+        """Raise UsageError (BadInputError for eval budgets) naming the first bad option and its fix."""
+        for name, (flag, allowed) in CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise UsageError(f"{flag} {value!r} is not one of {', '.join(allowed)}.")
+        if self.trained_on not in (None, "fla", "torch"):
+            raise UsageError(f"--trained-on {self.trained_on!r} is not one of fla, torch.")
+        if not self.request_timeout > 0:
+            raise UsageError(f"--request-timeout {self.request_timeout:g}: give a positive number of seconds.")
+        if self.wait_server < 0:
+            raise UsageError(f"--wait-server {self.wait_server:g}: give 0 (check once) or a positive number of "
+                             "seconds.")
+        if self.completions == "server" and not self.server:
+            raise UsageError("--completions server needs --server URL (e.g. --server http://127.0.0.1:30000), "
+                             "or use --completions local.")
+        if self.completions == "local" and float(self.temperature) != 0.0:
+            raise UsageError(f"local completions are greedy, but --temperature is {self.temperature:g}; pass "
+                             "--temperature 0, or use --completions server to sample.")
+        if int(self.max_new_tokens) < 1:
+            raise UsageError(f"--max-new-tokens {self.max_new_tokens}: give a positive number.")
+        if not isinstance(self.batch_tokens, int) or self.batch_tokens < 1:
+            raise UsageError(f"--batch-tokens {self.batch_tokens!r}: give a positive number of tokens.")
+        if any(int(b) < 1 for b in self.tree_budgets):
+            raise BadInputError(f"--tree-budget {sorted({int(b) for b in self.tree_budgets})}: budgets are positive "
+                                "numbers of drafted nodes.")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise BadInputError(f"--num-prompts {self.num_prompts}: give a positive number.")
+        if self.max_blocks is not None and self.max_blocks < 1:
+            raise BadInputError(f"--max-blocks {self.max_blocks}: give a positive number.")
+        return self

@@ -187,3 +187,74 @@ def test_plan_keys_are_pinned(args, keys, tmp_path):
                                                   "HF_HUB_OFFLINE": "0"})  # planning contacts nothing
     assert r.code == 0, r.err
     assert [(n["stage"], n["key"]) for n in json.loads(r.out)] == keys
+
+
+# ------------------------------------------------------------------------------ runner and CLI
+
+
+def test_runner_uses_only_public_dfcache():
+    bad = []
+    for path in sorted((REPO / "runner").rglob("*.py")):
+        for name in _imports(path):
+            if re.match(r"dfcache(\.\w+)*\._", name):
+                bad.append(f"{_rel(path)}: {name}")
+        if re.search(r"\.backend\.(root|local_root)\b", path.read_text()):
+            bad.append(f"{_rel(path)}: reaches the store's directory (use Store.local_dir)")
+    assert bad == []
+
+
+def test_graph_imports_no_stage_and_stages_are_in_one_table():
+    graph = _imports(REPO / "runner/graph.py")
+    assert not [n for n in graph if "stages" in n or "importlib" in n]
+    from runner.pipeline import STAGES
+
+    on_disk = {p.stem if p.suffix == ".py" else p.name for p in (REPO / "runner/stages").iterdir()
+               if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    assert set(STAGES) == on_disk
+
+
+def test_key_recipes_are_the_docstrings():
+    import textwrap
+
+    from runner.pipeline import STAGES
+
+    for name, mod in STAGES.items():
+        assert mod.KEY.stage == name == mod.NAME and mod.VERSION == mod.KEY.version
+        assert textwrap.indent(mod.KEY.describe(), "    ") in mod.__doc__, f"{name}: regenerate its docstring"
+
+
+def test_key_recipe_refuses_undeclared_inputs():
+    from dfcache.errors import InternalError
+    from runner.graph import KeyRecipe
+
+    recipe = KeyRecipe("demo", 1, inputs={"a": "x", "b": "y"}, upstream={"up": "a key"}, optional=frozenset({"b"}))
+    node = recipe.node(inputs={"a": 1}, upstream={"up": "0" * 32}, needs="cpu")
+    assert node.key == compute_key("demo", 1, {"a": 1}, {"up": "0" * 32})
+    for inputs, upstream in (({"a": 1, "c": 2}, {"up": "0" * 32}), ({"b": 1}, {"up": "0" * 32}), ({"a": 1}, {})):
+        with pytest.raises(InternalError) as e:
+            recipe.node(inputs=inputs, upstream=upstream, needs="cpu")
+        assert e.value.exit_code == 1
+
+
+def _cli_without_entry_points(*argv: str, plugin: str | None = None):
+    import subprocess
+    import sys
+
+    code = ("import importlib.metadata as md, sys\n"
+            f"eps = [md.EntryPoint('p', {plugin!r}, 'dfcache.commands')] if {plugin!r} else []\n"
+            "md.entry_points = lambda **kw: eps\n"
+            "from dfcache.cli import main\n"
+            f"sys.exit(main({list(argv)!r}))\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_run_and_plan_exist_without_an_installed_entry_point():
+    r = _cli_without_entry_points("--help")
+    assert r.returncode == 0 and re.search(r"^\s+run\s", r.stdout, re.M) and re.search(r"^\s+plan\s", r.stdout, re.M)
+
+
+def test_a_broken_plugin_is_never_dropped_silently(tmp_path):
+    r = _cli_without_entry_points("--store", str(tmp_path / "s"), "ls", plugin="dfcache_no_such_plugin:register")
+    assert r.returncode == 0 and "warning: command plugin dfcache_no_such_plugin:register failed to load" in r.stderr
+    r = _cli_without_entry_points("frobnicate", plugin="dfcache_no_such_plugin:register")
+    assert r.returncode == 1 and "error: command plugin dfcache_no_such_plugin:register failed" in r.stderr

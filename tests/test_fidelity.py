@@ -6,7 +6,7 @@ DFlash decoding in a loop written here the way z-lab/dflash HEAD's ``dflash_gene
 draft a block from the context features committed so far, verify it with a target forward,
 accept the matching prefix plus the bonus token, append the accepted positions' target features
 to the context, repeat. The offline side instead takes one full target forward over prompt +
-completion and scores every candidate root with ``score_roots``; ``runner.metrics`` walks them.
+completion and scores every candidate root with ``score_roots``; ``runner.stages.drafter_eval.metrics`` walks them.
 
 The target here has gated-DeltaNet layers whose recurrent state cannot be cropped back after a
 rejected draft, so the loop re-runs the target over the whole prefix each round instead of
@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runner import metrics
+from runner.stages.drafter_eval import metrics
 from runner.models.dflash import DFlashDrafter, load_target_head, score_roots
 from runner.tiny import build_tiny_target
 from runner.train_tiny import (HELDOUT_PROMPT_IDS, TrainStats, capture_features, greedy_complete, load_prompts,

@@ -18,8 +18,9 @@ import pytest
 
 from dfcache import fingerprint_path, open_store
 from dfcache.errors import BadInputError
-from runner.graph import Node, RunContext, execute, resolve
+from runner.graph import Node, RunCache, RunContext, RunHooks, resolve
 from runner.options import EvalOptions
+from runner.pipeline import execute
 
 REPO = Path(__file__).resolve().parents[1]
 # Lengths with repeats so that equal-length samples share batches.
@@ -62,22 +63,23 @@ def samples_of(store, tokens_key):
     return [ids[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)], offs
 
 
-def run_layers(store, tokens_node, layers, shared, **opts):
-    """Plan and execute hidden_states for ``layers``; returns (nodes by layer, ctx)."""
+def run_layers(store, tokens_node, layers, cache: RunCache | None, hooks: RunHooks | None = None, **opts):
+    """Plan and execute hidden_states for ``layers``; returns (nodes by layer, ctx). Runs given
+    one ``cache`` share the loaded target, as the stages of one run do."""
     from runner.stages import hidden_states as hs
 
     o = EvalOptions(layers=list(layers), backend="torch", device="cpu", progress=False,
                     **{"dtype": "float32", "batch_tokens": 64, **opts})
-    ctx = RunContext(store, o, argv=["run", "hidden-states"])
-    ctx.shared = shared
+    ctx = RunContext(store, o, argv=["run", "hidden-states"], cache=cache, hooks=hooks)
     nodes = hs.build(ctx, tokens_node, hs.requested_layers(ctx, []))
     resolve(ctx, list(nodes.values()))
     execute(ctx, list(nodes.values()))
     return nodes, ctx
 
 
-def loaded_target(shared):
-    return next(v for k, v in shared.items() if isinstance(k, tuple) and k[0] == "hidden_states.target")
+def loaded_target(cache: RunCache):
+    (target,) = cache.targets.values()
+    return target
 
 
 @pytest.fixture(scope="module")
@@ -85,19 +87,19 @@ def fp32_run(tiny_target, tmp_path_factory):
     """Layers {1,3} then {1,3,5} in fp32; records the decoder-layer executions of each run."""
     store = open_store(tmp_path_factory.mktemp("hs") / "store")
     tok = write_tokens(store, tiny_target)
-    shared: dict = {}
-    first, ctx1 = run_layers(store, tok, [1, 3], shared)
-    target = loaded_target(shared)
+    cache = RunCache()
+    first, ctx1 = run_layers(store, tok, [1, 3], cache)
+    target = loaded_target(cache)
     after_first = (target.layers_executed, target.tokens_forwarded, list(ctx1.work_done))
     # The second run goes down to the last layer: the final norm and lm_head must still not run.
     head_calls = []
     hooks = [m.register_forward_hook(lambda *a, name=name: head_calls.append(name))
              for name, m in (("norm", target.base.norm), ("lm_head", target.model.lm_head))]
-    second, ctx2 = run_layers(store, tok, [1, 3, 5], shared)
+    second, ctx2 = run_layers(store, tok, [1, 3, 5], cache)
     for h in hooks:
         h.remove()
     after_second = (target.layers_executed, target.tokens_forwarded, list(ctx2.work_done))
-    return dict(store=store, tokens=tok, first=first, second=second, shared=shared, head_calls=head_calls,
+    return dict(store=store, tokens=tok, first=first, second=second, cache=cache, head_calls=head_calls,
                 after_first=after_first, after_second=after_second, target=target)
 
 
@@ -142,7 +144,7 @@ def test_second_request_computes_only_the_new_layer(fp32_run):
     assert layers2 - layers1 == 6 * batches and tokens2 - tokens1 == total
     assert fp32_run["head_calls"] == []  # no final norm, no lm_head, even for the last layer
     # Asking again does no work at all.
-    _, ctx3 = run_layers(fp32_run["store"], fp32_run["tokens"], [1, 5], fp32_run["shared"])
+    _, ctx3 = run_layers(fp32_run["store"], fp32_run["tokens"], [1, 5], fp32_run["cache"])
     assert ctx3.work_done == [] and fp32_run["target"].layers_executed == layers2
 
 
@@ -165,7 +167,7 @@ def test_bf16_keeps_the_model_dtype_and_has_its_own_key(fp32_run, tiny_target, t
     from runner.stages.hidden_states import read_layer
 
     store = fp32_run["store"]
-    nodes, _ = run_layers(store, fp32_run["tokens"], [5], {}, dtype="bfloat16", compression="zstd")
+    nodes, _ = run_layers(store, fp32_run["tokens"], [5], RunCache(), dtype="bfloat16", compression="zstd")
     m = store.manifest(nodes[5].key)
     assert nodes[5].key != fp32_run["second"][5].key
     assert m.arrays["hidden"].dtype == "bfloat16" and m.arrays["hidden"].codec == "zstd"
@@ -183,7 +185,7 @@ def test_interrupted_extraction_resumes_without_recomputing(fp32_run, tiny_targe
     store = open_store(tmp_path / "store")
     tok = write_tokens(store, tiny_target)
     assert tok.key == fp32_run["tokens"].key
-    shared: dict = {}
+    cache = RunCache()
     done_at = {}
 
     def stop_after_two(window, tokens_done):
@@ -191,19 +193,17 @@ def test_interrupted_extraction_resumes_without_recomputing(fp32_run, tiny_targe
             done_at["tokens"] = tokens_done
             raise KeyboardInterrupt  # what Ctrl-C does; a crash leaves the same staging
 
-    shared[hs.ON_CHECKPOINT] = stop_after_two
     with pytest.raises(KeyboardInterrupt):
-        run_layers(store, tok, [1, 3], shared)
+        run_layers(store, tok, [1, 3], cache, RunHooks(on_extract_checkpoint=stop_after_two))
     nodes = fp32_run["first"]
     assert not store.has(nodes[1].key) and not store.has(nodes[3].key)
     kept = done_at["tokens"]
     assert 0 < kept < sum(LENGTHS)
-    target = loaded_target(shared)
+    target = loaded_target(cache)
     before = target.tokens_forwarded
-    del shared[hs.ON_CHECKPOINT]
-    run_layers(store, tok, [1, 3], shared)
+    _, ctx = run_layers(store, tok, [1, 3], cache)
     assert target.tokens_forwarded - before == sum(LENGTHS) - kept
-    assert shared[hs.LAST_STATS].tokens_resumed == kept
+    assert ctx.last_extract_stats.tokens_resumed == kept
     for k in (1, 3):  # same bytes as the uninterrupted extraction
         assert store.manifest(nodes[k].key).arrays["hidden"].digest == \
             fp32_run["store"].manifest(nodes[k].key).arrays["hidden"].digest
@@ -215,17 +215,15 @@ def test_resume_with_layers_at_different_points(fp32_run, tiny_target, tmp_path)
 
     store = open_store(tmp_path / "store")
     tok = write_tokens(store, tiny_target)
-    shared: dict = {}
+    cache = RunCache()
 
     def stop(window, tokens_done):
         if window == 2:
             raise RuntimeError("simulated crash")
 
-    shared[hs.ON_CHECKPOINT] = stop
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run_layers(store, tok, [1, 3], shared)
-    del shared[hs.ON_CHECKPOINT]
-    nodes, ctx = run_layers(store, tok, [1, 3, 5], shared)
+        run_layers(store, tok, [1, 3], cache, RunHooks(on_extract_checkpoint=stop))
+    nodes, ctx = run_layers(store, tok, [1, 3, 5], cache)
     assert sorted(ctx.work_done) == sorted(n.key for n in nodes.values())
     for k in (1, 3, 5):
         assert store.manifest(nodes[k].key).arrays["hidden"].digest == \
@@ -258,22 +256,22 @@ def test_requested_layers_union_and_missing(fp32_run):
 
 
 def test_fla_backend_without_cuda_is_bad_input(fp32_run):
-    from runner.models.target import resolve_backend
+    from runner.models.target import resolve_kernel
     from runner.stages import hidden_states as hs
 
     with pytest.raises(BadInputError, match="--backend fla .* need a CUDA GPU") as e:
-        resolve_backend("fla", "auto", "bfloat16")
+        resolve_kernel("fla", "auto", "bfloat16")
     assert e.value.exit_code == 6 and "--backend torch" in str(e.value)
     with pytest.raises(BadInputError, match="--backend fla with --device cpu"):
-        resolve_backend("fla", "cpu", "bfloat16", check=False)
+        resolve_kernel("fla", "cpu", "bfloat16", check=False)
     with pytest.raises(BadInputError, match="--device cuda: no CUDA GPU"):
-        resolve_backend("torch", "cuda", "bfloat16")
+        resolve_kernel("torch", "cuda", "bfloat16")
     ctx = RunContext(fp32_run["store"], EvalOptions(layers=[1], backend="fla"), argv=[])
     with pytest.raises(BadInputError, match=r"layer\(s\) 1 for fla/cuda/bfloat16/sdpa are not in the store "
                                             r"and cannot be computed here\. --backend fla"):
         hs.build(ctx, fp32_run["tokens"], [1])
     # auto on a machine without a GPU is the torch fallback on cpu
-    b = resolve_backend("auto", "auto", "bfloat16")
+    b = resolve_kernel("auto", "auto", "bfloat16")
     assert (b.kernel, b.device) == ("torch", "cpu")
 
 
@@ -381,15 +379,16 @@ import torch
 torch.set_num_threads(1)
 import transformers.models.qwen3_5.modeling_qwen3_5 as mq
 from dfcache import open_store
-from runner.graph import Node, RunContext, execute, resolve
-from runner.models.target import implementation_of, resolve_backend
+from runner.graph import Node, RunContext, resolve
+from runner.pipeline import execute
+from runner.models.target import implementation_of, resolve_kernel
 from runner.options import EvalOptions
 from runner.stages import hidden_states as hs
 
 store_dir, tokens_key, target_dir = sys.argv[1:4]
 # control: with triton importable, transformers bound fla's kernel at import time
 control = implementation_of(mq.torch_chunk_gated_delta_rule).__module__
-auto = resolve_backend("auto", "auto", "float32")
+auto = resolve_kernel("auto", "auto", "float32")
 store = open_store(store_dir)
 tok = Node(stage="tokens", key=tokens_key, needs="cpu", inputs=store.manifest(tokens_key).inputs,
            upstream={}, version=1, payload={"target_dir": target_dir})
@@ -398,7 +397,7 @@ ctx = RunContext(store, EvalOptions(layers=[1, 3], backend="torch", device="cpu"
 nodes = list(hs.build(ctx, tok, [1, 3]).values())
 resolve(ctx, nodes)
 execute(ctx, nodes)
-target = next(v for k, v in ctx.shared.items() if k[0] == "hidden_states.target")
+(target,) = ctx.cache.targets.values()
 fla_forward = "ran"
 try:  # prove fla's kernel would have run (and failed) had dfcache not rebound the torch path
     import traceback

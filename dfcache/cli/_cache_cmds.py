@@ -9,7 +9,7 @@ import typer
 
 from ..errors import IntegrityError, UsageError
 from ..maintenance import backend_summary, gc_plan, input_summary, manifest_row
-from ._common import emit_json, get_store, human_bytes, state
+from .common import emit_json, get_store, human_bytes, state
 
 
 def _json_flag(local: bool) -> bool:

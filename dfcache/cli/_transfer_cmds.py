@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from ._common import emit_json, err, get_store, human_bytes, state
+from .common import emit_json, err, get_store, human_bytes, state
 
 
 def _offline(flag: bool = False) -> bool:

@@ -1,10 +1,12 @@
 """Stage `prompts`: the prompt records of a set.
 
-Key recipe::
+Key recipe (``KEY`` below; ``build()`` makes its nodes through it)::
 
-    key = xxh3_128(canonical({stage: "prompts", stage_version: VERSION,
-                              inputs: {content: xxh3_128 of the canonical records after --num-prompts},
-                              upstream: {}}))
+    key = compute_key('prompts', 1, inputs, upstream)
+    inputs:
+        content       xxh3_128 of the canonical records after --num-prompts (never the file's path)
+    upstream:
+        (none)
 
 The path of a prompt file is never key material: the same records from two paths are one
 artifact, and an edited file is a new one. Output: the document ``records`` (list of
@@ -20,10 +22,13 @@ from pathlib import Path
 from dfcache.errors import BadInputError
 from dfcache.keys import canonical_encode, fingerprint_text
 
-from ..graph import Node, RunContext
+from ..graph import KeyRecipe, Node, RunContext
 
-NAME = "prompts"
-VERSION = 1
+KEY = KeyRecipe("prompts", 1, inputs={
+    "content": "xxh3_128 of the canonical records after --num-prompts (never the file's path)",
+})
+NAME = KEY.stage
+VERSION = KEY.version
 
 BUILTIN_SETS = {"coding": "coding.jsonl", "reasoning": "reasoning.jsonl"}
 
@@ -99,11 +104,9 @@ def build(ctx: RunContext) -> Node:
     opts = ctx.options
     records = load_records(opts.prompts)
     if opts.num_prompts is not None:
-        if opts.num_prompts < 1:
-            raise BadInputError(f"--num-prompts {opts.num_prompts}: give a positive number.")
         records = records[: opts.num_prompts]
     content = fingerprint_text(canonical_encode(records).decode())
-    return Node.make(NAME, VERSION, inputs={"content": content}, needs="cpu",
+    return KEY.node(inputs={"content": content}, needs="cpu",
                      label="prompts", payload=records,
                      summary=f"{len(records)} prompts from {opts.prompts}")
 

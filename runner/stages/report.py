@@ -1,10 +1,12 @@
 """Stage `report`: the drafters side by side — JSON, a markdown table and PNG plots.
 
-Key recipe::
+Key recipe (``KEY`` below; ``build()`` makes its nodes through it)::
 
-    key = xxh3_128(canonical({stage: "report", stage_version: VERSION,
-        inputs: {drafters: [display names, in --drafter order]},
-        upstream: {evals: [drafter_eval keys, same order]}}))
+    key = compute_key('report', 1, inputs, upstream)
+    inputs:
+        drafters      display names, in --drafter order
+    upstream:
+        evals         drafter_eval keys, same order
 
 Output: documents ``report`` (the JSON documented in docs/metrics.md) and ``markdown``; uint8
 arrays ``png_histogram`` and ``png_position`` (PNG bytes). The files are materialized under
@@ -18,12 +20,15 @@ import json
 import os
 from pathlib import Path
 
-from dfcache.cli._common import emit_json
+from dfcache.cli.common import emit_json
 
-from ..graph import Node, RunContext
+from ..graph import KeyRecipe, Node, RunContext
 
-NAME = "report"
-VERSION = 1
+KEY = KeyRecipe("report", 1, inputs={
+    "drafters": "display names, in --drafter order",
+}, upstream={"evals": "drafter_eval keys, same order"})
+NAME = KEY.stage
+VERSION = KEY.version
 
 FILES = {"report.json": "report", "report.md": "markdown", "histogram.png": "png_histogram",
          "acceptance_by_position.png": "png_position"}
@@ -31,7 +36,7 @@ FILES = {"report.json": "report", "report.md": "markdown", "histogram.png": "png
 
 def build(ctx: RunContext, evals: list[Node]) -> Node:
     names = [e.payload["drafter"].name for e in evals]
-    return Node.make(NAME, VERSION, inputs={"drafters": names}, upstream={"evals": [e.key for e in evals]},
+    return KEY.node(inputs={"drafters": names}, upstream={"evals": [e.key for e in evals]},
                      needs="cpu", deps=list(evals), label="report",
                      summary="report: " + " vs ".join(names))
 

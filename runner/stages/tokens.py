@@ -1,13 +1,15 @@
 """Stage `tokens`: prompt + completion token ids of every sample, as the target sees them.
 
-Key recipe::
+Key recipe (``KEY`` below; ``build()`` makes its nodes through it)::
 
-    key = xxh3_128(canonical({stage: "tokens", stage_version: VERSION,
-        inputs: {target:          fingerprint of the target directory,
-                 tokenizer:       xxh3_128 over the tokenizer files' names and contents,
-                 chat_template:   xxh3_128 of the chat template text,
-                 enable_thinking: bool},
-        upstream: {completions: completions key}}))
+    key = compute_key('tokens', 1, inputs, upstream)
+    inputs:
+        target           fingerprint of the target directory
+        tokenizer        xxh3_128 over the tokenizer files' names and contents
+        chat_template    xxh3_128 of the chat template text
+        enable_thinking  bool
+    upstream:
+        completions      the completions key
 
 Prompt ids: ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
 enable_thinking=...)``, then the tokenizer on that text without added special tokens (the
@@ -33,11 +35,17 @@ import numpy as np
 
 from dfcache.errors import BadInputError
 
-from ..graph import Node, RunContext
+from ..graph import KeyRecipe, Node, RunContext
 from ..models.resolve import eos_token_ids, resolved_target
 
-NAME = "tokens"
-VERSION = 1
+KEY = KeyRecipe("tokens", 1, inputs={
+    "target": "fingerprint of the target directory",
+    "tokenizer": "xxh3_128 over the tokenizer files' names and contents",
+    "chat_template": "xxh3_128 of the chat template text",
+    "enable_thinking": "bool",
+}, upstream={"completions": "the completions key"})
+NAME = KEY.stage
+VERSION = KEY.version
 
 
 def build(ctx: RunContext, completions_node: Node) -> Node:
@@ -45,7 +53,7 @@ def build(ctx: RunContext, completions_node: Node) -> Node:
     target = resolved_target(ctx)
     inputs = {"target": target.fingerprint, "tokenizer": target.tokenizer_fingerprint,
               "chat_template": target.chat_template_hash, "enable_thinking": bool(opts.enable_thinking)}
-    return Node.make(NAME, VERSION, inputs=inputs, upstream={"completions": completions_node.key},
+    return KEY.node(inputs=inputs, upstream={"completions": completions_node.key},
                      needs="cpu", deps=[completions_node], label="tokens",
                      payload={"target_dir": str(target.dir),
                               "prompts_key": completions_node.upstream.get("prompts")},
@@ -53,7 +61,7 @@ def build(ctx: RunContext, completions_node: Node) -> Node:
 
 
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
-    from ..completion_sources import encode_prompt, load_tokenizer
+    from .completions.sources import encode_prompt, load_tokenizer
     from . import completions as completions_stage
     from . import prompts as prompts_stage
 
@@ -66,7 +74,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         if len(comps) != len(records):
             raise BadInputError(f"completions {ckey} has {len(comps)} samples but prompts {pkey} has "
                                 f"{len(records)}; delete the completions artifact and run again.")
-        tok = load_tokenizer(target_dir, ctx.shared)
+        tok = load_tokenizer(target_dir, ctx.cache)
         eos = eos_token_ids(target_dir) or ([tok.eos_token_id] if tok.eos_token_id is not None else [])
         enable_thinking = bool(node.inputs["enable_thinking"])
         pieces, prompt_lens, comp_lens, samples = [], [], [], []

@@ -1,14 +1,16 @@
 """Stage `hidden_states`: the target's per-layer hidden states over every token, one artifact per layer.
 
-Key recipe::
+Key recipe (``KEY`` below; ``build()`` makes its nodes through it)::
 
-    key = xxh3_128(canonical({stage: "hidden_states", stage_version: VERSION,
-        inputs: {target:  fingerprint of the target directory (the tokens node's "target"),
-                 layer:   k  (output of decoder layer k = HF hidden_states[k+1], before the final norm;
-                              the last layer too),
-                 backend: {kernel: "fla"|"torch", device: "cuda"|"cpu",
-                           dtype: "bfloat16"|"float32", attn_implementation: "sdpa"|...}},
-        upstream: {tokens: tokens key}}))
+    key = compute_key('hidden_states', 1, inputs, upstream)
+    inputs:
+        target        fingerprint of the target directory (the tokens node's "target")
+        layer         k: output of decoder layer k = HF hidden_states[k+1], before the final norm
+                      (the last layer too)
+        backend       the KernelSpec: {kernel: fla|torch, device: cuda|cpu, dtype: bfloat16|float32,
+                      attn_implementation: sdpa|...}
+    upstream:
+        tokens        the tokens key
 
 Layer-granular on purpose: a drafter needing layers [1, 16, 31] reuses every layer already stored
 for the same tokens, model and backend class. All layer nodes of one (tokens, target, backend)
@@ -20,7 +22,7 @@ exactly (bf16 stored as its uint16 bits, or fp32), rows in the tokens artifact's
 rows ``offsets[i]:offsets[i+1]``), chunked along tokens; ``--compression none|zstd``.
 Exact library versions, the GPU, the kernel functions really bound and the batching are
 provenance, not key material. Extraction is resumable: an interrupted run keeps every checkpointed
-window (see runner/extract.py) and the next run continues from there.
+window (see extract.py beside this module) and the next run continues from there.
 """
 
 from __future__ import annotations
@@ -30,17 +32,18 @@ import numpy as np
 from dfcache.errors import BadInputError, UsageError
 from dfcache.keys import fingerprint_path
 
-from ..graph import Node, RunContext
-from ..models.target import BackendClass, backend_problem, check_layer_ids, read_model_info, resolve_backend
+from ...graph import KeyRecipe, Node, RunContext
+from ...models.target import KernelSpec, kernel_problem, check_layer_ids, read_model_info, resolve_kernel
 
-NAME = "hidden_states"
-VERSION = 1
-
-# ctx.shared key of an optional callable(window_index, tokens_done), run after each checkpointed
-# window (tests use it to interrupt an extraction at a known point).
-ON_CHECKPOINT = "hidden_states.on_checkpoint"
-# ctx.shared key where produce() leaves the last extraction's ExtractStats (bench and tests).
-LAST_STATS = "hidden_states.last_stats"
+KEY = KeyRecipe("hidden_states", 1, inputs={
+    "target": 'fingerprint of the target directory (the tokens node\'s "target")',
+    "layer": "k: output of decoder layer k = HF hidden_states[k+1], before the final norm (the last "
+             "layer too)",
+    "backend": "the KernelSpec: {kernel: fla|torch, device: cuda|cpu, dtype: bfloat16|float32, "
+               "attn_implementation: sdpa|...}",
+}, upstream={"tokens": "the tokens key"})
+NAME = KEY.stage
+VERSION = KEY.version
 
 
 def requested_layers(ctx: RunContext, drafters) -> list[int]:
@@ -73,26 +76,22 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
     info = read_model_info(target_dir)
     layers = check_layer_ids(list(layers), info.num_layers)
     target_fp = tokens_node.inputs.get("target") or fingerprint_path(target_dir)
-    backend = resolve_backend(opts.backend, opts.device, opts.dtype,
+    backend = resolve_kernel(opts.backend, opts.device, opts.dtype,
                               getattr(opts, "attn_implementation", "sdpa"),
                               has_linear_attention=info.has_linear_attention, check=False)
-    if opts.compression not in ("none", "zstd"):
-        raise UsageError(f"--compression {opts.compression!r} is not one of none, zstd.")
-    if not isinstance(opts.batch_tokens, int) or opts.batch_tokens < 1:
-        raise UsageError(f"--batch-tokens {opts.batch_tokens!r}: give a positive number of tokens.")
     needs = "gpu" if backend.device == "cuda" else "cpu"
     group = f"{NAME}/{tokens_node.key}/{target_fp}/{backend.label}"
     nodes = {}
     for k in layers:
-        nodes[k] = Node.make(
-            NAME, VERSION, inputs={"target": target_fp, "layer": k, "backend": backend.to_key()},
+        nodes[k] = KEY.node(
+            inputs={"target": target_fp, "layer": k, "backend": backend.to_key()},
             upstream={"tokens": tokens_node.key}, needs=needs, deps=[tokens_node],
             label=f"hidden_states[{k}]", group=group,
             fix=(f"{ctx.command_with()} (on a machine with a CUDA GPU)" if needs == "gpu" else None),
             summary=f"layer {k} of {info.num_layers} ({info.model_type or 'model'})",
             payload={"target_dir": str(target_dir), "layer": k, "backend": backend.to_key(),
                      "note": backend.note, "tokens": tokens_node.key})
-    problem = backend_problem(backend)
+    problem = kernel_problem(backend)
     if problem:
         # Cached states of any backend class are usable anywhere; computing missing ones is what
         # needs the hardware. Say so now, before any other stage does work.
@@ -115,15 +114,15 @@ def _stored_somewhere(ctx: RunContext, key: str) -> bool:
     return False
 
 
-def get_target(ctx: RunContext, target_dir: str, backend: BackendClass):
-    """The loaded target for ``backend``, loaded once per run (kept in ``ctx.shared``)."""
-    from ..models.target import load_target
+def get_target(ctx: RunContext, target_dir: str, backend: KernelSpec):
+    """The loaded target for ``backend``, loaded once per run (kept in ``ctx.cache``)."""
+    from ...models.target import load_target
 
-    key = ("hidden_states.target", str(target_dir), backend.label)
-    t = ctx.shared.get(key)
+    key = (str(target_dir), backend.label)
+    t = ctx.cache.targets.get(key)
     if t is None:
         t = load_target(target_dir, backend)
-        ctx.shared[key] = t
+        ctx.cache.targets[key] = t
     return t
 
 
@@ -151,13 +150,13 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
 
 
 def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
-    from ..extract import LayerSink, extract
+    from .extract import LayerSink, extract
 
     nodes = sorted((n for n in nodes if not ctx.store.has(n.key)), key=lambda n: n.payload["layer"])
     if not nodes:
         return
     p = nodes[0].payload
-    backend = BackendClass(**p["backend"])
+    backend = KernelSpec(**p["backend"])
     if p.get("note"):
         ctx.log(f"hidden states: {p['note']}")
     target = get_target(ctx, p["target_dir"], backend)
@@ -186,7 +185,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
         desc = f"hidden states L{','.join(str(s.layer) for s in sinks)}"
         stats = extract(target, token_ids, offsets, sinks, batch_tokens=ctx.options.batch_tokens,
                         progress_factory=lambda n: ctx.progress(n, desc, unit="tok", unit_scale=True),
-                        on_checkpoint=ctx.shared.get(ON_CHECKPOINT), log=ctx.log)
+                        on_checkpoint=ctx.hooks.on_extract_checkpoint, log=ctx.log)
         for w in writers:
             w.commit()
     except BaseException:
@@ -194,7 +193,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
             if w.manifest is None:
                 w.abort()  # resumable: the checkpointed windows stay for the next run
         raise
-    ctx.shared[LAST_STATS] = stats
+    ctx.last_extract_stats = stats
     ctx.log(f"hidden states: layers {[s.layer for s in sinks]} over {total} tokens "
             f"({backend.label}): {stats.tokens} tokens in {stats.wall_s:.1f} s "
             f"({stats.tokens_per_s:,.0f} tok/s){f', {stats.tokens_resumed} resumed' if stats.tokens_resumed else ''}")

@@ -1,16 +1,22 @@
 """Stage `completions`: the target's completion of every prompt, from a server or local greedy.
 
-Key recipe::
+Key recipe (``KEY`` below; ``build()`` makes its nodes through it)::
 
-    key = xxh3_128(canonical({stage: "completions", stage_version: VERSION,
-        inputs: {target:          fingerprint of the target directory (config, tokenizer, weights),
-                 served_model:    --served-model, or null for "the server's only model" (server),
-                 endpoint:        "openai" | "sglang" | "local",
-                 chat_template:   xxh3_128 of the target's chat template text,
-                 enable_thinking, temperature, top_p, max_new_tokens, seed,
-                 backend:         local only: {kernel, device, dtype, attn_implementation}, the
-                                  backend class greedy generation runs with (it changes ids)},
-        upstream: {prompts: prompts key}}))
+    key = compute_key('completions', 1, inputs, upstream)
+    inputs:
+        target           fingerprint of the target directory (config, tokenizer, weights)
+        served_model     --served-model, or null for the server's only model (null for local)
+        endpoint         "openai" | "sglang" | "local"
+        chat_template    xxh3_128 of the target's chat template text
+        enable_thinking  bool
+        temperature      float
+        top_p            float
+        max_new_tokens   int
+        seed             int or null
+        backend          local only: the KernelSpec greedy generation runs with ({kernel, device,
+                         dtype, attn_implementation}; it changes the ids) (only some runs have it)
+    upstream:
+        prompts          the prompts key
 
 The server URL is not key material (the same model behind another address gives the same
 completions), and a server completion and a local one for the same target are different
@@ -38,37 +44,36 @@ from dataclasses import dataclass
 
 from dfcache.errors import UsageError
 
-from ..graph import Node, RunContext
-from ..models.resolve import require_weights, resolved_target
-from . import prompts as prompts_stage
+from ...graph import KeyRecipe, Node, RunContext
+from ...models.resolve import require_weights, resolved_target
+from .. import prompts as prompts_stage
 
-NAME = "completions"
-VERSION = 1
+KEY = KeyRecipe("completions", 1, inputs={
+    "target": "fingerprint of the target directory (config, tokenizer, weights)",
+    "served_model": "--served-model, or null for the server's only model (null for local)",
+    "endpoint": '"openai" | "sglang" | "local"',
+    "chat_template": "xxh3_128 of the target's chat template text",
+    "enable_thinking": "bool",
+    "temperature": "float",
+    "top_p": "float",
+    "max_new_tokens": "int",
+    "seed": "int or null",
+    "backend": "local only: the KernelSpec greedy generation runs with ({kernel, device, dtype, "
+               "attn_implementation}; it changes the ids)",
+}, upstream={"prompts": "the prompts key"}, optional=frozenset({"backend"}))
+NAME = KEY.stage
+VERSION = KEY.version
 ENDPOINTS = ("openai", "sglang", "local")
 _CHECKPOINT_EVERY_S = 0.5  # progress.json lists every saved document; rewriting it per item is O(n²)
 
 
 def endpoint_kind(opts) -> str:
-    if opts.completions == "local":
-        return "local"
-    if opts.completions != "server":
-        raise UsageError(f"--completions {opts.completions}: choose server or local.")
-    if opts.server_api not in ("openai", "sglang"):
-        raise UsageError(f"--server-api {opts.server_api}: choose openai or sglang.")
-    return opts.server_api
+    return "local" if opts.completions == "local" else opts.server_api
 
 
 def build(ctx: RunContext, prompts_node: Node) -> Node:
     opts = ctx.options
-    kind = endpoint_kind(opts)
-    if kind != "local" and not opts.server:
-        raise UsageError("--completions server needs --server URL (e.g. --server http://127.0.0.1:30000), "
-                         "or use --completions local.")
-    if kind == "local" and float(opts.temperature) != 0.0:
-        raise UsageError(f"local completions are greedy, but --temperature is {opts.temperature:g}; pass "
-                         "--temperature 0, or use --completions server to sample.")
-    if int(opts.max_new_tokens) < 1:
-        raise UsageError(f"--max-new-tokens {opts.max_new_tokens}: give a positive number.")
+    kind = endpoint_kind(opts)  # options are valid here: EvalOptions.validate() ran
     target = resolved_target(ctx)
     inputs = {
         "target": target.fingerprint,
@@ -83,21 +88,21 @@ def build(ctx: RunContext, prompts_node: Node) -> Node:
     }
     n = len(prompts_node.payload or [])
     if kind == "local":
-        from ..completion_sources import local_backend
+        from .sources import local_kernel
 
         require_weights(target.dir, "local completions run the model: pass the directory that holds its "
                                     "weights with --target, or take completions from a server with --server URL.")
-        backend = local_backend(opts, target.dir)
+        backend = local_kernel(opts, target.dir)
         inputs["backend"] = backend.to_key()
-        return Node.make(NAME, VERSION, inputs=inputs, upstream={"prompts": prompts_node.key},
+        return KEY.node(inputs=inputs, upstream={"prompts": prompts_node.key},
                          needs="gpu" if backend.device == "cuda" else "cpu", deps=[prompts_node],
                          label=f"completions (local, {backend.label})",
                          payload={"target_dir": str(target.dir)},
                          summary=f"{n} local greedy completions, {opts.max_new_tokens} new tokens max")
-    from ..completion_sources import server_url
+    from .sources import server_url
 
     server = server_url(opts.server)
-    return Node.make(NAME, VERSION, inputs=inputs, upstream={"prompts": prompts_node.key}, needs="network",
+    return KEY.node(inputs=inputs, upstream={"prompts": prompts_node.key}, needs="network",
                      deps=[prompts_node], label=f"completions ({kind} server)", contacts=server,
                      fix=ctx.command_with(drop=("--offline",)),
                      payload={"target_dir": str(target.dir), "server": server},
@@ -112,7 +117,7 @@ def preflight(ctx: RunContext, nodes: list[Node]) -> None:
     stages spend time. ``produce`` reuses the result and does not check again. Without this call
     the same check runs when the stage starts, still before any generation request.
     """
-    from ..completion_sources import make_source
+    from .sources import make_source
 
     for node in nodes:
         if node.stage == NAME and node.status == "network" and node.inputs["endpoint"] != "local":
@@ -129,7 +134,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
 
 
 def _produce_one(ctx: RunContext, node: Node) -> None:
-    from ..completion_sources import make_source
+    from .sources import make_source
 
     records = prompts_stage.read_records(ctx.store, node.upstream["prompts"])
     with ctx.store.writer(node.key, stage=NAME, stage_version=VERSION, inputs=node.inputs,

@@ -1,20 +1,27 @@
 """Stage `drafter_eval`: offline chain and DDTree acceptance of one DFlash drafter.
 
-Key recipe::
+Key recipe (``KEY`` below; ``build()`` makes its nodes through it)::
 
-    key = xxh3_128(canonical({stage: "drafter_eval", stage_version: VERSION,
-        inputs: {drafter:      fingerprint of the checkpoint directory (config + weights),
-                 target_head:  fingerprint of the target (its embeddings and lm_head are used),
-                 block_size, target_layer_ids, mask_token_id   (from the drafter's config),
-                 tree_budgets: sorted unique budgets, max_blocks, end_rule,
-                 dtype:        compute dtype of the drafter, device: cpu|cuda},
-        upstream: {tokens: tokens key,
-                   hidden_states: [hidden-state keys in the drafter's target_layer_ids order]}}))
+    key = compute_key('drafter_eval', 1, inputs, upstream)
+    inputs:
+        drafter           fingerprint of the checkpoint directory (config + weights)
+        target_head       fingerprint of the target (its embeddings and lm_head are used)
+        block_size        from the drafter's config
+        target_layer_ids  from the drafter's config
+        mask_token_id     from the drafter's config
+        tree_budgets      sorted unique --tree-budget values
+        max_blocks        --max-blocks, or null
+        end_rule          within | continuation
+        dtype             compute dtype of the drafter
+        device            cpu | cuda (the hidden states' device)
+    upstream:
+        tokens            the tokens key
+        hidden_states     hidden-state keys in the drafter's target_layer_ids order
 
 The exact hidden-state keys are upstream, so the backend class that produced the states (fla or
 torch, device, dtype) is part of this key through them.
 
-What it computes (``reference/dflash.md`` §2, §3, §6; ``runner/metrics.py``): for each response,
+What it computes (``reference/dflash.md`` §2, §3, §6; ``metrics.py`` beside this module): for each response,
 the draft logits of every candidate block root are scored in batched drafter passes
 (``score_roots``: context features of positions < p only), then the greedy walk runs once for the
 chain and once per tree budget. ``--max-blocks N`` scores only the roots the first N blocks can
@@ -35,10 +42,24 @@ from pathlib import Path
 from dfcache.errors import BadInputError, ModelNotFoundError
 from dfcache.keys import fingerprint_path
 
-from ..graph import Node, RunContext
+from ...graph import KeyRecipe, Node, RunContext
+from ...values import int_list
 
-NAME = "drafter_eval"
-VERSION = 1
+KEY = KeyRecipe("drafter_eval", 1, inputs={
+    "drafter": "fingerprint of the checkpoint directory (config + weights)",
+    "target_head": "fingerprint of the target (its embeddings and lm_head are used)",
+    "block_size": "from the drafter's config",
+    "target_layer_ids": "from the drafter's config",
+    "mask_token_id": "from the drafter's config",
+    "tree_budgets": "sorted unique --tree-budget values",
+    "max_blocks": "--max-blocks, or null",
+    "end_rule": "within | continuation",
+    "dtype": "compute dtype of the drafter",
+    "device": "cpu | cuda (the hidden states' device)",
+}, upstream={"tokens": "the tokens key",
+             "hidden_states": "hidden-state keys in the drafter's target_layer_ids order"})
+NAME = KEY.stage
+VERSION = KEY.version
 
 
 @dataclass
@@ -53,10 +74,6 @@ class DrafterRef:
     mask_token_id: int
     trained_on: str | None
     hidden_size: int | None = None
-
-
-def _int_list(v) -> bool:
-    return isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
 
 
 def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
@@ -78,7 +95,7 @@ def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
     if not isinstance(dcfg, dict):
         raise BadInputError(f"{cfg_path}: dflash_config must be an object.")
     ids = dcfg.get("target_layer_ids")
-    if not _int_list(ids):
+    if int_list(ids) is None:
         raise BadInputError(f"{cfg_path}: dflash_config.target_layer_ids is missing or not a list of "
                             "integers; the drafter's tap layers must come from its checkpoint (guessing "
                             "them is wrong for most published drafters). Add the ids it was trained with.")
@@ -111,7 +128,7 @@ def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
 
 def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter: DrafterRef) -> Node:
     opts = ctx.options
-    from ..models.target import read_model_info
+    from ...models.target import read_model_info
 
     # Checked here, before any work: a drafter for another target must not cost an extraction.
     width = read_model_info(tokens_node.payload["target_dir"]).hidden_size
@@ -121,16 +138,12 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
     layers = [hs_nodes[k] for k in drafter.target_layer_ids]
     backend = layers[0].inputs["backend"]
     budgets = sorted({int(b) for b in opts.tree_budgets})
-    if any(b < 1 for b in budgets):
-        raise BadInputError(f"--tree-budget {budgets}: budgets are positive numbers of drafted nodes.")
-    if opts.max_blocks is not None and opts.max_blocks < 1:
-        raise BadInputError(f"--max-blocks {opts.max_blocks}: give a positive number.")
     inputs = {"drafter": drafter.fingerprint, "target_head": tokens_node.inputs["target"],
               "block_size": drafter.block_size, "target_layer_ids": drafter.target_layer_ids,
               "mask_token_id": drafter.mask_token_id, "tree_budgets": budgets,
               "max_blocks": opts.max_blocks, "end_rule": opts.end_rule, "dtype": opts.dtype,
               "device": backend["device"]}
-    return Node.make(NAME, VERSION, inputs=inputs,
+    return KEY.node(inputs=inputs,
                      upstream={"tokens": tokens_node.key, "hidden_states": [n.key for n in layers]},
                      needs="gpu" if backend["device"] == "cuda" else "cpu",
                      deps=[tokens_node, *layers], label=f"drafter_eval {drafter.name}",
@@ -146,10 +159,10 @@ def _max_root(prompt_len: int, max_blocks: int | None, block_size: int) -> int |
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
     import torch
 
-    from ..metrics import RootScores, candidate_roots, effective_completion_len, evaluate_response, summarize
-    from ..models.dflash import DFlashDrafter, iter_score_roots, load_target_head
-    from ..models.resolve import eos_token_ids
-    from .tokens import read_tokens
+    from .metrics import RootScores, candidate_roots, effective_completion_len, evaluate_response, summarize
+    from ...models.dflash import DFlashDrafter, iter_score_roots, load_target_head
+    from ...models.resolve import eos_token_ids
+    from ..tokens import read_tokens
 
     opts = ctx.options
     dtype = torch.float32 if opts.dtype == "float32" else torch.bfloat16
