@@ -12,5 +12,6 @@ BENCHMARKS = {
     "ls": "bench.ls",
     "fingerprint": "bench.fingerprint",
     "eval-batching": "bench.eval_batching",
+    "training": "bench.training",
     "gpu-extract": "bench.gpu_row",
 }

@@ -2,8 +2,10 @@
 
 Environment:
     DFCACHE_STORE      default store (path or URL) when ``--store`` is not given; else ``./store``.
-    DFCACHE_OFFLINE    ``1``/``true`` turns offline mode on (as does ``HF_HUB_OFFLINE``).
-    HF_HUB_OFFLINE     honoured as offline too, so one switch covers huggingface_hub and dfcache.
+    DFCACHE_OFFLINE    ``1``/``true`` turns offline mode on (as ``--offline`` does). Nothing else
+                       does: ``HF_HUB_OFFLINE`` only keeps transformers and huggingface_hub off the
+                       Hub (dfcache never downloads from it), so an air-gapped cluster that sets it
+                       everywhere still reaches its own completion server and S3 store.
     DFCACHE_HOME       where dfcache keeps machine-local state (fingerprint memo); default
                        ``~/.cache/dfcache``.
     DFCACHE_CONFIG     path of a config file to use instead of the usual search.
@@ -16,6 +18,10 @@ Environment:
                        where huggingface_hub keeps models (read the way huggingface_hub reads them).
     CUDA_VISIBLE_DEVICES
                        which GPUs exist for this process (decides "is a GPU usable" without torch).
+    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID
+                       set by torchrun: which worker of a distributed run this is (docs/distributed.md).
+    SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_MIN, SLURM_ARRAY_TASK_COUNT
+                       read for ``--shard slurm`` only.
 
 Nothing else in dfcache or the runner reads the environment.
 
@@ -40,8 +46,8 @@ def _env_true(name: str) -> bool:
 
 
 def offline_from_env() -> bool:
-    """True if ``DFCACHE_OFFLINE`` or ``HF_HUB_OFFLINE`` is set to a true value."""
-    return _env_true("DFCACHE_OFFLINE") or _env_true("HF_HUB_OFFLINE")
+    """True if ``DFCACHE_OFFLINE`` is set to a true value (``HF_HUB_OFFLINE`` is not dfcache's switch)."""
+    return _env_true("DFCACHE_OFFLINE")
 
 
 def debug_from_env() -> bool:
@@ -89,6 +95,16 @@ def dfcache_home() -> Path:
 
 def fingerprint_memo_path() -> Path:
     return dfcache_home() / "fingerprints.json"
+
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "TORCHELASTIC_RUN_ID", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT",
+                  "CUDA_VISIBLE_DEVICES")
+
+
+def launcher_env() -> dict[str, str]:
+    """What a launcher (torchrun, a Slurm array) told this process about its place in a job."""
+    return {k: os.environ[k] for k in _LAUNCHER_VARS if k in os.environ}
 
 
 @dataclass
@@ -150,3 +166,13 @@ def load_config() -> Config:
         cfg.default_remotes = [default] if isinstance(default, str) else list(default)
         return cfg
     return Config()
+
+
+def quiet_hub_libraries(*, bars: bool, notices: bool) -> None:
+    """Silence transformers/huggingface_hub progress bars and notices through their environment
+    (read when they are imported); environment access stays in this module."""
+    if not bars:
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if not notices:
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"

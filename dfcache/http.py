@@ -1,10 +1,10 @@
 """The one HTTP client of the project, and the bounded readiness check.
 
 Every request dfcache or the runner makes goes through :class:`HttpClient`, so this is where
-offline mode is enforced: with offline on (the ``offline`` flag, ``DFCACHE_OFFLINE`` or
-``HF_HUB_OFFLINE``), a request raises :class:`~dfcache.errors.OfflineModeIsEnabled` before a
-socket is opened. A per-call-site check is not enough (huggingface_hub needed a transport-level
-hook for the same reason, PR #3942).
+offline mode is enforced: with offline on (the ``offline`` flag or ``DFCACHE_OFFLINE``; not
+``HF_HUB_OFFLINE``, which is about the Hugging Face Hub only), a request raises
+:class:`~dfcache.errors.OfflineModeIsEnabled` before a socket is opened. A per-call-site check
+is not enough (huggingface_hub needed a transport-level hook for the same reason, PR #3942).
 
 The client never retries. The seed failure of this project was an eval that died in connection
 retries against a server that was still loading; a retry loop hides that state and burns time.
@@ -144,8 +144,8 @@ class HttpClient:
     """A ``requests`` session with no retries, offline enforcement and mapped errors.
 
     Args:
-        offline: refuse every request. ``None`` or ``False`` still honours ``DFCACHE_OFFLINE``
-            and ``HF_HUB_OFFLINE``, read at each request.
+        offline: refuse every request. ``None`` or ``False`` still honours ``DFCACHE_OFFLINE``,
+            read at each request.
         timeout: read timeout in seconds (a whole generation may take minutes).
         connect_timeout: connect timeout in seconds.
         pool_size: connections kept per host; at least the request concurrency.
@@ -187,7 +187,7 @@ class HttpClient:
         """Send one request; return the response if its status is < 400, else raise."""
         if self.is_offline():
             raise OfflineModeIsEnabled(
-                f"offline mode is on (--offline, DFCACHE_OFFLINE or HF_HUB_OFFLINE), so dfcache did "
+                f"offline mode is on (--offline or DFCACHE_OFFLINE), so dfcache did "
                 f"not contact {url}; use artifacts already in the store, or turn offline mode off "
                 "to reach the server.", url=url)
         read = self.timeout if timeout is None else float(timeout)

@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import typer
 
-from dfcache.cli.common import emit_json, get_store, state
+from dfcache.cli.common import emit_json, get_store, progress_enabled, state
 from dfcache.errors import UsageError
 
 from .options import EvalOptions
@@ -47,26 +47,22 @@ def _make_command(mode: str):
         enable_thinking: bool = typer.Option(False, "--enable-thinking/--no-enable-thinking"),
         layers: Optional[List[int]] = typer.Option(None, "--layer", help="Layer ids to extract (run hidden-states without a drafter)."),
         backend: str = typer.Option("auto", "--backend", help="auto|fla|torch"),
-        device: str = typer.Option("auto", "--device", help="auto|cuda|cpu"),
+        device: str = typer.Option("auto", "--device", help="auto|cuda|cpu: where hidden states (and local completions) are computed."),
+        eval_device: str = typer.Option("auto", "--eval-device", help="auto|cuda|cpu: where drafters are evaluated (auto: CUDA where usable, else CPU), whatever device made the states."),
         dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16|float32"),
         batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Tokens per extraction batch."),
         compression: str = typer.Option("none", "--compression", help="none|zstd (lossless) for hidden states."),
+        attn_implementation: str = typer.Option("sdpa", "--attn-implementation", help="sdpa|eager|flash_attention_2: the target's attention kernels (keyed with the backend)."),
+        key_versions: Optional[str] = typer.Option(None, "--key-versions", help="Comma list of packages (fla,transformers,torch,...) whose exact versions join the hidden-state key (opt-in)."),
         tree_budget: Optional[List[int]] = typer.Option(None, "--tree-budget", help="DDTree budget (repeatable)."),
-        end_rule: str = typer.Option("within", "--end-rule", help="within|continuation: how the last block of a completion counts."),
-        offline: bool = typer.Option(False, "--offline", help="Never touch the network; report what is missing."),
+        end_rule: str = typer.Option("within", "--end-rule", help="within: how the last block of a completion counts (continuation is not wired yet; see docs/metrics.md)."),
         remote: Optional[List[str]] = typer.Option(None, "--remote", help="A remote store to look in before computing (repeatable)."),
         endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
-        json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
-        store: Optional[str] = typer.Option(None, "--store", help="Store path or URL (as before the command)."),
-        debug: bool = typer.Option(False, "--debug", help="Show tracebacks (as before the command)."),
-        no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
-    ) -> None:
+    ):
+        # --store, --json, --debug, --offline and --no-progress are the dfcache CLI's global
+        # options, which it adds to every command (dfcache.cli.common.GLOBAL_OPTIONS).
         from dfcache.config import offline_from_env
 
-        # DESIGN §7 puts --store (and scripts put --debug) after the command, too.
-        if store is not None:
-            state.store_location = store
-        state.debug = state.debug or debug
         if server is not None:
             # --server alone means "completions from that server": silently generating locally
             # (the default) while a server was named would cost hours on a large target.
@@ -87,14 +83,23 @@ def _make_command(mode: str):
             seed=seed, enable_thinking=enable_thinking, layers=list(layers) if layers else None,
             backend=backend, device=device, dtype=dtype, batch_tokens=batch_tokens,
             compression=compression, tree_budgets=list(tree_budget or []), max_blocks=max_blocks,
-            end_rule=end_rule, offline=offline or state.offline or offline_from_env(),
-            remotes=list(remote or []), endpoint_url=endpoint_url, json=json_out or state.json,
-            progress=not no_progress and sys.stderr.isatty() and not (json_out or state.json))
+            end_rule=end_rule, eval_device=eval_device, offline=state.offline or offline_from_env(),
+            remotes=list(remote or []), endpoint_url=endpoint_url, json=state.json,
+            progress=progress_enabled(),
+            attn_implementation=attn_implementation, key_versions=_key_versions(key_versions))
+        if mode == "options":  # `dfcache watch` and `dfcache export` take these options, validated the same way
+            return opts.validate()
         run_pipeline(mode, RUN_TARGETS[target], opts, argv=_run_argv(ctx, target))
 
     command.__doc__ = ("Show the graph and each node's status; does no work." if mode == "plan" else
                        "Run the graph up to TARGET, reusing everything cached.")
     return command
+
+
+def _key_versions(value: str | None) -> list[str]:
+    from .provenance_keys import parse_key_versions
+
+    return parse_key_versions(value)
 
 
 def _arg(v) -> str:
@@ -136,13 +141,27 @@ def _run_argv(ctx: typer.Context, target: str) -> list[str]:
     if root is not ctx:
         add(root, skip=("version", "debug"))
     args += ["run", target]
-    add(ctx, skip=("debug",))
+    add(ctx, skip=("_global_debug",))
     return args
 
 
+# What `dfcache ls --stage` and `ls --backend` accept before the store holds any such artifact.
+STAGE_NAMES = ("prompts", "completions", "tokens", "hidden_states", "drafter_eval", "report")
+KERNELS = ("fla", "torch")
+
+
 def register(app: typer.Typer) -> None:
+    state.known_stages.update(STAGE_NAMES)
+    state.known_kernels.update(KERNELS)
     app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
     app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
+    from .cli_peers import register as register_peers
+    from .trust_cli import register as register_trust_tools
+    from .watch import register as register_watch
+
+    register_peers(app)
+    register_trust_tools(app)
+    register_watch(app)
 
 
 def open_remotes(opts: EvalOptions) -> list:
@@ -168,42 +187,73 @@ def open_remotes(opts: EvalOptions) -> list:
     return remotes
 
 
+def quiet_libraries(*, bars: bool, notices: bool) -> None:
+    """Keep transformers and huggingface_hub in line with our own progress settings: no
+    "Loading weights" bars when ours are off (no terminal, --json, --no-progress), and with
+    --no-progress none of their notices either (kernel fallback warnings). Set through the
+    environment before they are imported (a run imports them only when it computes), and through
+    their APIs when already imported."""
+    from dfcache.config import quiet_hub_libraries
+
+    quiet_hub_libraries(bars=bars, notices=notices)
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as tlog
+
+        if not bars:
+            tlog.disable_progress_bar()
+        if not notices:
+            tlog.set_verbosity_error()
+    if not bars and "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
 def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None = None):
-    """Plan (and for mode "run", execute) the graph. Returns (ctx, nodes)."""
-    from .graph import RunContext, check_offline, resolve
-    from .pipeline import build_graph, execute
+    """Plan (and for mode "run", execute) the graph through runner.api, and print. Returns (ctx, nodes)."""
+    from . import api
+    from .graph import check_offline
+
+    opts.validate()  # before anything is opened; RunContext checks again for Python callers
+    quiet_libraries(bars=opts.progress, notices=opts.progress or not state.no_progress)
 
     started = time.perf_counter()
-    opts.validate()  # before anything is opened; RunContext checks again for Python callers
-    store = get_store()
-    if opts.example:
-        from .example import apply_example
-
-        apply_example(store, opts, log=lambda m: print(m, file=sys.stderr, flush=True))
-    ctx = RunContext(store, opts, remotes=open_remotes(opts), argv=argv)
-    nodes = resolve(ctx, build_graph(ctx, upto))
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if mode == "plan":
+        ctx, nodes = api.resolve_graph(upto, opts, get_store(), argv=argv, log=log)
         _print_plan(nodes, opts)
         if opts.offline:
             check_offline(ctx, nodes)
         return ctx, nodes
-    check_offline(ctx, nodes)
-    execute(ctx, nodes)
-    elapsed = time.perf_counter() - started
-    final = nodes[-1]
-    if upto == "eval":
-        from .stages import report
-
-        report.print_result(ctx, final, elapsed=elapsed)
-    elif opts.json:
-        emit_json({"nodes": [n.to_plan_dict() for n in nodes], "computed": ctx.work_done,
-                   "seconds": round(elapsed, 3)})
-    else:
-        for n in nodes:
-            verb = "computed" if n.key in ctx.work_done else ("pulled" if n.status == "remote" else "cached")
-            print(f"{n.label or n.stage:<28} {n.key[:12]}  {verb}")
-        print(f"{len(ctx.work_done)} computed, {len(nodes) - len(ctx.work_done)} reused in {elapsed:.1f} s")
+    ctx, nodes = api._run(upto, opts, get_store(), argv=argv, log=log)
+    print_run(api._result(upto, ctx, nodes, time.perf_counter() - started), opts)
     return ctx, nodes
+
+
+def print_run(result, opts: EvalOptions) -> None:
+    """What `dfcache run` prints for a :class:`runner.api.RunResult`."""
+    if result.upto == "eval":
+        if opts.json:
+            emit_json({**result.report, "report_key": result.report_key,
+                       "files": {k: str(v) for k, v in result.files.items()},
+                       "computed": result.computed, "seconds": round(result.seconds, 3)})
+            return
+        for w in result.report["warnings"]:
+            print(f"\n!!! {w}\n")
+        print(result.markdown)
+        print()
+        for name, path in result.files.items():
+            print(f"{name:<28} {path}")
+        print(f"\n{len(result.computed)} artifact(s) computed, the rest from the cache; {result.seconds:.1f} s.")
+        return
+    if opts.json:
+        emit_json({"nodes": [n.to_dict() for n in result.nodes], "computed": result.computed,
+                   "seconds": round(result.seconds, 3)})
+        return
+    for n in result.nodes:
+        print(f"{n.label:<28} {n.key[:12]}  {n.outcome}")
+    print(f"{len(result.computed)} computed, {len(result.nodes) - len(result.computed)} reused in "
+          f"{result.seconds:.1f} s")
 
 
 def _print_plan(nodes, opts: EvalOptions) -> None:

@@ -34,7 +34,8 @@ def build_graph(ctx: RunContext, upto: str = "eval") -> list[Node]:
     tok = tokens.build(ctx, roots[0])
     if upto == "tokens":
         return topo_order([tok])
-    drafters = drafter_eval.resolve_drafters(ctx) if upto == "eval" else []
+    # `run hidden-states --drafter D` extracts the layers D reads (its target_layer_ids).
+    drafters = drafter_eval.resolve_drafters(ctx) if upto == "eval" or ctx.options.drafters else []
     layers = hidden_states.requested_layers(ctx, drafters)
     hs = hidden_states.build(ctx, tok, layers)
     if upto == "hidden-states":

@@ -258,6 +258,9 @@ class LocalBackend(Backend):
         self.local_root = self.root
         self.url = str(self.root)
         marker = self.root / STORE_MARKER
+        if self.root.exists() and not self.root.is_dir():
+            raise UsageError(f"store {self.root} is a file, not a directory; pass a store directory (or a "
+                             "path that does not exist yet) with --store or DFCACHE_STORE.")
         if not marker.exists():
             if self.root.exists() and any(p.name not in {"README.md", ".gitignore", ".gitkeep"}
                                           for p in self.root.iterdir()):

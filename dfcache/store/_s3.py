@@ -347,7 +347,11 @@ class ObjectStoreBackend(Backend):
             raise
         except FileNotFoundError:
             raise
-        except Exception as e:
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as e:
+            # Whatever else the object store raises is a failure of the transport: exit 4, always,
+            # including classes that are not Exceptions (pyo3's PanicException, CancelledError).
             raise _map_error(e, self, what) from None
 
     @staticmethod

@@ -28,6 +28,8 @@ from . import format as fmt
 from ._backend import Backend, Staging
 from .format import PROGRESS, default_chunk_rows  # noqa: F401  (default_chunk_rows: public via dfcache.store)
 
+MAPPED_CHUNKS = 512  # mapped chunks kept per store: address space only, the page cache holds the data
+
 
 def repair_hint(key: str) -> str:
     """How to get past a corrupt or incomplete local artifact: the fix of every such error."""
@@ -375,23 +377,80 @@ class ArrayReader:
         except IntegrityError as e:
             raise e.with_fix(repair_hint(key)) from None
 
-    def read_raw(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Rows [start, stop) in the storage dtype (bf16 comes back as its uint16 bits)."""
+    def read_raw(self, start: int = 0, stop: int | None = None, *, out: np.ndarray | None = None,
+                 mapped: bool = False) -> np.ndarray:
+        """Rows [start, stop) in the storage dtype (bf16 comes back as its uint16 bits).
+
+        ``out``: an array of at least that many rows (storage dtype, row shape) to read into,
+        e.g. a buffer reused across reads or the columns of a wider one (``big[:, 0:1024]``);
+        the rows read are returned as a view of it.
+
+        ``mapped=True`` (local, uncompressed chunks): chunk files are memory-mapped and their
+        crc32c checked the first time this store maps them, not on every read; rows are then
+        copied straight from the page cache into ``out``. For many small random reads over the
+        same chunks (training); a chunk corrupted after its first check in this process is not
+        noticed until the store is reopened (``verify`` still checks everything)."""
         n = self.shape[0]
         stop = n if stop is None else min(stop, n)
         start = max(0, start)
-        out = np.empty((max(0, stop - start),) + self.shape[1:], dtype=self._storage)
+        rows = max(0, stop - start)
+        if out is None:
+            out = np.empty((rows,) + self.shape[1:], dtype=self._storage)
+        else:
+            if out.dtype != self._storage or out.shape[1:] != self.shape[1:] or len(out) < rows:
+                raise UsageError(f"out= must be a {self._storage} array of at least {rows} rows of shape "
+                                 f"{self.shape[1:]}.")
+            out = out[:rows]
         if stop <= start:
             return out
+        contiguous = out.flags.c_contiguous
         c0, c1 = start // self.chunk_rows, (stop - 1) // self.chunk_rows
         for i in range(c0, c1 + 1):
             lo, hi = i * self.chunk_rows, (i + 1) * self.chunk_rows
             a, b = max(lo, start), min(hi, stop)
-            if a == lo and b == hi and self._read_chunk_into(i, out[a - start:b - start]):
-                continue
-            chunk = self._chunk(i)
+            chunk = self._mapped_chunk(i) if mapped else None
+            if chunk is None:
+                if (contiguous and a == lo and b == hi
+                        and self._read_chunk_into(i, out[a - start:b - start])):
+                    continue
+                chunk = self._chunk(i)
             out[a - start:b - start] = chunk[a - lo:b - lo]
         return out
+
+    def _mapped_chunk(self, index: int) -> np.ndarray | None:
+        """An uncompressed local chunk's rows over a read-only mmap, crc32c checked when first
+        mapped by this store (then kept, a bounded number per store). None: use _chunk()."""
+        if self.spec.codec != "none":
+            return None
+        store = self.artifact.store
+        ck = (self.artifact.key, self.name, index)
+        hit = store._mapped.get(ck)
+        if hit is not None:
+            return hit
+        self._check_meta()
+        path = self.artifact._local_path(fmt.chunk_relpath(self.name, index, self._ndim))
+        if path is None:
+            return None
+        import mmap
+
+        body = self.chunk_rows * int(np.prod(self.shape[1:], dtype=np.int64)) * self._storage.itemsize
+        try:
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            return None  # _chunk() reports what is wrong
+        if hasattr(mm, "madvise"):  # one large read-ahead for the crc pass, not a fault per few pages
+            mm.madvise(mmap.MADV_WILLNEED)
+        raw = np.frombuffer(mm, dtype=np.uint8)
+        if len(raw) != body + 4 or not fmt.crc_ok(raw[:body], raw[body:].tobytes()):
+            del raw
+            mm.close()
+            return None  # _chunk() re-reads it and says exactly what is wrong
+        arr = raw[:body].view(self._storage.newbyteorder("<")).reshape((self.chunk_rows,) + self.shape[1:])
+        if len(store._mapped) >= MAPPED_CHUNKS:
+            store._mapped.pop(next(iter(store._mapped)))  # the mapping closes with its last view
+        store._mapped[ck] = arr
+        return arr
 
     def _read_chunk_into(self, index: int, rows: np.ndarray) -> bool:
         """Fast path: an uncompressed local chunk the read covers whole goes straight into the
@@ -525,6 +584,7 @@ class Store:
         self.backend = backend
         self.url = backend.url
         self._meta_checked: set[tuple[str, str]] = set()  # (key, array) whose zarr.json agrees
+        self._mapped: dict[tuple[str, str, int], np.ndarray] = {}  # read_raw(mapped=True) chunks
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"

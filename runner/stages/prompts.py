@@ -104,6 +104,12 @@ def build(ctx: RunContext) -> Node:
     opts = ctx.options
     records = load_records(opts.prompts)
     if opts.num_prompts is not None:
+        # More prompts than the set holds is a well-formed value (EvalOptions.validate checks
+        # the form) that the content contradicts (6, docs/cli.md).
+        if opts.num_prompts > len(records):
+            raise BadInputError(f"--num-prompts {opts.num_prompts}, but {opts.prompts} holds only {len(records)} "
+                                f"prompt(s); pass --num-prompts {len(records)} or fewer, or leave it out to "
+                                "use them all.")
         records = records[: opts.num_prompts]
     content = fingerprint_text(canonical_encode(records).decode())
     return KEY.node(inputs={"content": content}, needs="cpu",

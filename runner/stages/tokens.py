@@ -25,6 +25,10 @@ Output (one artifact):
     array ``completion_lens`` int32, n
     document ``samples``      ``[{"id", "finish_reason", "tokens_source", "eos_appended",
                                  "prompt_len", "completion_len"}]``
+
+Imported sets (`dfcache import`, runner/imports.py) are tokens artifacts too, with an
+``imported`` input (the ids' digest) instead of an upstream, and one more array, ``loss_mask``
+int8 (the peer's own mask).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ import numpy as np
 from dfcache.errors import BadInputError
 
 from ..graph import KeyRecipe, Node, RunContext
+from ..summaries import completions_origin
 from ..models.resolve import eos_token_ids, resolved_target
 
 KEY = KeyRecipe("tokens", 1, inputs={
@@ -103,7 +108,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
         offsets[1:] = np.cumsum([len(p) for p in pieces])
         with ctx.store.writer(node.key, stage=NAME, stage_version=VERSION, inputs=node.inputs,
-                              upstream=node.upstream, summary=node.summary) as w:
+                              upstream=node.upstream, summary=f"ids of {completions_origin(ctx.store, ckey)}") as w:
             w.write_array("token_ids", ids.astype(np.int32))
             w.write_array("offsets", offsets)
             w.write_array("prompt_lens", np.asarray(prompt_lens, dtype=np.int32))

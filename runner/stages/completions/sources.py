@@ -28,7 +28,6 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from dfcache.errors import BadInputError, ServerHTTPError, UsageError
 from dfcache.http import HttpClient, normalize_base_url, wait_ready
@@ -78,7 +77,13 @@ def load_tokenizer(target_dir: str | Path, cache: RunCache | None = None):
         return cache.tokenizers[key]
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(target_dir))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        # transformers' message spans many lines; planning checks the files, this is what is left.
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise BadInputError(f"the tokenizer of {target_dir} cannot be loaded ({first}); pass a model "
+                            "directory with a complete tokenizer (tokenizer.json).") from None
     if cache is not None:
         cache.tokenizers[key] = tok
     return tok

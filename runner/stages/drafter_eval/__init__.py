@@ -11,17 +11,19 @@ Key recipe (``KEY`` below; ``build()`` makes its nodes through it)::
         mask_token_id     from the drafter's config
         tree_budgets      sorted unique --tree-budget values
         max_blocks        --max-blocks, or null
-        end_rule          within | continuation
+        end_rule          within (continuation is refused)
         dtype             compute dtype of the drafter
-        device            cpu | cuda (the hidden states' device)
+        device            cpu | cuda, where the eval runs (--eval-device; not the states' device)
     upstream:
         tokens            the tokens key
         hidden_states     hidden-state keys in the drafter's target_layer_ids order
 
 The exact hidden-state keys are upstream, so the backend class that produced the states (fla or
-torch, device, dtype) is part of this key through them.
+torch, device, dtype) is part of this key through them. The eval's own numerics (its device
+and dtype) are keyed here, apart from them: states extracted with fla on a GPU are evaluated on
+any machine (``--eval-device auto`` is CUDA where one is usable, else the CPU).
 
-What it computes (``reference/dflash.md`` §2, §3, §6; ``metrics.py`` beside this module): for each response,
+What it computes (docs/metrics.md, ``metrics.py`` beside this module): for each response,
 the draft logits of every candidate block root are scored in batched drafter passes
 (``score_roots``: context features of positions < p only), then the greedy walk runs once for the
 chain and once per tree budget. ``--max-blocks N`` scores only the roots the first N blocks can
@@ -53,9 +55,9 @@ KEY = KeyRecipe("drafter_eval", 1, inputs={
     "mask_token_id": "from the drafter's config",
     "tree_budgets": "sorted unique --tree-budget values",
     "max_blocks": "--max-blocks, or null",
-    "end_rule": "within | continuation",
+    "end_rule": "within (continuation is refused)",
     "dtype": "compute dtype of the drafter",
-    "device": "cpu | cuda (the hidden states' device)",
+    "device": "cpu | cuda, where the eval runs (--eval-device; not the states' device)",
 }, upstream={"tokens": "the tokens key",
              "hidden_states": "hidden-state keys in the drafter's target_layer_ids order"})
 NAME = KEY.stage
@@ -74,6 +76,7 @@ class DrafterRef:
     mask_token_id: int
     trained_on: str | None
     hidden_size: int | None = None
+    step: int | None = None  # training step (runner/checkpoints.py), when the checkpoint says
 
 
 def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
@@ -87,6 +90,10 @@ def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
         raise BadInputError(f"drafter {path_str} has no config.json; pass a DFlash checkpoint directory.")
     if not any(path.glob("*.safetensors")):
         raise BadInputError(f"drafter {path_str} has no *.safetensors weights; pass a complete checkpoint.")
+    from ...models.resolve import check_weight_files
+
+    check_weight_files(path, f"drafter {path_str}", "re-download or re-save the checkpoint (a copy or "
+                       "download that stopped half-way leaves such a file).")
     try:
         cfg = json.loads(cfg_path.read_text())
     except ValueError as e:
@@ -118,7 +125,26 @@ def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
     if not opts.drafters:
         raise BadInputError("run eval needs at least one drafter: pass --drafter DIR (repeatable), or "
                             "--example for the embedded one.")
-    refs = [read_drafter(d, opts.trained_on) for d in opts.drafters]
+    from ...checkpoints import expand_drafter_arg, incomplete_reason
+
+    refs = []
+    for value in opts.drafters:  # a directory, a glob, or a training-output directory
+        found, several = expand_drafter_arg(value)
+        complete = []
+        for c in found:
+            # A glob or training directory may hold a checkpoint the trainer is still writing.
+            problem = incomplete_reason(c.path) if several else None
+            if problem:
+                ctx.log(f"note: skipping {c.path}: {problem} (still being written?)")
+            else:
+                complete.append(c)
+        if not complete:
+            raise BadInputError(f"--drafter {value}: none of its {len(found)} checkpoint(s) is complete yet; "
+                                "wait for the trainer to finish writing one (or use dfcache watch).")
+        for c in complete:
+            ref = read_drafter(str(c.path), opts.trained_on)
+            ref.step = c.step
+            refs.append(ref)
     names = [r.name for r in refs]
     for i, r in enumerate(refs):  # side-by-side columns need distinct names
         if names.count(r.name) > 1:
@@ -138,18 +164,37 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
     layers = [hs_nodes[k] for k in drafter.target_layer_ids]
     backend = layers[0].inputs["backend"]
     budgets = sorted({int(b) for b in opts.tree_budgets})
+    device = eval_device(getattr(opts, "eval_device", "auto"))
     inputs = {"drafter": drafter.fingerprint, "target_head": tokens_node.inputs["target"],
               "block_size": drafter.block_size, "target_layer_ids": drafter.target_layer_ids,
               "mask_token_id": drafter.mask_token_id, "tree_budgets": budgets,
               "max_blocks": opts.max_blocks, "end_rule": opts.end_rule, "dtype": opts.dtype,
-              "device": backend["device"]}
-    return KEY.node(inputs=inputs,
+              "device": device}
+    node = KEY.node(inputs=inputs,
                      upstream={"tokens": tokens_node.key, "hidden_states": [n.key for n in layers]},
-                     needs="gpu" if backend["device"] == "cuda" else "cpu",
+                     needs="gpu" if device == "cuda" else "cpu",
                      deps=[tokens_node, *layers], label=f"drafter_eval {drafter.name}",
                      payload={"drafter": drafter, "target_dir": tokens_node.payload["target_dir"],
                               "backend": backend},
                      summary=f"{drafter.name}: budgets {budgets or '-'}, layers {drafter.target_layer_ids}")
+    if device == "cuda" and not ctx.store.has(node.key):
+        from ...models.target import cuda_visible
+
+        visible, why = cuda_visible()
+        if not visible:
+            raise BadInputError(f"--eval-device cuda: no CUDA GPU is usable here ({why}); pass --eval-device cpu "
+                                "or auto (stored hidden states of any backend evaluate on the CPU).")
+    return node
+
+
+def eval_device(choice: str | None) -> str:
+    """``--eval-device``: ``auto`` (or None) is ``cuda`` where a GPU is usable, else ``cpu``, whatever
+    device made the states (decided without importing torch)."""
+    if choice not in (None, "auto"):
+        return choice
+    from ...models.target import cuda_visible
+
+    return "cuda" if cuda_visible()[0] else "cpu"
 
 
 def _max_root(prompt_len: int, max_blocks: int | None, block_size: int) -> int | None:
@@ -168,7 +213,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
     dtype = torch.float32 if opts.dtype == "float32" else torch.bfloat16
     for node in nodes:
         ref: DrafterRef = node.payload["drafter"]
-        device = "cuda" if node.payload["backend"]["device"] == "cuda" else "cpu"
+        device = node.inputs["device"]
         drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
         head = load_target_head(node.payload["target_dir"], device=device, dtype=dtype)
         toks = read_tokens(ctx.store, node.upstream["tokens"])

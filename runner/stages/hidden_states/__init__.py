@@ -9,6 +9,8 @@ Key recipe (``KEY`` below; ``build()`` makes its nodes through it)::
                       (the last layer too)
         backend       the KernelSpec: {kernel: fla|torch, device: cuda|cpu, dtype: bfloat16|float32,
                       attn_implementation: sdpa|...}
+        versions      {package: installed version} for each --key-versions package (only some runs
+                      have it)
     upstream:
         tokens        the tokens key
 
@@ -33,7 +35,9 @@ from dfcache.errors import BadInputError, UsageError
 from dfcache.keys import fingerprint_path
 
 from ...graph import KeyRecipe, Node, RunContext
+from ...summaries import origin
 from ...models.target import KernelSpec, kernel_problem, check_layer_ids, read_model_info, resolve_kernel
+from ...provenance_keys import key_version_inputs
 
 KEY = KeyRecipe("hidden_states", 1, inputs={
     "target": 'fingerprint of the target directory (the tokens node\'s "target")',
@@ -41,13 +45,14 @@ KEY = KeyRecipe("hidden_states", 1, inputs={
              "layer too)",
     "backend": "the KernelSpec: {kernel: fla|torch, device: cuda|cpu, dtype: bfloat16|float32, "
                "attn_implementation: sdpa|...}",
-}, upstream={"tokens": "the tokens key"})
+    "versions": "{package: installed version} for each --key-versions package",
+}, upstream={"tokens": "the tokens key"}, optional=frozenset({"versions"}))
 NAME = KEY.stage
 VERSION = KEY.version
 
 
 def requested_layers(ctx: RunContext, drafters) -> list[int]:
-    """The union of the drafters' ``target_layer_ids`` and ``--layers``, sorted."""
+    """The union of the drafters' ``target_layer_ids`` and ``--layer`` ids, sorted."""
     layers: set[int] = set()
     for d in drafters:
         ids = getattr(d, "target_layer_ids", None)
@@ -58,8 +63,9 @@ def requested_layers(ctx: RunContext, drafters) -> list[int]:
     if ctx.options.layers:
         layers.update(ctx.options.layers)
     if not layers:
-        raise BadInputError("no hidden-state layers requested: pass --layers (e.g. --layers 1 3) or a "
-                            "drafter (--drafter DIR) whose dflash_config.target_layer_ids name them.")
+        raise BadInputError("no hidden-state layers requested: pass --layer (repeatable, e.g. --layer 1 "
+                            "--layer 3) or a drafter (--drafter DIR) whose dflash_config.target_layer_ids "
+                            "name them.")
     for k in layers:
         if isinstance(k, bool) or not isinstance(k, int):
             raise BadInputError(f"layer id {k!r} is not an integer; pass decoder-layer indices.")
@@ -77,20 +83,25 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
     layers = check_layer_ids(list(layers), info.num_layers)
     target_fp = tokens_node.inputs.get("target") or fingerprint_path(target_dir)
     backend = resolve_kernel(opts.backend, opts.device, opts.dtype,
-                              getattr(opts, "attn_implementation", "sdpa"),
-                              has_linear_attention=info.has_linear_attention, check=False)
+                             getattr(opts, "attn_implementation", "sdpa"),
+                             has_linear_attention=info.has_linear_attention, check=False)
     needs = "gpu" if backend.device == "cuda" else "cpu"
     group = f"{NAME}/{tokens_node.key}/{target_fp}/{backend.label}"
     nodes = {}
     for k in layers:
         nodes[k] = KEY.node(
-            inputs={"target": target_fp, "layer": k, "backend": backend.to_key()},
+            inputs={"target": target_fp, "layer": k, "backend": backend.to_key(), **key_version_inputs(opts)},
             upstream={"tokens": tokens_node.key}, needs=needs, deps=[tokens_node],
             label=f"hidden_states[{k}]", group=group,
             fix=(f"{ctx.command_with()} (on a machine with a CUDA GPU)" if needs == "gpu" else None),
-            summary=f"layer {k} of {info.num_layers} ({info.model_type or 'model'})",
+            summary=f"layer {k}/{info.num_layers}",
             payload={"target_dir": str(target_dir), "layer": k, "backend": backend.to_key(),
                      "note": backend.note, "tokens": tokens_node.key})
+    if any(not _stored_somewhere(ctx, n.key) for n in nodes.values()):
+        from ...models.resolve import require_weights
+
+        require_weights(target_dir, "extracting hidden states runs the model: pass the directory that holds "
+                                    "its weights with --target.")
     problem = kernel_problem(backend)
     if problem:
         # Cached states of any backend class are usable anywhere; computing missing ones is what
@@ -172,7 +183,8 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
         # share some layers wait for each other instead of deadlocking.
         for n in nodes:
             w = ctx.store.writer(n.key, stage=NAME, stage_version=VERSION, inputs=n.inputs,
-                                 upstream=n.upstream, provenance=provenance, summary=n.summary,
+                                 upstream=n.upstream, provenance=provenance,
+                                 summary=f"{n.summary}: {origin(ctx.store, p['tokens'])}",
                                  resumable=True)
             if ctx.store.has(n.key):  # another process committed it while we waited for its lock
                 w.discard()

@@ -1,0 +1,147 @@
+"""`dfcache export` and `dfcache import`: the store and the peers' on-disk layouts.
+
+Both take the selection options of `dfcache run` (``--target``, ``--drafter`` or ``--layer``,
+``--prompts``, ``--backend``, ...), so a selection is named the same way everywhere.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Optional
+
+import typer
+
+from dfcache.cli.common import emit_json, get_store, human_bytes
+
+# Eval-only options that do not select states.
+_NOT_SELECTION = ("target", "tree_budget", "end_rule", "max_blocks", "trained_on")
+
+
+def _selection_params() -> list[inspect.Parameter]:
+    from .cli import _make_command
+
+    sig = inspect.signature(_make_command("options"), eval_str=True)
+    return [p for p in sig.parameters.values() if p.name not in _NOT_SELECTION]
+
+
+def _with_params(func, extra: list[inspect.Parameter]):
+    params = _selection_params()
+    ctx_param, rest = params[0], params[1:]
+    func.__signature__ = inspect.Signature([ctx_param, *extra, *rest])
+    return func
+
+
+def _options(ctx: typer.Context, kw: dict):
+    from .cli import _make_command
+
+    return _make_command("options")(ctx, target="hidden-states", tree_budget=None, end_rule="within",
+                                    max_blocks=None, trained_on=None, **kw)
+
+
+def _argv(ctx: typer.Context) -> list[str]:
+    from .cli import _run_argv
+
+    return _run_argv(ctx, "hidden-states")
+
+
+def export_command(ctx: typer.Context, **kw) -> None:
+    """Write a selection's cached hidden states in SpecForge's or speculators' layout."""
+    from .export import export
+    from .samples import resolve_selection
+
+    fmt, out = kw.pop("format"), kw.pop("out")
+    opts = _options(ctx, kw)
+    store = get_store(create=False)
+    sel = resolve_selection(opts, store=store, argv=_argv(ctx), last_layer_last=(fmt == "speculators"))
+    progress = None
+    if opts.progress:
+        from tqdm.auto import tqdm
+
+        progress = lambda n: tqdm(total=n, desc=f"export {fmt}", unit="sample", file=sys.stderr,  # noqa: E731
+                                  leave=False)
+    res = export(sel, fmt, out, progress=progress)
+    if opts.json:
+        emit_json(res.to_dict())
+        return
+    print(f"exported {res.samples} sample(s) of layers {res.layers} as {fmt} to {res.out}: "
+          f"{res.written} written ({human_bytes(res.bytes_written)}), {res.skipped} already there")
+    for f in res.files[:3]:
+        print(f"  {f}")
+    if len(res.files) > 3:
+        print(f"  ... {len(res.files) - 3} more")
+    for note in res.notes:
+        print(f"note: {note}")
+    print(f"manifest: {res.out / 'dfcache-export.json'}")
+
+
+def import_command(
+    directory: str = typer.Argument(..., metavar="DIR", help="The directory the peer wrote."),
+    fmt: str = typer.Option(..., "--format", help="specforge|speculators|modelopt"),
+    model: str = typer.Option(..., "--target", help="The target model that made the states (directory or HF id)."),
+    revision: Optional[str] = typer.Option(None, "--revision", "--target-revision"),
+    layers: Optional[list[int]] = typer.Option(None, "--layer", help="Layer ids the files hold, in file order (repeatable)."),
+    backend: str = typer.Option("auto", "--backend", help="fla|torch: the kernels that made the states (declared)."),
+    device: str = typer.Option("auto", "--device", help="cuda|cpu: where they were made (declared)."),
+    attn_implementation: str = typer.Option("sdpa", "--attn-implementation", help="Attention implementation (declared)."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
+    store: Optional[str] = typer.Option(None, "--store", help="Store path or URL (as before the command)."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
+) -> None:
+    """Import hidden states made by SpecForge, speculators or ModelOpt (declared, not verified)."""
+    from dfcache.cli.common import state
+    from dfcache.errors import BadInputError
+
+    from .imports import import_dir
+    from .options import EvalOptions
+
+    if store is not None:
+        state.store_location = store
+    as_json = json_out or state.json
+    opts = EvalOptions(target=model, target_revision=revision, backend=backend, device=device,
+                       attn_implementation=attn_implementation, progress=False)
+    progress = None
+    if not no_progress and not as_json and sys.stderr.isatty():
+        from tqdm.auto import tqdm
+
+        progress = lambda n, what: tqdm(total=n, desc=f"import {fmt} ({what})", unit="sample",  # noqa: E731
+                                        file=sys.stderr, leave=False)
+    try:
+        res = import_dir(fmt, directory, opts, get_store(), layers=list(layers or []), progress=progress)
+    except BadInputError as e:
+        res = getattr(e, "result", None)
+        if res is not None and res.samples and not as_json:
+            _print_import(res)
+        if as_json and res is not None:
+            emit_json({**res.to_dict(), "error": str(e), "exit_code": e.exit_code})
+            raise typer.Exit(e.exit_code) from None
+        raise
+    if as_json:
+        emit_json(res.to_dict())
+        return
+    _print_import(res)
+
+
+def _print_import(res) -> None:
+    verb = "already in the store" if res.already else "imported"
+    print(f"{res.samples} {res.format} sample(s) {verb}, marked imported (declared, not verified):")
+    print(f"  tokens            {res.tokens_key}")
+    for k, key in res.layer_keys.items():
+        print(f"  hidden_states[{k}]  {key}")
+    for note in res.notes:
+        print(f"note: {note}")
+    print(f"read them: runner.api.hidden_state_dataset(tokens_key={res.tokens_key[:12]!r}, "
+          f"layers={list(res.layer_keys)})")
+
+
+def register(app: typer.Typer) -> None:
+    export_params = [
+        inspect.Parameter("format", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str,
+                          default=typer.Option(..., "--format", help="specforge|speculators")),
+        inspect.Parameter("out", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str,
+                          default=typer.Option(..., "--out", help="Directory to write (new, empty, or a "
+                                               "previous export of the same selection, which resumes).")),
+    ]
+    app.command("export", context_settings={"allow_interspersed_args": True})(
+        _with_params(export_command, export_params))
+    app.command("import", context_settings={"allow_interspersed_args": True})(import_command)
