@@ -205,18 +205,22 @@ def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None
     execute(ctx, nodes)
     elapsed = time.perf_counter() - started
     final = nodes[-1]
-    if upto == "eval":
-        from .stages import report
+    from .stages.report import print_result, stage_counts
 
-        report.print_result(ctx, final, elapsed=elapsed)
+    if upto == "eval":
+        print_result(ctx, final, elapsed=elapsed, nodes=nodes)
     elif opts.json:
-        emit_json({"nodes": [n.to_plan_dict() for n in nodes], "computed": ctx.work_done,
-                   "seconds": round(elapsed, 3)})
+        emit_json({"nodes": [n.to_plan_dict() for n in nodes], "stages": stage_counts(nodes),
+                   "computed": ctx.work_done, "seconds": round(elapsed, 3)})
     else:
-        for n in nodes:
-            verb = "computed" if n.key in ctx.work_done else ("pulled" if n.status == "remote" else "cached")
+        for n, row in zip(nodes, stage_counts(nodes)):
+            if "samples" in row:
+                c = row["samples"]
+                verb = f"{c['reused']} reused, {c['pulled']} pulled, {c['computed']} computed of {c['total']}"
+            else:
+                verb = "computed" if n.key in ctx.work_done else ("pulled" if n.status == "remote" else "cached")
             print(f"{n.label or n.stage:<28} {n.key[:12]}  {verb}")
-        print(f"{len(ctx.work_done)} computed, {len(nodes) - len(ctx.work_done)} reused in {elapsed:.1f} s")
+        print(f"{len(ctx.work_done)} node(s) did work, {len(nodes) - len(ctx.work_done)} reused in {elapsed:.1f} s")
     return ctx, nodes
 
 
@@ -224,9 +228,19 @@ def _print_plan(nodes, opts: EvalOptions) -> None:
     if opts.json:
         emit_json([n.to_plan_dict() for n in nodes])
         return
-    print(f"{'STAGE':<28} {'KEY':<12}  {'STATUS':<14} NEEDS")
+    print(f"{'STAGE':<28} {'KEY':<12}  {'STATUS':<14} {'NEEDS':<8} SAMPLES")
     for n in nodes:
         extra = f"  ({n.contacts})" if n.status == "network" and n.contacts else ""
-        print(f"{n.label or n.stage:<28} {n.key[:12]}  {n.status:<14} {n.needs}{extra}")
-    todo = sum(1 for n in nodes if n.status != "cached")
-    print(f"{len(nodes)} node(s), {len(nodes) - todo} cached, {todo} to produce")
+        samples = "-"
+        if n.partition is not None:
+            c = n.samples_dict()
+            samples = f"{c['cached']}/{c['total']} cached"
+            if c["remote"]:
+                samples += f", {c['remote']} in a remote"
+            if c["missing"]:
+                samples += f", {c['missing']} missing"
+            if c["to_produce"] != c["missing"] or c["to_pull"] != c["remote"]:
+                samples += f" ({c['to_pull']} to pull, {c['to_produce']} to produce)"
+        print(f"{n.label or n.stage:<28} {n.key[:12]}  {n.status:<14} {n.needs:<8} {samples}{extra}")
+    todo = sum(1 for n in nodes if n.status not in ("cached", "not needed"))
+    print(f"{len(nodes)} node(s), {len(nodes) - todo} cached or not needed, {todo} to produce")

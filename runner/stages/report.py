@@ -1,10 +1,14 @@
 """Stage `report`: the drafters side by side — JSON, a markdown table and PNG plots.
 
-Key recipe::
+Key recipe (a set-level artifact: the one stage whose key depends on the set and its order)::
 
     key = xxh3_128(canonical({stage: "report", stage_version: VERSION,
         inputs: {drafters: [display names, in --drafter order]},
-        upstream: {evals: [drafter_eval keys, same order]}}))
+        upstream: {evals: [set key of each drafter_eval node, same order]}}))
+
+where a node's set key is ``xxh3_128(canonical({"partition": P, "set": xxh3_128(",".join(sample
+keys in prompt order))}))``. The manifest's ``sample_refs`` name the eval samples it was made
+from (``gc`` keeps them). A run whose report is stored (here or in a remote) needs nothing else.
 
 Output: documents ``report`` (the JSON documented in docs/metrics.md) and ``markdown``; uint8
 arrays ``png_histogram`` and ``png_position`` (PNG bytes). The files are materialized under
@@ -23,7 +27,7 @@ from dfcache.cli._common import emit_json
 from ..graph import Node, RunContext
 
 NAME = "report"
-VERSION = 1
+VERSION = 2
 
 FILES = {"report.json": "report", "report.md": "markdown", "histogram.png": "png_histogram",
          "acceptance_by_position.png": "png_position"}
@@ -128,14 +132,15 @@ def _plots(report: dict) -> tuple[bytes, bytes]:
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
     import numpy as np
 
-    from .drafter_eval import read_summary
+    from .drafter_eval import summarize_node
 
     for node in nodes:
-        keys = node.upstream["evals"]
-        report = make_report([read_summary(ctx.store, k) for k in keys], keys)
+        evals = node.deps
+        report = make_report([summarize_node(ctx.store, e) for e in evals], [e.key for e in evals])
         hist_png, pos_png = _plots(report)
+        refs = [{"partition": e.partition.key, "keys": list(dict.fromkeys(e.sample_keys))} for e in evals]
         with ctx.store.writer(node.key, stage=NAME, stage_version=VERSION, inputs=node.inputs,
-                              upstream=node.upstream, summary=node.summary) as w:
+                              upstream=node.upstream, summary=node.summary, sample_refs=refs) as w:
             w.put_json("report", report)
             w.put_json("markdown", markdown_table(report))
             w.write_array("png_histogram", np.frombuffer(hist_png, dtype=np.uint8))
@@ -167,14 +172,29 @@ def materialize(store, key: str) -> dict[str, Path]:
     return paths
 
 
-def print_result(ctx: RunContext, node: Node, *, elapsed: float) -> None:
+def stage_counts(nodes: list[Node]) -> list[dict]:
+    """Per node of a run: status and, per-sample, how many samples were reused, pulled, produced."""
+    out = []
+    for n in nodes:
+        row = {"stage": n.stage, "label": n.label or n.stage, "key": n.key, "status": n.status}
+        if n.partition is not None:
+            c = n.samples_dict()
+            row["samples"] = {"total": c["total"], "reused": c["cached"], "pulled": c["pulled"],
+                              "computed": c["produced"], "not_needed": c["total"] - c["cached"] - len(n.pull)
+                              - len(n.produce)}
+        out.append(row)
+    return out
+
+
+def print_result(ctx: RunContext, node: Node, *, elapsed: float, nodes: list[Node] | None = None) -> None:
     art = ctx.store.open(node.key)
     report = art.json("report")
     paths = materialize(ctx.store, node.key)
     computed = len(ctx.work_done)
     if ctx.options.json:
         emit_json({**report, "report_key": node.key, "files": {k: str(v) for k, v in paths.items()},
-                   "computed": ctx.work_done, "seconds": round(elapsed, 3)})
+                   "computed": ctx.work_done, "stages": stage_counts(nodes or []),
+                   "seconds": round(elapsed, 3)})
         return
     for w in report["warnings"]:
         print(f"\n!!! {w}\n")
@@ -182,4 +202,10 @@ def print_result(ctx: RunContext, node: Node, *, elapsed: float) -> None:
     print()
     for name, path in paths.items():
         print(f"{name:<28} {path}")
-    print(f"\n{computed} artifact(s) computed, the rest from the cache; {elapsed:.1f} s.")
+    print()
+    for row in stage_counts(nodes or []):
+        if "samples" in row:
+            s = row["samples"]
+            print(f"{row['label']:<28} {s['reused']} reused, {s['pulled']} pulled, {s['computed']} computed"
+                  f" of {s['total']} samples")
+    print(f"\n{computed} node(s) did work, the rest from the cache; {elapsed:.1f} s.")
