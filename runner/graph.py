@@ -245,7 +245,7 @@ def check_offline(ctx: RunContext, nodes: list[Node]) -> None:
             distinct = n.positions_distinct(n.produce)
             ids = [n.ids[i] for i in distinct[:5]]
             more = f" and {len(distinct) - 5} more" if len(distinct) > 5 else ""
-            lines.append(f"  - {n.label or n.stage}: {len(distinct)} of {len(n.sample_keys)} sample(s) missing "
+            lines.append(f"  - {n.label or n.stage} {n.key}: {len(distinct)} of {len(n.sample_keys)} sample(s) missing "
                          f"(prompt ids {', '.join(map(repr, ids))}{more}; would contact {n.contacts or 'the network'})")
         else:
             lines.append(f"  - {n.label or n.stage} {n.key} (would contact {n.contacts or 'the network'})")
