@@ -60,7 +60,7 @@ def _make_command(mode: str):
         store: Optional[str] = typer.Option(None, "--store", help="Store path or URL (as before the command)."),
         debug: bool = typer.Option(False, "--debug", help="Show tracebacks (as before the command)."),
         no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
-    ) -> None:
+    ):
         from dfcache.config import offline_from_env
 
         # DESIGN §7 puts --store (and scripts put --debug) after the command, too.
@@ -105,6 +105,8 @@ def _make_command(mode: str):
             end_rule=end_rule, offline=offline or state.offline or offline_from_env(),
             remotes=list(remote or []), endpoint_url=endpoint_url, json=json_out or state.json,
             progress=not no_progress and sys.stderr.isatty() and not (json_out or state.json))
+        if mode == "options":  # `dfcache watch` and `dfcache export` take these options, validated the same way
+            return opts
         run_pipeline(mode, RUN_TARGETS[target], opts, argv=_run_argv(ctx, target))
 
     command.__doc__ = ("Show the graph and each node's status; does no work." if mode == "plan" else
@@ -158,6 +160,11 @@ def _run_argv(ctx: typer.Context, target: str) -> list[str]:
 def register(app: typer.Typer) -> None:
     app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
     app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
+    from .cli_peers import register as register_peers
+    from .watch import register as register_watch
+
+    register_peers(app)
+    register_watch(app)
 
 
 def open_remotes(opts: EvalOptions) -> list:
@@ -184,44 +191,57 @@ def open_remotes(opts: EvalOptions) -> list:
 
 
 def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None = None):
-    """Plan (and for mode "run", execute) the graph. Returns (ctx, nodes)."""
-    from .graph import RunContext, check_offline, execute, resolve
-    from .pipeline import build_graph
+    """Plan (and for mode "run", execute) the graph through runner.api, and print. Returns (ctx, nodes)."""
+    from . import api
+    from .graph import check_offline
 
     started = time.perf_counter()
-    store = get_store()
-    if opts.example:
-        from .example import apply_example
-
-        apply_example(store, opts, log=lambda m: print(m, file=sys.stderr, flush=True))
-    ctx = RunContext(store, opts, remotes=open_remotes(opts), argv=argv)
-    nodes = resolve(ctx, build_graph(ctx, upto))
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if mode == "plan":
+        ctx, nodes = api.resolve_graph(upto, opts, get_store(), argv=argv, log=log)
         _print_plan(nodes, opts)
         if opts.offline:
             check_offline(ctx, nodes)
         return ctx, nodes
-    check_offline(ctx, nodes)
-    execute(ctx, nodes)
-    elapsed = time.perf_counter() - started
-    final = nodes[-1]
-    from .stages.report import print_result, stage_counts
-
-    if upto == "eval":
-        print_result(ctx, final, elapsed=elapsed, nodes=nodes)
-    elif opts.json:
-        emit_json({"nodes": [n.to_plan_dict() for n in nodes], "stages": stage_counts(nodes),
-                   "computed": ctx.work_done, "seconds": round(elapsed, 3)})
-    else:
-        for n, row in zip(nodes, stage_counts(nodes)):
-            if "samples" in row:
-                c = row["samples"]
-                verb = f"{c['reused']} reused, {c['pulled']} pulled, {c['computed']} computed of {c['total']}"
-            else:
-                verb = "computed" if n.key in ctx.work_done else ("pulled" if n.status == "remote" else "cached")
-            print(f"{n.label or n.stage:<28} {n.key[:12]}  {verb}")
-        print(f"{len(ctx.work_done)} node(s) did work, {len(nodes) - len(ctx.work_done)} reused in {elapsed:.1f} s")
+    ctx, nodes = api._run(upto, opts, get_store(), argv=argv, log=log)
+    print_run(api._result(upto, ctx, nodes, time.perf_counter() - started), opts)
     return ctx, nodes
+
+
+def print_run(result, opts: EvalOptions) -> None:
+    """What `dfcache run` prints for a :class:`runner.api.RunResult`."""
+    if result.upto == "eval":
+        if opts.json:
+            emit_json({**result.report, "report_key": result.report_key,
+                       "files": {k: str(v) for k, v in result.files.items()},
+                       "computed": result.computed, "stages": [n.stage_row() for n in result.nodes],
+                       "seconds": round(result.seconds, 3)})
+            return
+        for w in result.report["warnings"]:
+            print(f"\n!!! {w}\n")
+        print(result.markdown)
+        print()
+        for name, path in result.files.items():
+            print(f"{name:<28} {path}")
+        print()
+        for n in result.nodes:
+            if n.samples is not None and n.status != "cached":
+                print(f"{n.label:<28} {_sample_outcome(n)}")
+        print(f"\n{len(result.computed)} node(s) did work, the rest from the cache; {result.seconds:.1f} s.")
+        return
+    if opts.json:
+        emit_json({"nodes": [n.to_dict() for n in result.nodes], "stages": [n.stage_row() for n in result.nodes],
+                   "computed": result.computed, "seconds": round(result.seconds, 3)})
+        return
+    for n in result.nodes:
+        print(f"{n.label:<28} {n.key[:12]}  {_sample_outcome(n) if n.samples is not None else n.outcome}")
+    print(f"{len(result.computed)} node(s) did work, {len(result.nodes) - len(result.computed)} reused in "
+          f"{result.seconds:.1f} s")
+
+
+def _sample_outcome(n) -> str:
+    s = n.stage_row()["samples"]
+    return f"{s['reused']} reused, {s['pulled']} pulled, {s['computed']} computed of {s['total']} samples"
 
 
 def _print_plan(nodes, opts: EvalOptions) -> None:

@@ -54,6 +54,7 @@ class DrafterRef:
     mask_token_id: int
     trained_on: str | None
     hidden_size: int | None = None
+    step: int | None = None  # training step (runner/checkpoints.py), when the checkpoint says
 
 
 def _int_list(v) -> bool:
@@ -102,7 +103,26 @@ def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
     if not opts.drafters:
         raise BadInputError("run eval needs at least one drafter: pass --drafter DIR (repeatable), or "
                             "--example for the embedded one.")
-    refs = [read_drafter(d, opts.trained_on) for d in opts.drafters]
+    from ..checkpoints import expand_drafter_arg, incomplete_reason
+
+    refs = []
+    for value in opts.drafters:  # a directory, a glob, or a training-output directory
+        found, several = expand_drafter_arg(value)
+        complete = []
+        for c in found:
+            # A glob or training directory may hold a checkpoint the trainer is still writing.
+            problem = incomplete_reason(c.path) if several else None
+            if problem:
+                ctx.log(f"note: skipping {c.path}: {problem} (still being written?)")
+            else:
+                complete.append(c)
+        if not complete:
+            raise BadInputError(f"--drafter {value}: none of its {len(found)} checkpoint(s) is complete yet; "
+                                "wait for the trainer to finish writing one (or use dfcache watch).")
+        for c in complete:
+            ref = read_drafter(str(c.path), opts.trained_on)
+            ref.step = c.step
+            refs.append(ref)
     names = [r.name for r in refs]
     for i, r in enumerate(refs):  # side-by-side columns need distinct names
         if names.count(r.name) > 1:
@@ -226,13 +246,15 @@ def _as_tensor(samples, j: int, stop: int):
 
 
 def read_responses(store, node: Node) -> list[dict]:
-    """Every response's eval document of a drafter_eval node's prompt set, in prompt order."""
+    """Every response's eval document of a drafter_eval node's prompt set, in prompt order, each
+    with the prompt's ``id`` (ids belong to the set, not to the shared sample)."""
     from dfcache.samples import SampleSet
 
-    return SampleSet(store, node.partition.key, node.sample_keys).docs()
+    docs = SampleSet(store, node.partition.key, node.sample_keys).docs()
+    return [{"id": node.ids[i], **d} for i, d in enumerate(docs)]
 
 
-def summarize_node(store, node: Node) -> dict:
+def read_summary(store, node: Node) -> dict:
     """What the report shows for one drafter: metrics over its responses plus who/what."""
     from ..metrics import aggregate
 

@@ -1,17 +1,21 @@
-"""Stage `report`: the drafters side by side — JSON, a markdown table and PNG plots.
+"""Stage `report`: the drafters side by side — JSON, a markdown table, PNG plots and HTML.
 
-Key recipe (a set-level artifact: the one stage whose key depends on the set and its order)::
+Key recipe (a set-level artifact: the one stage whose key depends on the prompt set and its order)::
 
     key = xxh3_128(canonical({stage: "report", stage_version: VERSION,
-        inputs: {drafters: [display names, in --drafter order]},
+        inputs: {drafters: [display names, in --drafter order],
+                 steps:    [training steps, same order (null where unknown)]},
         upstream: {evals: [set key of each drafter_eval node, same order]}}))
 
-where a node's set key is ``xxh3_128(canonical({"partition": P, "set": xxh3_128(",".join(sample
-keys in prompt order))}))``. The manifest's ``sample_refs`` name the eval samples it was made
-from (``gc`` keeps them). A run whose report is stored (here or in a remote) needs nothing else.
+where a per-sample node's set key is ``xxh3_128(canonical({"partition": P, "set":
+xxh3_128(",".join(sample keys in prompt order))}))``. The manifest's ``sample_refs`` name the eval
+samples it was made from (``gc`` keeps them). A run whose report is stored (here or in a remote)
+needs nothing under it.
 
-Output: documents ``report`` (the JSON documented in docs/metrics.md) and ``markdown``; uint8
-arrays ``png_histogram`` and ``png_position`` (PNG bytes). The files are materialized under
+Output: documents ``report`` (the JSON documented in docs/metrics.md), ``markdown`` and ``html``
+(a self-contained page: table, plots, per-prompt block views; ``runner/reporting.py``); uint8
+arrays ``png_histogram``, ``png_position`` and, when two or more drafters have a training step,
+``png_tau_by_step`` (PNG bytes). The files are materialized under
 ``<store>/reports/<key[:12]>/`` when a run prints them, so a cached run shows them by path
 without re-plotting (and without importing matplotlib or torch).
 """
@@ -22,21 +26,22 @@ import json
 import os
 from pathlib import Path
 
-from dfcache.cli._common import emit_json
-
 from ..graph import Node, RunContext
 
 NAME = "report"
-VERSION = 2
+VERSION = 4  # 2: steps, report.html, tau_by_step.png; 3: "latest" is the highest step; 4: per-sample evals
 
 FILES = {"report.json": "report", "report.md": "markdown", "histogram.png": "png_histogram",
-         "acceptance_by_position.png": "png_position"}
+         "acceptance_by_position.png": "png_position", "tau_by_step.png": "png_tau_by_step",
+         "report.html": "html"}
 
 
 def build(ctx: RunContext, evals: list[Node]) -> Node:
     names = [e.payload["drafter"].name for e in evals]
-    return Node.make(NAME, VERSION, inputs={"drafters": names}, upstream={"evals": [e.key for e in evals]},
-                     needs="cpu", deps=list(evals), label="report",
+    steps = [getattr(e.payload["drafter"], "step", None) for e in evals]
+    return Node.make(NAME, VERSION, inputs={"drafters": names, "steps": steps},
+                     upstream={"evals": [e.key for e in evals]}, needs="cpu", deps=list(evals), label="report",
+                     payload={"target_dir": evals[0].payload["target_dir"] if evals else None},
                      summary="report: " + " vs ".join(names))
 
 
@@ -44,12 +49,12 @@ def _fmt(v, digits=2) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
-def make_report(summaries: list[dict], keys: list[str]) -> dict:
+def make_report(summaries: list[dict], keys: list[str], steps: list | None = None) -> dict:
     drafters = []
-    for s, key in zip(summaries, keys):
+    for s, key, step in zip(summaries, keys, steps or [None] * len(keys)):
         chain = s["chain"]
         drafters.append({
-            "drafter": s["drafter"], "key": key,
+            "drafter": s["drafter"], "key": key, "step": step,
             "tau_chain": chain["tau"],
             "tau_tree": {b: t["tau"] for b, t in s["tree"].items()},
             "histogram": chain["histogram"], "accept_rate_at": chain["accept_rate_at"],
@@ -70,18 +75,27 @@ def make_report(summaries: list[dict], keys: list[str]) -> dict:
     return {"end_rule": rule, "drafters": drafters, "warnings": warnings}
 
 
-def markdown_table(report: dict) -> str:
+def table(report: dict) -> tuple[list[str], list[list[str]]]:
+    """The summary table's header and rows (the markdown and the HTML show the same)."""
     budgets = sorted({int(b) for d in report["drafters"] for b in d["tau_tree"]})
-    head = ["drafter", "τ chain"] + [f"τ tree-{b}" for b in budgets] + ["blocks", "tokens/block",
-                                                                         "responses", "states"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    stepped = any(d.get("step") is not None for d in report["drafters"])
+    head = (["step"] if stepped else []) + ["drafter", "τ chain"] + [f"τ tree-{b}" for b in budgets] + \
+        ["blocks", "tokens/block", "responses", "states"]
+    rows = []
     for d in report["drafters"]:
         hs = d["hidden_states_backend"]
         states = f"{hs['kernel']}/{hs['device']}/{hs['dtype']}" + (" ⚠ trained on " + d["trained_on"]
                                                                    if d["backend_mismatch"] else "")
-        row = [d["drafter"], _fmt(d["tau_chain"])] + [_fmt(d["tau_tree"].get(str(b))) for b in budgets] + \
-              [str(d["blocks"]), _fmt(d["tokens_per_block"]), str(d["responses"]), states]
-        lines.append("| " + " | ".join(row) + " |")
+        step = [] if not stepped else ["-" if d.get("step") is None else str(d["step"])]
+        rows.append(step + [d["drafter"], _fmt(d["tau_chain"])] + [_fmt(d["tau_tree"].get(str(b))) for b in budgets]
+                    + [str(d["blocks"]), _fmt(d["tokens_per_block"]), str(d["responses"]), states])
+    return head, rows
+
+
+def markdown_table(report: dict) -> str:
+    head, rows = table(report)
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     text = "\n".join(lines)
     if report["warnings"]:
         text += "\n\n" + "\n".join(f"**{w}**" for w in report["warnings"])
@@ -90,35 +104,16 @@ def markdown_table(report: dict) -> str:
     return text
 
 
-def _plots(report: dict) -> tuple[bytes, bytes]:
-    import io
+def _plots(report: dict) -> dict[str, bytes]:
+    """PNG bytes by artifact array name."""
+    from .. import reporting
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def png(fig) -> bytes:
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
-        plt.close(fig)
-        return buf.getvalue()
-
+    plt = reporting.pyplot()
+    drafters = report["drafters"]
+    pngs = {"png_histogram": reporting.histograms_png(
+        [(f"{d['drafter']} (τ={_fmt(d['tau_chain'])})", d["histogram"]) for d in drafters], "Acceptance histogram")}
     fig, ax = plt.subplots(figsize=(7, 4))
-    n = len(report["drafters"])
-    width = 0.8 / max(n, 1)
-    for i, d in enumerate(report["drafters"]):
-        hist = d["histogram"][1:]
-        total = sum(hist) or 1
-        xs = [x + 1 + (i - (n - 1) / 2) * width for x in range(len(hist))]
-        ax.bar(xs, [h / total for h in hist], width=width, label=f"{d['drafter']} (τ={_fmt(d['tau_chain'])})")
-    ax.set_xlabel("tokens accepted per block (chain, incl. bonus)")
-    ax.set_ylabel("share of blocks")
-    ax.set_title("Acceptance histogram")
-    ax.legend()
-    hist_png = png(fig)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for d in report["drafters"]:
+    for d in drafters:
         rates = d["accept_rate_at"]
         ax.plot(range(1, len(rates) + 1), rates, marker="o", label=d["drafter"])
     ax.set_xlabel("draft position j")
@@ -126,25 +121,76 @@ def _plots(report: dict) -> tuple[bytes, bytes]:
     ax.set_ylim(0, 1.02)
     ax.set_title("Acceptance by position (chain)")
     ax.legend()
-    return hist_png, png(fig)
+    pngs["png_position"] = reporting.png(fig)
+    stepped = [d for d in drafters if d.get("step") is not None]
+    if len(stepped) >= 2:
+        budgets = sorted({int(b) for d in drafters for b in d["tau_tree"]})
+        points = [reporting.Point(d["drafter"], d["step"], d["tau_chain"], d["tau_tree"], d["histogram"], d["key"])
+                  for d in sorted(stepped, key=lambda d: d["step"])]
+        pngs["png_tau_by_step"] = reporting.tau_by_step_png(points, None, budgets)
+    return pngs
+
+
+def html_page(store, report: dict, pngs: dict[str, bytes], target_dir: str | None, evals: list[Node]) -> str:
+    """The report as one self-contained page: the table, the plots, and per-prompt block views of
+    every drafter (when there are more than three: of the latest step, the best, and up to two
+    drafters without a step, such as references)."""
+    from .. import reporting
+    from .drafter_eval import read_responses
+    from .tokens import read_tokens
+
+    drafters = report["drafters"]
+    head, rows = table(report)
+    best = max(range(len(drafters)), key=lambda i: drafters[i]["tau_chain"] or 0) if drafters else None
+    stepped = [i for i, d in enumerate(drafters) if d.get("step") is not None]
+    # The latest checkpoint is the highest step; drafters without one (references) are never "latest".
+    latest = max(stepped, key=lambda i: drafters[i]["step"]) if stepped else None
+    classes = [" ".join(c for c, hit in (("best", i == best), ("latest", i == latest)) if hit)
+               for i in range(len(drafters))]
+    unstepped = [i for i in range(len(drafters)) if i not in stepped]
+    shown = list(range(len(drafters))) if len(drafters) <= 3 else \
+        sorted({i for i in (latest, best) if i is not None} | set(unstepped[:2]))
+    views = []
+    for i in shown:
+        d = drafters[i]
+        role = "latest: " if i == latest else ("best: " if i == best and len(drafters) > 3 else "")
+        step = f" (step {d['step']})" if d.get("step") is not None else ""
+        views.append(reporting.DrafterView(f"{role}{d['drafter']}{step}", read_responses(store, evals[i]),
+                                           int(d["block_size"])))
+    toks = read_tokens(store, evals[0].payload["tokens"]) if drafters else None
+    budgets = sorted({int(b) for d in drafters for b in d["tau_tree"]})
+    section = ("<h2>Per prompt</h2>" + reporting.legend_html(max((v.block_size for v in views), default=2))
+               + reporting.per_prompt_html(views, toks, reporting.TokenText.from_target(target_dir), budgets))
+    captions = {"png_tau_by_step": "τ by training step", "png_histogram": "acceptance histogram",
+                "png_position": "acceptance by position"}
+    return reporting.page(
+        title="dfcache report: " + " vs ".join(d["drafter"] for d in drafters[:4]) + (" …" if len(drafters) > 4 else ""),
+        subtitle=f"end rule {report['end_rule']}; {len(drafters)} drafter(s)",
+        table=reporting.table_html(head, list(zip(classes, rows))),
+        images=[(captions[k], pngs[k]) for k in captions if k in pngs], sections=[section],
+        warnings=report["warnings"])
 
 
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
     import numpy as np
 
-    from .drafter_eval import summarize_node
+    from .drafter_eval import read_summary
 
     for node in nodes:
         evals = node.deps
-        report = make_report([summarize_node(ctx.store, e) for e in evals], [e.key for e in evals])
-        hist_png, pos_png = _plots(report)
+        report = make_report([read_summary(ctx.store, e) for e in evals], [e.key for e in evals],
+                             node.inputs.get("steps"))
+        pngs = _plots(report)
+        target_dir = node.payload.get("target_dir") if isinstance(node.payload, dict) else None
+        page = html_page(ctx.store, report, pngs, target_dir, evals)
         refs = [{"partition": e.partition.key, "keys": list(dict.fromkeys(e.sample_keys))} for e in evals]
         with ctx.store.writer(node.key, stage=NAME, stage_version=VERSION, inputs=node.inputs,
                               upstream=node.upstream, summary=node.summary, sample_refs=refs) as w:
             w.put_json("report", report)
             w.put_json("markdown", markdown_table(report))
-            w.write_array("png_histogram", np.frombuffer(hist_png, dtype=np.uint8))
-            w.write_array("png_position", np.frombuffer(pos_png, dtype=np.uint8))
+            w.put_json("html", page)
+            for name, png in pngs.items():
+                w.write_array(name, np.frombuffer(png, dtype=np.uint8))
 
 
 def materialize(store, key: str) -> dict[str, Path]:
@@ -156,6 +202,8 @@ def materialize(store, key: str) -> dict[str, Path]:
     out = Path(root) / "reports" / key[:12]
     paths = {}
     for filename, name in FILES.items():
+        if name not in art.manifest.blobs and name not in art.manifest.arrays:
+            continue  # e.g. no tau_by_step.png without training steps
         path = out / filename
         paths[filename] = path
         if path.exists():
@@ -170,42 +218,3 @@ def materialize(store, key: str) -> dict[str, Path]:
         tmp.write_bytes(data)
         os.replace(tmp, path)
     return paths
-
-
-def stage_counts(nodes: list[Node]) -> list[dict]:
-    """Per node of a run: status and, per-sample, how many samples were reused, pulled, produced."""
-    out = []
-    for n in nodes:
-        row = {"stage": n.stage, "label": n.label or n.stage, "key": n.key, "status": n.status}
-        if n.partition is not None:
-            c = n.samples_dict()
-            row["samples"] = {"total": c["total"], "reused": c["cached"], "pulled": c["pulled"],
-                              "computed": c["produced"], "not_needed": c["total"] - c["cached"] - len(n.pull)
-                              - len(n.produce)}
-        out.append(row)
-    return out
-
-
-def print_result(ctx: RunContext, node: Node, *, elapsed: float, nodes: list[Node] | None = None) -> None:
-    art = ctx.store.open(node.key)
-    report = art.json("report")
-    paths = materialize(ctx.store, node.key)
-    computed = len(ctx.work_done)
-    if ctx.options.json:
-        emit_json({**report, "report_key": node.key, "files": {k: str(v) for k, v in paths.items()},
-                   "computed": ctx.work_done, "stages": stage_counts(nodes or []),
-                   "seconds": round(elapsed, 3)})
-        return
-    for w in report["warnings"]:
-        print(f"\n!!! {w}\n")
-    print(art.json("markdown"))
-    print()
-    for name, path in paths.items():
-        print(f"{name:<28} {path}")
-    print()
-    for row in stage_counts(nodes or []):
-        if "samples" in row:
-            s = row["samples"]
-            print(f"{row['label']:<28} {s['reused']} reused, {s['pulled']} pulled, {s['computed']} computed"
-                  f" of {s['total']} samples")
-    print(f"\n{computed} node(s) did work, the rest from the cache; {elapsed:.1f} s.")

@@ -1,0 +1,197 @@
+"""Stored samples as training data: a map-style torch Dataset and a length-bucketing sampler.
+
+Imports torch (a training tool needs it; nothing on the CLI's cached path imports this module).
+Generic on purpose (dfcache knows nothing about drafters): a :class:`SampleSource` lists the
+samples of a selection and reads one sample's arrays by name; :class:`HiddenStateDataset` turns
+them into torch tensors. ``runner.samples`` builds the source for a target, backend, prompt set
+and layer list (``runner.api.hidden_state_dataset``), and that is the one place that knows how
+the eval pipeline's artifacts are laid out.
+
+Worker processes: a source is pickled to spawn workers and copied into forked ones; it must
+not carry an open store handle across processes. Sources open their store lazily, once per
+process (keyed by the pid), so ``DataLoader(num_workers=N)`` works with either start method.
+
+Example::
+
+    from runner.api import hidden_state_dataset
+    ds = hidden_state_dataset(store="./store", target="./target", drafters=["./drafter"])
+    item = ds[0]   # {"input_ids": [1, n] int64, "loss_mask": [1, n] int64,
+                   #  "hidden_states": [1, n, layers * hidden] bfloat16, "key": str}
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Iterator, Protocol, Sequence, runtime_checkable
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+__all__ = ["HiddenStateDataset", "LengthBucketSampler", "Sample", "SampleSource", "pad_collate"]
+
+
+@dataclass
+class Sample:
+    """One sample as stored: its key and its arrays by name (bf16 as uint16 bits, see ``dtypes``)."""
+
+    key: str
+    arrays: dict[str, np.ndarray]
+    dtypes: dict[str, str]  # logical dtype of each array ("bfloat16", "int64", ...)
+
+
+@runtime_checkable
+class SampleSource(Protocol):
+    """The samples of one selection, readable one at a time (by position)."""
+
+    def __len__(self) -> int: ...
+
+    def keys(self) -> list[str]:
+        """The sample keys, in the selection's order."""
+        ...
+
+    def lengths(self) -> Sequence[int]:
+        """Tokens (rows) of each sample, without reading any sample."""
+        ...
+
+    def read(self, index: int) -> Sample:
+        """One sample's arrays; reads only the chunks its rows touch."""
+        ...
+
+
+def _to_torch(arr: np.ndarray, dtype: str) -> torch.Tensor:
+    if dtype == "bfloat16":
+        bits = np.ascontiguousarray(arr)
+        if bits.dtype != np.uint16:
+            bits = bits.view(np.uint16)
+        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(arr))
+
+
+class HiddenStateDataset(Dataset):
+    """Map-style dataset over a :class:`SampleSource`; item ``i`` is sample ``i`` of the selection.
+
+    Each item is a dict: every array of the sample as a torch tensor with a leading batch
+    dimension of 1 (``[1, n, ...]``, the shape SpecForge's DFlash offline normalizer gives and
+    its collator pads), bf16 arrays as ``torch.bfloat16`` bit for bit, and ``"key"`` (the
+    sample key, a str). ``max_len`` truncates every array to its first ``max_len`` rows, as
+    SpecForge's ``max_len`` does.
+
+    Picklable, and safe under ``DataLoader(num_workers>0)`` with fork or spawn: the source reopens its store
+    in each process.
+    """
+
+    def __init__(self, source: SampleSource, *, max_len: int | None = None) -> None:
+        if max_len is not None and max_len < 1:
+            raise ValueError(f"max_len={max_len}: give a positive number of tokens (or None).")
+        self.source = source
+        self.max_len = max_len
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def keys(self) -> list[str]:
+        return self.source.keys()
+
+    def lengths(self) -> list[int]:
+        """Tokens per item (after ``max_len``), for :class:`LengthBucketSampler`."""
+        lens = [int(n) for n in self.source.lengths()]
+        return [min(n, self.max_len) for n in lens] if self.max_len else lens
+
+    def __getitem__(self, index: int) -> dict:
+        n = len(self)
+        if not isinstance(index, (int, np.integer)):
+            raise TypeError(f"index {index!r}: items are read by position (an int)")
+        i = int(index) + (n if index < 0 else 0)
+        if not 0 <= i < n:
+            raise IndexError(f"index {index} out of range for {n} samples")
+        sample = self.source.read(i)
+        item: dict = {}
+        for name, arr in sample.arrays.items():
+            if self.max_len is not None:
+                arr = arr[: self.max_len]
+            item[name] = _to_torch(arr, sample.dtypes.get(name, arr.dtype.name)).unsqueeze(0)
+        item["key"] = sample.key
+        return item
+
+
+class LengthBucketSampler:
+    """Batches of sample indices of similar length, at most ``max_tokens`` padded tokens each.
+
+    Samples are sorted by length inside windows of ``bucket_size`` shuffled samples, cut into
+    batches whose padded size (longest x count) stays within ``max_tokens``, and the batches
+    are shuffled; ``seed`` and ``set_epoch`` make the order reproducible. Use as
+    ``DataLoader(ds, batch_sampler=LengthBucketSampler(ds.lengths(), max_tokens=16384),
+    collate_fn=pad_collate)``.
+    """
+
+    def __init__(self, lengths: Sequence[int], *, max_tokens: int, bucket_size: int = 1024,
+                 shuffle: bool = True, seed: int = 0) -> None:
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens}: give a positive number of tokens.")
+        self.lengths = [int(n) for n in lengths]
+        self.max_tokens = max_tokens
+        self.bucket_size = max(1, bucket_size)
+        self.shuffle = shuffle
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def _batches(self) -> list[list[int]]:
+        order = list(range(len(self.lengths)))
+        rng = random.Random(self.seed * 1_000_003 + self.epoch)
+        if self.shuffle:
+            rng.shuffle(order)
+        batches: list[list[int]] = []
+        for w in range(0, len(order), self.bucket_size):
+            window = sorted(order[w:w + self.bucket_size], key=lambda i: self.lengths[i])
+            batch: list[int] = []
+            longest = 0
+            for i in window:
+                n = self.lengths[i]
+                if batch and max(longest, n) * (len(batch) + 1) > self.max_tokens:
+                    batches.append(batch)
+                    batch, longest = [], 0
+                batch.append(i)
+                longest = max(longest, n)
+            if batch:
+                batches.append(batch)
+        if self.shuffle:
+            rng.shuffle(batches)
+        return batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self._batches())
+
+    def __len__(self) -> int:
+        return len(self._batches())
+
+
+def pad_collate(items: list[dict], pad_values: dict[str, int] | None = None) -> dict:
+    """Right-pad items of a batch along the sequence axis and concatenate them on the batch axis.
+
+    Tensors are ``[1, n, ...]`` (as items come); padding is 0 unless ``pad_values`` says otherwise.
+    Adds ``attention_mask`` ([B, n_max], 1 on real tokens) and keeps ``key`` as a list.
+    """
+    pad_values = pad_values or {}
+    out: dict = {"key": [it["key"] for it in items]}
+    names = [k for k in items[0] if k != "key"]
+    longest = max(it[names[0]].shape[1] for it in items) if names else 0
+    for name in names:
+        parts = []
+        for it in items:
+            t = it[name]
+            if t.shape[1] < longest:
+                pad = t.new_full((1, longest - t.shape[1], *t.shape[2:]), pad_values.get(name, 0))
+                t = torch.cat([t, pad], dim=1)
+            parts.append(t)
+        out[name] = torch.cat(parts, dim=0)
+    if names:
+        mask = torch.zeros((len(items), longest), dtype=torch.long)
+        for b, it in enumerate(items):
+            mask[b, : it[names[0]].shape[1]] = 1
+        out["attention_mask"] = mask
+    return out

@@ -1,0 +1,228 @@
+"""`dfcache export`: a selection's stored states in SpecForge's or speculators' on-disk layout.
+
+Layouts (read from the peers' own code; docs/peers.md has the sources):
+
+* ``specforge`` (SpecForge ``scripts/prepare_hidden_states.py`` with the DFlash capture layout,
+  read by ``specforge.runtime.data_plane.feature_store.load_feature_file`` and normalized by
+  ``specforge.algorithms.common.dflash_family_data.normalize_offline_sample``): one
+  ``torch.save`` file per sample, ``rows_{g}-{g+2000}/data_{i}.ckpt`` with ``g = i // 2000 * 2000``,
+  holding ``{"input_ids": int64 [n], "loss_mask": int64 [n], "hidden_states": bf16
+  [1, n, len(layers) * hidden]}``, layers concatenated in the drafter's ``target_layer_ids`` order.
+* ``speculators`` (vLLM's hidden-states connector output as speculators 0.9 reads it through
+  ``hs_connectors.FileTransfer`` and ``speculators.train.data.ArrowDataset``):
+  ``hidden_states/hs_{i}.safetensors`` holding ``hidden_states`` bf16 ``[n, len(layers), hidden]``
+  and ``token_ids`` int64 ``[n]``, where the layers are the drafter's layers without the target's
+  last layer, then the last layer (speculators splits it off as ``verifier_last_hidden_states``);
+  beside it the prepared dataset speculators trains from (``datasets.save_to_disk``: columns
+  ``input_ids``, ``loss_mask``, ``seq_len``, torch format), since its loss mask lives there. Its
+  layer ids are dfcache's plus one (``aux_hidden_state_layer_ids``), recorded in the manifest.
+
+Every file is written to a temporary name in its directory and renamed into place, so a file
+that exists is complete; ``dfcache-export.json`` (the selection, the files, ``complete``) is
+written first and marked complete last. An interrupted export resumes: files present are kept.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from dfcache.errors import UsageError
+
+from .samples import Selection
+
+FORMATS = ("specforge", "speculators")
+MANIFEST = "dfcache-export.json"
+EXPORT_VERSION = 1
+SPECFORGE_GROUP = 2000  # SpecForge's --file-group-size default
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
+def specforge_relpath(i: int) -> str:
+    g = (i // SPECFORGE_GROUP) * SPECFORGE_GROUP
+    return f"rows_{g}-{g + SPECFORGE_GROUP}/data_{i}.ckpt"
+
+
+def speculators_relpath(i: int) -> str:
+    return f"hidden_states/hs_{i}.safetensors"
+
+
+@dataclass
+class ExportResult:
+    format: str
+    out: Path
+    samples: int
+    written: int
+    skipped: int
+    bytes_written: int
+    layers: list[int]
+    files: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"format": self.format, "out": str(self.out), "samples": self.samples, "written": self.written,
+                "skipped": self.skipped, "bytes_written": self.bytes_written, "layers": self.layers,
+                "notes": self.notes}
+
+
+def _identity(fmt: str, sel: Selection) -> dict:
+    return {"format": fmt, "export_version": EXPORT_VERSION, **sel.identity()}
+
+
+def _read_manifest(out: Path) -> dict | None:
+    try:
+        return json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> int:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The temporary name ends neither in .ckpt nor .safetensors: the peers' directory scans skip it.
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.partial")
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_UMASK)  # as a plain open() would (safetensors writes 0600)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path.stat().st_size
+
+
+def _write_json(path: Path, doc: dict) -> None:
+    _atomic_write(path, lambda p: p.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n"))
+
+
+def check_destination(fmt: str, sel: Selection, out: Path) -> dict | None:
+    """The previous export's manifest if ``out`` holds one of this selection; raises if ``out``
+    holds anything else. None: ``out`` is empty or absent."""
+    if not out.exists():
+        return None
+    if not out.is_dir():
+        raise UsageError(f"--out {out} is a file; give a directory (new, empty, or a previous export of "
+                         "this selection).")
+    if not any(out.iterdir()):
+        return None
+    man = _read_manifest(out)
+    if man is None:
+        raise UsageError(f"--out {out} is not empty and is not a dfcache export; give a new or empty "
+                         "directory (or delete that one).")
+    if man.get("identity") != _identity(fmt, sel):
+        raise UsageError(f"--out {out} holds an export of another selection ({man.get('identity', {}).get('format')}"
+                         f", tokens {str(man.get('identity', {}).get('tokens'))[:12]}); give a new or empty "
+                         "directory, or delete that one to replace it.")
+    return man
+
+
+def export(sel: Selection, fmt: str, out: str | os.PathLike, *, progress=None) -> ExportResult:
+    """Write the selection's samples in ``fmt``'s layout under ``out`` (resuming a previous try)."""
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}.")
+    out = Path(out)
+    if fmt == "speculators":
+        try:
+            import datasets  # noqa: F401
+        except ImportError:
+            raise UsageError("--format speculators also writes the prepared dataset speculators trains "
+                             "from, with the `datasets` package; install it (pip install datasets).") from None
+    check_destination(fmt, sel, out)
+    src = sel.source()
+    keys = src.keys()
+    rel = specforge_relpath if fmt == "specforge" else speculators_relpath
+    manifest = {"identity": _identity(fmt, sel), "complete": False, "samples": len(src),
+                "layers": sel.layers, "hidden_size": sel.hidden_size, "num_layers": sel.num_layers,
+                "backend": sel.backend, "dtype": src.dtype,
+                "provenance": "exported by dfcache from the artifacts named in identity",
+                "files": [{"file": rel(i), "key": keys[i]} for i in range(len(src))]}
+    if fmt == "speculators":
+        manifest["aux_hidden_state_layer_ids"] = [k + 1 for k in sel.layers[:-1]]
+        manifest["note"] = ("hidden_states holds the layers listed in 'layers' (dfcache ids: output of decoder "
+                            "layer k); speculators ids are k+1; the last one is the target's last layer.")
+    out.mkdir(parents=True, exist_ok=True)
+    _write_json(out / MANIFEST, manifest)
+    res = ExportResult(format=fmt, out=out, samples=len(src), written=0, skipped=0, bytes_written=0,
+                       layers=list(sel.layers))
+    bar = progress(len(src)) if progress else None
+    for i in range(len(src)):
+        path = out / rel(i)
+        if path.exists():
+            res.skipped += 1
+        else:
+            res.bytes_written += _atomic_write(path, lambda p, i=i: _write_sample(fmt, src, i, p))
+            res.written += 1
+            res.files.append(rel(i))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    if fmt == "speculators":
+        res.bytes_written += _write_prepared_dataset(src, out)
+    if src.dtype != "bfloat16":
+        res.notes.append(f"the states are {src.dtype} as stored (extracted with --dtype {src.dtype}); the peers "
+                         "train from bfloat16.")
+    manifest["complete"] = True
+    _write_json(out / MANIFEST, manifest)
+    return res
+
+
+def _write_sample(fmt: str, src, i: int, path: Path) -> None:
+    import torch
+
+    from dfcache.training import _to_torch
+
+    s = src.read(i)
+    ids = torch.from_numpy(s.arrays["input_ids"])
+    if fmt == "specforge":
+        record = {"input_ids": ids, "loss_mask": torch.from_numpy(s.arrays["loss_mask"]),
+                  "hidden_states": _to_torch(s.arrays["hidden_states"], src.dtype).unsqueeze(0)}
+        torch.save(record, path)
+        return
+    from safetensors.torch import save_file
+
+    stacked = np.stack(src.read_layers(i), axis=1)  # [n, layers, hidden]
+    save_file({"hidden_states": _to_torch(stacked, src.dtype), "token_ids": ids}, str(path))
+
+
+def _write_prepared_dataset(src, out: Path) -> int:
+    """speculators' prepared dataset (its loss masks) beside the hidden states, state.json last."""
+    if (out / "state.json").exists():
+        return 0
+    import datasets
+
+    rows = {"input_ids": [], "loss_mask": [], "seq_len": []}
+    for i in range(len(src)):
+        a, b = int(src.offsets[i]), int(src.offsets[i + 1])
+        ids = src.read_tokens(i)
+        mask = np.zeros(b - a, dtype=np.int64)
+        mask[int(src.prompt_lens[i]):] = 1
+        rows["input_ids"].append(ids.tolist())
+        rows["loss_mask"].append(mask.tolist())
+        rows["seq_len"].append(b - a)
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int64")),
+                                  "loss_mask": datasets.Sequence(datasets.Value("int64")),
+                                  "seq_len": datasets.Value("int64")})
+    datasets.disable_progress_bars()
+    ds = datasets.Dataset.from_dict(rows, features=features)
+    ds.set_format(type="torch")
+    tmp = out / f".prepared.{uuid.uuid4().hex[:8]}.partial"
+    total = 0
+    try:
+        ds.save_to_disk(str(tmp))
+        names = sorted(p.name for p in tmp.iterdir())
+        for name in [n for n in names if n != "state.json"] + ["state.json"]:
+            os.replace(tmp / name, out / name)
+            total += (out / name).stat().st_size
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return total

@@ -1,0 +1,237 @@
+"""The store as training data: HiddenStateDataset, DataLoader workers, export to the peers' layouts.
+
+Real parts only: a tiny real target, states extracted by the real pipeline into a real store,
+and the exports read back with SpecForge's and speculators' own reader code (installed from the
+package registry with --no-deps; the tests that need them skip when they are absent).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from dfcache import open_store  # noqa: E402
+from dfcache.cli import main as cli_main  # noqa: E402
+from dfcache.errors import OfflineMissingError  # noqa: E402
+from dfcache.training import HiddenStateDataset, LengthBucketSampler, pad_collate  # noqa: E402
+from runner import api  # noqa: E402
+
+DRAFTER_LAYERS = [3, 1]  # deliberately not sorted: concatenation follows the drafter's order
+LAST = 5  # the tiny target has 6 layers
+
+
+@pytest.fixture(scope="module")
+def cached(tiny_target, tmp_path_factory):
+    """A store holding tokens and layers 1, 3, 5 of four prompts, and a drafter needing [3, 1]."""
+    from runner.train_tiny import make_untrained_drafter
+
+    root = tmp_path_factory.mktemp("training")
+    drafter = make_untrained_drafter(tiny_target, root / "drafter", layer_ids=DRAFTER_LAYERS)
+    sel = dict(target=str(tiny_target), num_prompts=4, max_new_tokens=12, backend="torch", device="cpu",
+               dtype="bfloat16", completions="local")
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        api.run("hidden-states", store=root / "store", layers=[1, 3, LAST], **sel)
+    finally:
+        torch.set_num_threads(before)
+    return {"store": root / "store", "drafter": drafter, "sel": sel, "root": root}
+
+
+def _cli_sel(cached) -> list[str]:
+    s = cached["sel"]
+    return ["--target", s["target"], "--num-prompts", "4", "--max-new-tokens", "12", "--backend", "torch",
+            "--device", "cpu"]
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _same(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bits(a), _bits(b))
+
+
+def test_dataset_items_are_the_stored_rows_in_the_drafters_layer_order(cached):
+    from dfcache.samples import SampleSet
+
+    ds = api.hidden_state_dataset(store=cached["store"], drafters=[str(cached["drafter"])], **cached["sel"])
+    assert isinstance(ds, torch.utils.data.Dataset) and len(ds) == 4
+    src = ds.source
+    assert src.layers == DRAFTER_LAYERS
+    store = open_store(cached["store"])
+    tok_set = SampleSet(store, src.tokens_partition, src.tokens_keys)
+    ids = tok_set.read_many("ids")
+    docs = tok_set.docs()
+
+    class toks:  # the stored tokens, read directly
+        offsets = np.concatenate([[0], np.cumsum([len(x) for x in ids])])
+        prompt_lens = [d["prompt_len"] for d in docs]
+        completion_lens = [d["completion_len"] for d in docs]
+
+        @staticmethod
+        def sample(i):
+            return ids[i]
+
+    layer_set = {k: SampleSet(store, p, keys) for k, p, keys in zip(src.layers, src.layer_partitions,
+                                                                     src.layer_sample_keys)}
+
+    def read_layer(k, i):
+        raw = layer_set[k].read_raw(i, "hidden")
+        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
+
+    keys = set()
+    for i in range(len(ds)):
+        item = ds[i]
+        a, b = int(toks.offsets[i]), int(toks.offsets[i + 1])
+        n = b - a
+        assert item["input_ids"].shape == (1, n) and item["input_ids"].dtype == torch.int64
+        assert item["input_ids"][0].tolist() == toks.sample(i).tolist()
+        # loss_mask: the completion's tokens (SpecForge's assistant-turn tokens of a one-turn sample)
+        want_mask = [0] * int(toks.prompt_lens[i]) + [1] * int(toks.completion_lens[i])
+        assert item["loss_mask"][0].tolist() == want_mask and item["loss_mask"].dtype == torch.int64
+        want = torch.cat([read_layer(k, i) for k in DRAFTER_LAYERS], dim=1)
+        assert item["hidden_states"].dtype == torch.bfloat16
+        assert _same(item["hidden_states"][0], want)
+        keys.add(item["key"])
+    assert len(keys) == 4
+    assert ds.keys() == [ds[i]["key"] for i in range(4)]
+    # max_len truncates every array the way SpecForge's max_len does
+    short = HiddenStateDataset(src, max_len=5)
+    assert short[0]["hidden_states"].shape == (1, 5, 2 * 128) and short.lengths() == [5] * 4
+
+
+def _collect(ds, context: str, workers: int) -> dict:
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers,
+                                         multiprocessing_context=context)
+    return {item["key"]: item for item in loader}
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_dataloader_workers_read_the_same_items(cached, context):
+    if context not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"no {context} start method here")
+    ds = api.hidden_state_dataset(store=cached["store"], layers=[1, LAST], **cached["sel"])
+    ds[0]  # the parent has opened the store: a forked worker must not reuse that handle
+    got = _collect(ds, context, workers=2 if context == "fork" else 1)
+    assert sorted(got) == sorted(ds.keys())
+    for i in range(len(ds)):
+        mine = ds[i]
+        for name in ("input_ids", "loss_mask", "hidden_states"):
+            assert _same(got[mine["key"]][name], mine[name])
+
+
+def test_length_bucket_sampler_covers_every_sample_once_within_the_token_budget(cached):
+    ds = api.hidden_state_dataset(store=cached["store"], layers=[1], **cached["sel"])
+    lengths = ds.lengths()
+    budget = max(lengths) + 10
+    sampler = LengthBucketSampler(lengths, max_tokens=budget, seed=3)
+    batches = list(sampler)
+    assert sorted(i for b in batches for i in b) == list(range(len(ds)))
+    assert all(max(lengths[i] for i in b) * len(b) <= budget for b in batches)
+    assert list(sampler) == batches  # same seed and epoch: same order
+    loader = torch.utils.data.DataLoader(ds, batch_sampler=sampler, collate_fn=pad_collate)
+    for batch, idx in zip(loader, batches):
+        longest = max(lengths[i] for i in idx)
+        assert batch["hidden_states"].shape == (len(idx), longest, 128)
+        assert batch["attention_mask"].sum(1).tolist() == [lengths[i] for i in idx]
+
+
+def test_a_selection_not_fully_cached_names_the_command(cached):
+    with pytest.raises(OfflineMissingError) as e:
+        api.hidden_state_dataset(store=cached["store"], layers=[2], **cached["sel"])
+    assert "hidden_states[2]" in str(e.value) and "run hidden-states" in str(e.value)
+
+
+def _export(cached, fmt, out, *extra, capsys=None) -> int:
+    return cli_main(["--store", str(cached["store"]), "export", "--format", fmt, "--out", str(out),
+                     "--drafter", str(cached["drafter"]), "--no-progress", *_cli_sel(cached), *extra])
+
+
+def test_export_specforge_reads_back_with_specforges_loader(cached, tmp_path, capsys):
+    feature_store = pytest.importorskip("specforge.runtime.data_plane.feature_store")
+    offline_reader = pytest.importorskip("specforge.runtime.data_plane.offline_reader")
+    dflash_data = pytest.importorskip("specforge.algorithms.common.dflash_family_data")
+    out = tmp_path / "sf"
+    assert _export(cached, "specforge", out) == 0
+    assert "4 written" in capsys.readouterr().out
+    ds = api.hidden_state_dataset(store=cached["store"], drafters=[str(cached["drafter"])], **cached["sel"])
+    files = offline_reader.list_feature_files(str(out))
+    assert [Path(f).relative_to(out).as_posix() for f in files] == [f"rows_0-2000/data_{i}.ckpt" for i in range(4)]
+    for f in files:
+        i = int(Path(f).name[len("data_"):-len(".ckpt")])
+        raw = feature_store.load_feature_file(f)
+        assert list(raw) == ["input_ids", "loss_mask", "hidden_states"]
+        assert raw["hidden_states"].dtype == torch.bfloat16 and raw["hidden_states"].dim() == 3
+        item = dflash_data.normalize_offline_sample(raw, max_len=4096)
+        mine = ds[i]
+        assert set(item) == {"input_ids", "loss_mask", "hidden_states"}
+        for name in item:
+            assert _same(item[name], mine[name]), name
+    man = json.loads((out / "dfcache-export.json").read_text())
+    assert man["complete"] is True and [x["key"] for x in man["files"]] == ds.keys()
+    # Again: a previous export of the same selection resumes (nothing rewritten).
+    (out / "rows_0-2000" / "data_2.ckpt").unlink()
+    (out / "rows_0-2000" / ".data_1.ckpt.dead.partial").write_bytes(b"half a file")
+    assert _export(cached, "specforge", out) == 0
+    assert "1 written" in capsys.readouterr().out and (out / "rows_0-2000" / "data_2.ckpt").exists()
+    assert len(offline_reader.list_feature_files(str(out))) == 4
+
+
+def test_export_speculators_reads_back_with_speculators_loader(cached, tmp_path, capsys):
+    pytest.importorskip("datasets")
+    data = pytest.importorskip("speculators.train.data")
+    out = tmp_path / "sp"
+    assert _export(cached, "speculators", out, "--json") == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["layers"] == DRAFTER_LAYERS + [LAST] and res["written"] == 4
+    man = json.loads((out / "dfcache-export.json").read_text())
+    assert man["aux_hidden_state_layer_ids"] == [k + 1 for k in DRAFTER_LAYERS]
+    theirs = data.ArrowDataset(max_len=4096, datapath=str(out), on_missing="raise")
+    ours = api.hidden_state_dataset(store=cached["store"], drafters=[str(cached["drafter"])], **cached["sel"])
+    last = api.hidden_state_dataset(store=cached["store"], layers=[LAST], **cached["sel"])
+    assert len(theirs) == 4
+    for i in range(4):
+        item, mine = theirs[i], ours[i]
+        assert _same(item["hidden_states"], mine["hidden_states"][0])
+        assert _same(item["verifier_last_hidden_states"], last[i]["hidden_states"][0])
+        assert _same(item["input_ids"], mine["input_ids"][0])
+        assert _same(item["loss_mask"], mine["loss_mask"][0])
+    from safetensors import safe_open
+
+    with safe_open(str(out / "hidden_states" / "hs_0.safetensors"), framework="pt") as f:
+        assert sorted(f.keys()) == ["hidden_states", "token_ids"]
+        assert f.get_tensor("hidden_states").shape[1:] == (3, 128)
+        assert f.get_tensor("token_ids").dtype == torch.int64
+
+
+def test_export_refuses_a_foreign_or_other_selection_directory(cached, tmp_path, capsys):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert _export(cached, "specforge", foreign) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert sorted(os.listdir(foreign)) == ["notes.txt"]
+    other = tmp_path / "other"
+    assert cli_main(["--store", str(cached["store"]), "export", "--format", "specforge", "--out", str(other),
+                     "--layer", "1", "--no-progress", *_cli_sel(cached)]) == 0
+    capsys.readouterr()
+    assert _export(cached, "specforge", other) == 2
+    assert "another selection" in capsys.readouterr().err
+
+
+def test_export_of_an_uncached_selection_exits_3_with_the_command(cached, tmp_path, capsys):
+    out = tmp_path / "never"
+    code = cli_main(["--store", str(cached["store"]), "export", "--format", "specforge", "--out", str(out),
+                     "--layer", "2", "--no-progress", *_cli_sel(cached)])
+    err = capsys.readouterr().err
+    assert code == 3
+    assert "dfcache --store" in err and "run hidden-states" in err and "--layer 2" in err and "--format" not in err
+    assert not out.exists()
