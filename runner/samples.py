@@ -112,6 +112,13 @@ class StoredSamples:
     def lengths(self) -> np.ndarray:
         return self._lengths.copy()
 
+    @property
+    def offsets(self) -> np.ndarray:
+        """Sample i's tokens would be rows offsets[i]:offsets[i+1] of the selection laid end to end."""
+        out = np.zeros(len(self._lengths) + 1, dtype=np.int64)
+        out[1:] = np.cumsum(self._lengths)
+        return out
+
     def read(self, index: int) -> Sample:
         ids = self.read_tokens(index)
         mask = np.zeros(len(ids), dtype=np.int64)
