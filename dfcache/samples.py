@@ -414,8 +414,9 @@ class SampleIndex:
             try:
                 m = Manifest.from_json(data, expect_key=key)
             except UntrustedManifestError as e:
-                self.errors.append((key, e.message))
-                continue
+                # A segment of the very partition asked for that cannot be trusted: say so (its
+                # samples would silently count as missing and be made again beside it).
+                raise UntrustedManifestError(f"{e.message} (in {self.store.url})", key=key) from None
             if not m.samples or m.samples["partition"] != partition:
                 continue
             segs[key] = m

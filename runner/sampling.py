@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import xxhash
 
+from dfcache.errors import IntegrityError
 from dfcache.samples import Partition, index_of
 
 __all__ = ["assign_demand", "locate", "sample_counts", "set_key"]
@@ -41,6 +42,8 @@ def locate(ctx, node, warn) -> None:
             break
         try:
             there = index_of(remote).partition(node.partition.key)
+        except IntegrityError:
+            raise  # a hostile or damaged remote segment of this partition: refused, never skipped
         except Exception as e:  # a remote that cannot be listed is not a reason to stop planning
             warn(f"warning: remote {getattr(remote, 'url', remote)} could not be checked: {e}")
             continue
