@@ -45,15 +45,19 @@ def build_graph(ctx: RunContext, upto: str = "eval") -> list[Node]:
 
 
 def execute(ctx: RunContext, nodes: list[Node]) -> None:
-    """Produce every node that is not cached, in dependency order."""
-    pending = [n for n in nodes if n.status != "cached"]
+    """Produce what resolve() said, in dependency order: pull what remotes hold, then compute
+    (or fetch) the rest; per-sample nodes only their missing samples."""
+    pending = [n for n in nodes if n.status not in ("cached", "not needed")]
     # Stages that talk to something outside (a server) check it once, before any work starts.
     for stage in dict.fromkeys(n.stage for n in pending if n.status != "remote"):
         check = getattr(STAGES[stage], "preflight", None)
         if check is not None:
-            check(ctx, [n for n in pending if n.stage == stage])
+            check(ctx, [n for n in pending if n.stage == stage and n.status != "remote"])
     done: set[str] = set()
     for n in pending:
+        if n.partition is not None:
+            _execute_samples(ctx, n, pending, done)
+            continue
         if n.key in done or ctx.store.has(n.key):
             done.add(n.key)
             continue
@@ -63,13 +67,40 @@ def execute(ctx: RunContext, nodes: list[Node]) -> None:
             pull_keys(n.remote, ctx.store, [n.key], with_upstream=False, progress=ctx.options.progress)
             done.add(n.key)
             continue
-        group = [m for m in pending if m.stage == n.stage and m.group is not None and m.group == n.group
-                 and m.key not in done and m.status != "remote" and not ctx.store.has(m.key)]
-        batch = group or [n]
+        STAGES[n.stage].produce(ctx, [n])
+        if not ctx.store.has(n.key):
+            raise _not_committed(n.stage, n.key)
+        done.add(n.key)
+        ctx.work_done.append(n.key)
+
+
+def _not_committed(stage: str, what: str) -> InternalError:
+    return InternalError(f"stage {stage} returned without committing {what}; this is a bug in the stage, please "
+                         "report it (rerun with --debug for the traceback).")
+
+
+def _execute_samples(ctx: RunContext, n: Node, pending: list[Node], done: set[str]) -> None:
+    from dfcache.samples import index_of
+
+    if n.pull:
+        from dfcache.sample_transfer import pull_samples
+
+        by_remote: dict = {}
+        for i in n.positions_distinct(n.pull):
+            k = n.sample_keys[i]
+            by_remote.setdefault(id(n.remote_of[k]), (n.remote_of[k], []))[1].append(k)
+        for remote, keys in by_remote.values():
+            r = pull_samples(remote, ctx.store, {n.partition.key: keys}, progress=ctx.options.progress)
+            n.pulled += r.copied
+    if n.produce and n.key not in done:
+        batch = [m for m in pending if m.stage == n.stage and m.partition is not None and m.produce
+                 and m.key not in done and (m is n or (n.group is not None and m.group == n.group))]
         STAGES[n.stage].produce(ctx, batch)
         for m in batch:
-            if not ctx.store.has(m.key):
-                raise InternalError(f"stage {m.stage} returned without committing {m.key}; this is a bug in "
-                                    "the stage, please report it (rerun with --debug for the traceback).")
             done.add(m.key)
+            lacking = index_of(ctx.store).missing(m.partition.key, [m.sample_keys[i] for i in m.produce])
+            if lacking:
+                raise _not_committed(m.stage, f"{len(lacking)} sample(s) of {m.label}")
+            m.produced = len(m.positions_distinct(m.produce))
             ctx.work_done.append(m.key)
+    done.add(n.key)
