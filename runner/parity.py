@@ -124,6 +124,19 @@ def _completion(out, P: int, start: int, max_length: int, stop_ids) -> list[int]
     return completion
 
 
+def _prefill(model, drafter, prompt: list[int], max_new_tokens: int, rebind):
+    """The target's pass over the prompt both decoders start with: (out, P, max_length, feats),
+    ``out`` the prompt, the committed prefill token, then MASK up to a last full block."""
+    B, mask_id = drafter.block_size, drafter.mask_token_id
+    P = len(prompt)
+    out = list(prompt) + [mask_id] * (max_new_tokens + B)
+    if rebind:
+        rebind()
+    post, feats = target_pass(model, prompt, drafter.target_layer_ids)
+    out[P] = int(post[-1])  # prefill token: committed, not a block
+    return out, P, P + max_new_tokens, feats
+
+
 def online_dflash(model, drafter, head, prompt: list[int], max_new_tokens: int, stop_ids, *, rebind=None):
     """Greedy DFlash decoding (z-lab/dflash HEAD 44947fb rules).
 
@@ -131,15 +144,9 @@ def online_dflash(model, drafter, head, prompt: list[int], max_new_tokens: int, 
     """
     import torch
 
-    B, mask_id, layer_ids = drafter.block_size, drafter.mask_token_id, drafter.target_layer_ids
-    P = len(prompt)
-    max_length = P + max_new_tokens
-    out = list(prompt) + [mask_id] * (max_new_tokens + B)
+    B, layer_ids = drafter.block_size, drafter.target_layer_ids
     with torch.no_grad():
-        if rebind:
-            rebind()
-        post, feats = target_pass(model, prompt, layer_ids)
-        out[P] = int(post[-1])                       # prefill token: committed, not a block
+        out, P, max_length, feats = _prefill(model, drafter, prompt, max_new_tokens, rebind)
         ctx = feats                                  # features of positions < start
         start, blocks, draft_logits = P, [], {}
         from .stages.drafter_eval.metrics import chain_accept
@@ -170,15 +177,9 @@ def online_ddtree(model, drafter, head, prompt: list[int], max_new_tokens: int, 
 
     from .stages.drafter_eval.metrics import build_ddtree, topk_log_probs
 
-    B, mask_id, layer_ids = drafter.block_size, drafter.mask_token_id, drafter.target_layer_ids
-    P = len(prompt)
-    max_length = P + max_new_tokens
-    out = list(prompt) + [mask_id] * (max_new_tokens + B)
+    B, layer_ids = drafter.block_size, drafter.target_layer_ids
     with torch.no_grad():
-        if rebind:
-            rebind()
-        post, feats = target_pass(model, prompt, layer_ids)
-        out[P] = int(post[-1])
+        out, P, max_length, feats = _prefill(model, drafter, prompt, max_new_tokens, rebind)
         ctx, start, blocks = feats, P, []
         while start < max_length:
             logits = reference_draft(drafter, head, ctx, torch.tensor(out[start:start + B]), start)
