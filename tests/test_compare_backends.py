@@ -3,7 +3,7 @@
 fla states cannot be computed on this CPU machine (fla's kernels need CUDA), so the fla side is
 committed into the store the way a GPU machine's push would leave it: under the key the
 hidden-state stage gives fla/cuda states of the same tokens samples (the key recipe of
-runner/stages/hidden_states.py), with the torch states' values plus a small perturbation standing
+runner/stages/hidden_states/), with the torch states' values plus a small perturbation standing
 in for the kernel difference. Everything else (torch states, both evals, the diffs) is computed
 by the command itself.
 """
