@@ -1,12 +1,17 @@
-"""The stage graph: nodes, their resolution (local → remotes → compute) and execution.
+"""The stage graph: key recipes, nodes, the run context, and resolution (local → remotes → compute).
 
-A *stage* is a module in ``runner/stages/`` with, at its top, ``NAME``, ``VERSION`` and its key
-recipe, a ``build(ctx, ...)`` function returning its node(s) and a ``produce(ctx, nodes)``
-function doing the work (and optionally ``preflight(ctx, nodes)``, run before any stage starts,
-for checks of what is outside such as a server's readiness). ``build`` resolves inputs (fingerprints, parameters) and computes keys
-without doing any work and without importing torch; ``produce`` writes one artifact per node
-through ``ctx.store``. Nodes of one stage that share a ``group`` are produced by one call (all
-missing hidden-state layers come from one forward pass).
+A *stage* is a module (or a package, where it has helpers) in ``runner/stages/`` with, at its
+top, ``KEY``, its :class:`KeyRecipe` (``NAME`` and ``VERSION`` come from it), a
+``build(ctx, ...)`` function returning its node(s) through ``KEY.node(...)`` and a
+``produce(ctx, nodes)`` function doing the work (and optionally ``preflight(ctx, nodes)``, run
+before any stage starts, for checks of what is outside such as a server's readiness). ``build``
+resolves inputs (fingerprints, parameters) and computes keys without doing any work and without
+importing torch; ``produce`` writes one artifact per node through ``ctx.store``. Nodes of one
+stage that share a ``group`` are produced by one call (all missing hidden-state layers come from
+one forward pass).
+
+This module imports no stage: stages import it, and ``runner/pipeline.py`` holds the table of
+stages and runs them.
 
 Resolution order for every node: the local store, then each remote in order, then compute.
 Offline, every missing node that needs the network is reported together before any work.
@@ -14,13 +19,14 @@ Offline, every missing node that needs the network is reported together before a
 
 from __future__ import annotations
 
-import importlib
 import shlex
 import sys
+import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dfcache.errors import OfflineMissingError, UsageError
+from dfcache.errors import InternalError, OfflineMissingError
 from dfcache.keys import compute_key
 
 from .options import EvalOptions
@@ -45,8 +51,22 @@ class Node:
     summary: str = ""
     deps: list["Node"] = field(default_factory=list)
     payload: Any = None  # stage-private, never keyed (e.g. a resolved local path)
-    status: str = ""  # cached | remote | compute (cpu) | compute (gpu) | network
+    status: str = ""  # cached | remote | compute (cpu) | compute (gpu) | network | not needed
     remote: Any = None  # the remote store it was found in
+    # Per-sample nodes (see runner/sampling.py); None for set-level nodes (a report).
+    partition: Any = None  # dfcache.samples.Partition
+    upstream_samples: list[str] | None = None  # per position of the prompt set
+    sample_keys: list[str] | None = None
+    ids: list[str] | None = None  # prompt ids per position (messages name them)
+    problem: str | None = None  # why missing samples cannot be produced here (hardware)
+    precheck: Any = None  # callable run before any work when this run produces samples (weights)
+    local: set = field(default_factory=set)  # positions stored locally
+    in_remote: set = field(default_factory=set)  # positions only in a remote
+    remote_of: dict = field(default_factory=dict)  # sample key -> remote store
+    pull: list[int] = field(default_factory=list)  # positions this run pulls
+    produce: list[int] = field(default_factory=list)  # positions this run computes or fetches
+    pulled: int = 0  # distinct samples pulled / produced by this run
+    produced: int = 0
 
     @classmethod
     def make(cls, stage: str, version: int, *, inputs: dict, upstream: dict | None = None, needs: str,
@@ -59,23 +79,154 @@ class Node:
         return cls(stage=stage, key=key, needs=needs, inputs=inputs, upstream=upstream,
                    version=version, deps=list(deps or []), **kw)
 
+    @classmethod
+    def make_samples(cls, stage: str, version: int, *, inputs: dict, upstream_samples: list[str],
+                     partition_upstream: dict | None = None, ids: list[str], needs: str,
+                     deps: list["Node"] | None = None, **kw) -> "Node":
+        """A per-sample node over the prompt set: its partition and one sample key per position.
+        Its ``key`` names the ordered set (a report is keyed by it), never stored itself."""
+        from dfcache.samples import Partition
+
+        from .sampling import set_key
+
+        if needs not in NEEDS:
+            raise ValueError(f"needs={needs!r}")
+        part = Partition(stage, version, inputs, dict(partition_upstream or {}))
+        keys = part.sample_keys(upstream_samples)
+        return cls(stage=stage, key=set_key(part.key, keys), needs=needs, inputs=inputs,
+                   upstream=dict(partition_upstream or {}), version=version, deps=list(deps or []),
+                   partition=part, upstream_samples=list(upstream_samples), sample_keys=keys, ids=list(ids), **kw)
+
+    def positions_distinct(self, positions) -> list[int]:
+        """The first position of each distinct sample among ``positions`` (a set may repeat one)."""
+        seen, out = set(), []
+        for i in positions:
+            k = self.sample_keys[i]
+            if k not in seen:
+                seen.add(k)
+                out.append(i)
+        return out
+
+    def samples_dict(self) -> dict | None:
+        if self.partition is None:
+            return None
+        from .sampling import sample_counts
+
+        counts = sample_counts(self)
+        counts["pulled"], counts["produced"] = self.pulled, self.produced
+        return counts
+
     def to_plan_dict(self) -> dict:
-        return {"stage": self.stage, "key": self.key, "status": self.status, "needs": self.needs,
-                "label": self.label or self.stage, "upstream": self.upstream,
-                "contacts": self.contacts, "fix": self.fix}
+        d = {"stage": self.stage, "key": self.key, "status": self.status, "needs": self.needs,
+             "label": self.label or self.stage, "upstream": self.upstream,
+             "contacts": self.contacts, "fix": self.fix}
+        if self.partition is not None:
+            d["partition"] = self.partition.key
+            d["samples"] = self.samples_dict()
+        return d
+
+
+@dataclass(frozen=True)
+class KeyRecipe:
+    """What a stage's key covers, as data next to the stage's ``build()``.
+
+    ``build()`` makes its nodes with :meth:`node` (a set-level artifact) or :meth:`samples` (a
+    per-sample stage: a partition and one sample key per prompt), which refuse inputs or upstream
+    roles the recipe does not list (and listed ones that are missing), so the recipe cannot drift
+    from the code; the stage's docstring shows :meth:`describe` (tests/test_architecture.py
+    checks it). The keys themselves are unchanged: ``compute_key(stage, version, inputs,
+    upstream)``, and for a per-sample stage that is the partition key, each sample's key
+    ``sample_key(partition, upstream sample key)`` (docs/format.md "Samples and segments").
+    """
+
+    stage: str
+    version: int
+    inputs: dict[str, str]  # name -> what it is and how it is resolved
+    upstream: dict[str, str] = field(default_factory=dict)  # role -> whose key(s) (partitions, per sample)
+    optional: frozenset[str] = frozenset()  # inputs only some configurations have
+    sample: str | None = None  # per-sample stages: what each sample's key derives from
+
+    def _check(self, inputs: dict, upstream: dict) -> None:
+        extra = sorted(set(inputs) - set(self.inputs))
+        missing = sorted(set(self.inputs) - self.optional - set(inputs))
+        roles = sorted(set(upstream) ^ set(self.upstream))
+        if extra or missing or roles:
+            raise InternalError(f"stage {self.stage} built a node that its key recipe does not describe "
+                                f"(inputs not in the recipe: {extra}, missing: {missing}, upstream roles "
+                                f"differing: {roles}); update KEY in the stage with the change.")
+
+    def node(self, *, inputs: dict, upstream: dict | None = None, needs: str, **kw) -> Node:
+        """A set-level node (one artifact)."""
+        if self.sample is not None:
+            raise InternalError(f"stage {self.stage} is per sample: build its nodes with KEY.samples().")
+        upstream = upstream or {}
+        self._check(inputs, upstream)
+        return Node.make(self.stage, self.version, inputs=inputs, upstream=upstream, needs=needs, **kw)
+
+    def samples(self, *, inputs: dict, upstream_samples: list[str], partition_upstream: dict | None = None,
+                needs: str, **kw) -> Node:
+        """A per-sample node: its partition over ``inputs``/``partition_upstream``, one sample per
+        entry of ``upstream_samples`` (see :meth:`Node.make_samples`)."""
+        if self.sample is None:
+            raise InternalError(f"stage {self.stage} is set-level: build its nodes with KEY.node().")
+        partition_upstream = partition_upstream or {}
+        self._check(inputs, partition_upstream)
+        return Node.make_samples(self.stage, self.version, inputs=inputs, upstream_samples=upstream_samples,
+                                 partition_upstream=partition_upstream, needs=needs, **kw)
+
+    def describe(self) -> str:
+        """The recipe as the stage's docstring shows it."""
+        width = max(len(n) for n in [*self.inputs, *self.upstream, "x" * 12]) + 2
+
+        def rows(items: dict[str, str]) -> list[str]:
+            out = []
+            for name, what in items.items():
+                what = what + (" (only some runs have it)" if name in self.optional else "")
+                wrapped = textwrap.wrap(what, 96 - width - 4) or [""]
+                out.append(f"    {name:<{width}}{wrapped[0]}")
+                out += [f"    {'':<{width}}{w}" for w in wrapped[1:]]
+            return out or ["    (none)"]
+
+        head = [f"key = compute_key({self.stage!r}, {self.version}, inputs, upstream)"]
+        if self.sample is not None:
+            head = [f"partition = compute_key({self.stage!r}, {self.version}, inputs, upstream)",
+                    f"sample    = sample_key(partition, {self.sample})"]
+        return "\n".join([*head, "inputs:", *rows(self.inputs), "upstream:", *rows(self.upstream)])
+
+
+@dataclass
+class RunCache:
+    """Objects a run makes once and several stages use (loading a target takes seconds)."""
+
+    resolved_targets: dict[tuple, Any] = field(default_factory=dict)  # (target, revision) -> ResolvedTarget
+    targets: dict[tuple[str, str], Any] = field(default_factory=dict)  # (dir, kernel label) -> loaded target
+    tokenizers: dict[str, Any] = field(default_factory=dict)  # target dir -> tokenizer
+    served_models: dict[tuple, str] = field(default_factory=dict)  # (base URL, api, wanted) -> model name
+
+
+@dataclass
+class RunHooks:
+    """Callbacks a caller (a test, a benchmark) gives a run; none changes what is computed."""
+
+    # after each committed segment of an extraction: (segment index, tokens done so far)
+    on_extract_checkpoint: Callable[[int, int], None] | None = None
 
 
 class RunContext:
-    """What stages see: the store, the options, remotes, progress output and shared objects."""
+    """What stages see: the store, the options (validated), remotes, progress output, and the
+    run's typed shared state (``cache``, ``hooks``, ``last_extract_stats``)."""
 
     def __init__(self, store, options: EvalOptions, *, remotes: list | None = None, argv: list[str] | None = None,
-                 out=None) -> None:
+                 out=None, cache: RunCache | None = None, hooks: RunHooks | None = None) -> None:
+        options.validate()
         self.store = store
         self.options = options
         self.remotes = list(remotes or [])
         self.argv = list(argv) if argv is not None else list(sys.argv[1:])
         self.out = out or sys.stderr
-        self.shared: dict[str, Any] = {}  # loaded models etc., shared between stages of one run
+        self.cache = cache if cache is not None else RunCache()
+        self.hooks = hooks if hooks is not None else RunHooks()
+        self.last_extract_stats = None  # the hidden-states stage's last ExtractStats (bench, tests)
         self.work_done: list[str] = []  # keys produced in this run (tests and --json read it)
 
     def log(self, message: str) -> None:
@@ -106,10 +257,6 @@ class RunContext:
         return cmd + (f" {add}" if add else "")
 
 
-def stage_module(name: str):
-    return importlib.import_module(f"runner.stages.{name}")
-
-
 def topo_order(roots: list[Node]) -> list[Node]:
     seen: dict[str, Node] = {}
     order: list[Node] = []
@@ -128,8 +275,17 @@ def topo_order(roots: list[Node]) -> list[Node]:
 
 
 def resolve(ctx: RunContext, nodes: list[Node]) -> list[Node]:
-    """Give every node its status without doing any work."""
+    """Give every node its status without doing any work.
+
+    Set-level nodes: stored locally, in a remote, or to produce. Per-sample nodes: where each
+    sample is, then what this run must pull and produce (runner/sampling.py): a stored report
+    needs nothing under it; a sample nobody downstream needs is left alone."""
+    from .sampling import assign_demand, locate
+
     for n in nodes:
+        if n.partition is not None:
+            locate(ctx, n, ctx.log)
+            continue
         if ctx.store.has(n.key):
             n.status = "cached"
             continue
@@ -141,59 +297,56 @@ def resolve(ctx: RunContext, nodes: list[Node]) -> list[Node]:
                     break
             except Exception as e:  # a remote that cannot be listed is not a reason to stop planning
                 ctx.log(f"warning: remote {getattr(remote, 'url', remote)} could not be checked: {e}")
-        if n.remote is not None:
+        n.status = "remote" if n.remote is not None else _compute_status(n)
+    assign_demand(nodes)
+    for n in nodes:
+        if n.partition is None:
+            continue
+        if n.produce:
+            n.status = _compute_status(n)
+        elif n.pull:
             n.status = "remote"
-        elif n.needs == "network":
-            n.status = "network"
-        elif n.needs == "gpu":
-            n.status = "compute (gpu)"
         else:
-            n.status = "compute (cpu)"
+            n.status = "cached" if len(n.local) == len(n.sample_keys) else "not needed"
+    problems = [n for n in nodes if n.produce and n.problem]
+    if problems:
+        from dfcache.errors import BadInputError
+
+        n = problems[0]
+        raise BadInputError(f"{len(n.produce)} sample(s) of {n.label or n.stage} are in no store and cannot be "
+                            f"computed here. {n.problem}")
+    for n in nodes:
+        if n.produce and n.precheck is not None:
+            n.precheck()
     return nodes
 
 
+def _compute_status(n: Node) -> str:
+    if n.needs == "network":
+        return "network"
+    return "compute (gpu)" if n.needs == "gpu" else "compute (cpu)"
+
+
 def check_offline(ctx: RunContext, nodes: list[Node]) -> None:
-    """Offline: report every missing node that needs the network, together, before any work."""
+    """Offline: report every missing node (or sample) that needs the network, together, before
+    any work; per-sample nodes say how many samples and the first few prompt ids."""
     if not ctx.options.offline:
         return
     missing = [n for n in nodes if n.status == "network"]
     if not missing:
         return
-    lines = [f"offline mode is on and {len(missing)} artifact(s) are missing that need the network:"]
+    lines = [f"offline mode is on and {len(missing)} node(s) miss what only the network can produce:"]
     for n in missing:
-        lines.append(f"  - {n.label or n.stage} {n.key} (would contact {n.contacts or 'the network'})")
+        if n.partition is not None:
+            distinct = n.positions_distinct(n.produce)
+            ids = [n.ids[i] for i in distinct[:5]]
+            more = f" and {len(distinct) - 5} more" if len(distinct) > 5 else ""
+            lines.append(f"  - {n.label or n.stage} {n.key}: {len(distinct)} of {len(n.sample_keys)} sample(s) missing "
+                         f"(prompt ids {', '.join(map(repr, ids))}{more}; would contact {n.contacts or 'the network'})")
+        else:
+            lines.append(f"  - {n.label or n.stage} {n.key} (would contact {n.contacts or 'the network'})")
         if n.fix:
             lines.append(f"      produce it with: {n.fix}")
     lines.append("Run that on a machine that reaches the server and share the store (dfcache push/pull), "
                  "or turn offline mode off.")
     raise OfflineMissingError("\n".join(lines), missing=[n.to_plan_dict() for n in missing])
-
-
-def execute(ctx: RunContext, nodes: list[Node]) -> None:
-    """Produce every node that is not cached, in dependency order."""
-    pending = [n for n in nodes if n.status != "cached"]
-    # Stages that talk to something outside (a server) check it once, before any work starts.
-    for stage in dict.fromkeys(n.stage for n in pending if n.status != "remote"):
-        check = getattr(stage_module(stage), "preflight", None)
-        if check is not None:
-            check(ctx, [n for n in pending if n.stage == stage])
-    done: set[str] = set()
-    for n in pending:
-        if n.key in done or ctx.store.has(n.key):
-            done.add(n.key)
-            continue
-        if n.status == "remote":
-            from dfcache.transfer import pull_keys
-
-            pull_keys(n.remote, ctx.store, [n.key], with_upstream=False, progress=ctx.options.progress)
-            done.add(n.key)
-            continue
-        group = [m for m in pending if m.stage == n.stage and m.group is not None and m.group == n.group
-                 and m.key not in done and m.status != "remote" and not ctx.store.has(m.key)]
-        batch = group or [n]
-        stage_module(n.stage).produce(ctx, batch)
-        for m in batch:
-            if not ctx.store.has(m.key):
-                raise UsageError(f"internal: stage {m.stage} did not commit {m.key}")
-            done.add(m.key)
-            ctx.work_done.append(m.key)

@@ -14,12 +14,12 @@ from importlib import import_module
 # Loaded on first use: `dfcache ls` reads the listing index (``_index.py``) without numpy and
 # without the writer and reader code below.
 _WHERE = {"ArrayReader": "._store", "ArrayWriter": "._store", "Artifact": "._store", "ArtifactWriter": "._store",
-          "Store": "._store", "default_chunk_rows": "._store", "open_store": "._store",
+          "CommitOnExit": "._store", "Store": "._store", "default_chunk_rows": "._store", "open_store": "._store",
           "Backend": "._backend", "Staging": "._backend", "Temporary": "._backend", "format": ".format",
           "listing": "._index"}
 
-__all__ = ["ArrayReader", "ArrayWriter", "Artifact", "ArtifactWriter", "Backend", "Staging", "Store", "Temporary",
-           "default_chunk_rows", "format", "listing", "open_store"]
+__all__ = ["ArrayReader", "ArrayWriter", "Artifact", "ArtifactWriter", "Backend", "CommitOnExit", "Staging", "Store",
+           "Temporary", "default_chunk_rows", "format", "listing", "open_store"]
 
 
 def __getattr__(name: str):

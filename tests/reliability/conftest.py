@@ -35,12 +35,12 @@ LIGHT = ["dfcache.cli", "dfcache.cli._cache_cmds", "dfcache.cli._transfer_cmds",
          "numpy", "ml_dtypes", "zarr", "numcodecs", "typer", "tqdm", "children",
          # what typer and the entry-point scan import lazily on every command
          "pydantic", "importlib.metadata", "typer._adapters", "email.message", "zipfile", "tempfile", "csv"]
-HEAVY = LIGHT + ["torch", "transformers", "runner.models.target", "runner.extract",
+HEAVY = LIGHT + ["torch", "transformers", "runner.models.target", "runner.stages.hidden_states.extract",
                  # transformers imports these lazily, at the first from_pretrained: ~4 s per process
                  "transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.auto.modeling_auto",
-                 "transformers.tokenization_utils_fast", "safetensors.torch", "runner.completion_sources",
+                 "transformers.tokenization_utils_fast", "safetensors.torch", "runner.stages.completions.sources",
                  "runner.stages.hidden_states", "runner.stages.drafter_eval", "runner.models.dflash",
-                 "runner.metrics"]
+                 "runner.stages.drafter_eval.metrics"]
 
 
 
@@ -122,7 +122,15 @@ def base_store(tiny_target, tmp_path_factory, env):
                 os.environ[k] = v
     args = ["--target", str(tiny_target), "--server", "http://127.0.0.1:9", "--num-prompts", str(NUM_PROMPTS),
             "--max-new-tokens", str(MAX_NEW)]
-    return {"path": store, "keys": {s: n.key for s, n in nodes.items()}, "args": args}
+    from dfcache.samples import index_of
+    from dfcache.store import open_store
+
+    idx = index_of(open_store(store))
+    segments = {}
+    for stage, n in nodes.items():
+        (segments[stage],) = idx.segments(n.partition.key)  # a few prompts: one segment a stage
+    # "keys": the artifacts (segments) on disk; "sets": the nodes' set keys (what runs report)
+    return {"path": store, "keys": segments, "sets": {s: n.key for s, n in nodes.items()}, "args": args}
 
 
 # ------------------------------------------------------------------------------ figures

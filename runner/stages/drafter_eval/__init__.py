@@ -1,0 +1,315 @@
+"""Stage `drafter_eval`: offline chain and DDTree acceptance of one DFlash drafter, per response.
+
+Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
+
+    partition = compute_key('drafter_eval', 2, inputs, upstream)
+    sample    = sample_key(partition, tokens sample key)
+    inputs:
+        drafter           fingerprint of the checkpoint directory (config + weights)
+        target_head       fingerprint of the target (its embeddings and lm_head are used)
+        block_size        from the drafter's config
+        target_layer_ids  from the drafter's config
+        mask_token_id     from the drafter's config
+        tree_budgets      sorted unique --tree-budget values
+        max_blocks        --max-blocks, or null
+        end_rule          within (continuation is refused)
+        dtype             compute dtype of the drafter
+        device            cpu | cuda, where the eval runs (--eval-device; not the states' device)
+    upstream:
+        sample            the tokens partition
+        hidden_states     hidden-state partitions in the drafter's target_layer_ids order
+
+The hidden-state partitions are upstream, so the backend class that produced the states (fla or
+torch, device, dtype) is part of this key through them; a response's eval reads the states of
+its own tokens sample in each of them. The eval's own numerics (its device and dtype) are keyed
+here, apart from them: states extracted with fla on a GPU are evaluated on any machine
+(``--eval-device auto`` is CUDA where one is usable, else the CPU).
+
+What it computes (docs/metrics.md, ``metrics.py`` beside this module): for each response,
+the draft logits of every candidate block root are scored in batched drafter passes
+(``score_roots``: context features of positions < p only), then the greedy walk runs once for the
+chain and once per tree budget. ``--max-blocks N`` scores only the roots the first N blocks can
+reach (p < P + (N-1)·B + 1) and keeps the first N blocks of each walk, so the limit bounds work
+without changing the blocks it keeps.
+
+Output, per sample: the document ``{"prompt_len", "completion_len", "ended_by_stop", "rule",
+"chain": [block values], "tree": {budget: [block values]}}``. The report aggregates them.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from dfcache.errors import BadInputError, ModelNotFoundError
+from dfcache.keys import fingerprint_path
+
+from ...graph import KeyRecipe, Node, RunContext
+from ...values import int_list
+
+KEY = KeyRecipe("drafter_eval", 2, inputs={
+    "drafter": "fingerprint of the checkpoint directory (config + weights)",
+    "target_head": "fingerprint of the target (its embeddings and lm_head are used)",
+    "block_size": "from the drafter's config",
+    "target_layer_ids": "from the drafter's config",
+    "mask_token_id": "from the drafter's config",
+    "tree_budgets": "sorted unique --tree-budget values",
+    "max_blocks": "--max-blocks, or null",
+    "end_rule": "within (continuation is refused)",
+    "dtype": "compute dtype of the drafter",
+    "device": "cpu | cuda, where the eval runs (--eval-device; not the states' device)",
+}, upstream={"sample": "the tokens partition",
+             "hidden_states": "hidden-state partitions in the drafter's target_layer_ids order"},
+   sample="tokens sample key")
+NAME = KEY.stage
+VERSION = KEY.version
+
+
+@dataclass
+class DrafterRef:
+    """A drafter checkpoint as planning sees it: config fields read as JSON (no torch)."""
+
+    path: Path
+    name: str
+    fingerprint: str
+    block_size: int
+    target_layer_ids: list[int]
+    mask_token_id: int
+    trained_on: str | None
+    hidden_size: int | None = None
+    step: int | None = None  # training step (runner/checkpoints.py), when the checkpoint says
+
+
+def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
+    """Read a DFlash checkpoint's config; every problem is a BadInputError naming the field."""
+    path = Path(path_str).expanduser()
+    cfg_path = path / "config.json"
+    if not path.is_dir():
+        raise ModelNotFoundError(f"drafter {path_str} is not a directory; pass a DFlash checkpoint "
+                                 "directory (config.json + *.safetensors) with --drafter.")
+    if not cfg_path.is_file():
+        raise BadInputError(f"drafter {path_str} has no config.json; pass a DFlash checkpoint directory.")
+    if not any(path.glob("*.safetensors")):
+        raise BadInputError(f"drafter {path_str} has no *.safetensors weights; pass a complete checkpoint.")
+    from ...models.resolve import check_weight_files
+
+    check_weight_files(path, f"drafter {path_str}", "re-download or re-save the checkpoint (a copy or "
+                       "download that stopped half-way leaves such a file).")
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except ValueError as e:
+        raise BadInputError(f"{cfg_path}: not valid JSON ({e}); fix or re-download the file.") from None
+    dcfg = cfg.get("dflash_config") or {}
+    if not isinstance(dcfg, dict):
+        raise BadInputError(f"{cfg_path}: dflash_config must be an object.")
+    ids = dcfg.get("target_layer_ids")
+    if int_list(ids) is None:
+        raise BadInputError(f"{cfg_path}: dflash_config.target_layer_ids is missing or not a list of "
+                            "integers; the drafter's tap layers must come from its checkpoint (guessing "
+                            "them is wrong for most published drafters). Add the ids it was trained with.")
+    block_size = dcfg.get("block_size", cfg.get("block_size"))
+    if not isinstance(block_size, int) or block_size < 2:
+        raise BadInputError(f"{cfg_path}: block_size is missing or < 2; set the drafter's block size.")
+    mask = dcfg.get("mask_token_id", cfg.get("mask_token_id"))
+    if not isinstance(mask, int):
+        raise BadInputError(f"{cfg_path}: dflash_config.mask_token_id is missing; set the MASK token id "
+                            "the drafter was trained with.")
+    declared = dcfg.get("trained_on_backend") or cfg.get("trained_on_backend")
+    return DrafterRef(path=path, name=path.name, fingerprint=fingerprint_path(path), block_size=block_size,
+                      target_layer_ids=list(ids), mask_token_id=mask,
+                      trained_on=trained_on or (declared if declared in ("fla", "torch") else None),
+                      hidden_size=cfg.get("hidden_size") if isinstance(cfg.get("hidden_size"), int) else None)
+
+
+def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
+    opts = ctx.options
+    if not opts.drafters:
+        raise BadInputError("run eval needs at least one drafter: pass --drafter DIR (repeatable), or "
+                            "--example for the embedded one.")
+    from ...checkpoints import expand_drafter_arg, incomplete_reason
+
+    refs = []
+    for value in opts.drafters:  # a directory, a glob, or a training-output directory
+        found, several = expand_drafter_arg(value)
+        complete = []
+        for c in found:
+            # A glob or training directory may hold a checkpoint the trainer is still writing.
+            problem = incomplete_reason(c.path) if several else None
+            if problem:
+                ctx.log(f"note: skipping {c.path}: {problem} (still being written?)")
+            else:
+                complete.append(c)
+        if not complete:
+            raise BadInputError(f"--drafter {value}: none of its {len(found)} checkpoint(s) is complete yet; "
+                                "wait for the trainer to finish writing one (or use dfcache watch).")
+        for c in complete:
+            ref = read_drafter(str(c.path), opts.trained_on)
+            ref.step = c.step
+            refs.append(ref)
+    names = [r.name for r in refs]
+    for i, r in enumerate(refs):  # side-by-side columns need distinct names
+        if names.count(r.name) > 1:
+            r.name = f"{r.name}#{i + 1}"
+    return refs
+
+
+def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter: DrafterRef) -> Node:
+    opts = ctx.options
+    from ...models.target import read_model_info
+
+    # Checked here, before any work: a drafter for another target must not cost an extraction.
+    width = read_model_info(tokens_node.payload["target_dir"]).hidden_size
+    if drafter.hidden_size is not None and drafter.hidden_size != width:
+        raise BadInputError(f"drafter {drafter.path} has hidden_size {drafter.hidden_size} but the target "
+                            f"is {width} wide; pass the drafter trained for this target (or that target).")
+    layers = [hs_nodes[k] for k in drafter.target_layer_ids]
+    backend = layers[0].inputs["backend"]
+    budgets = sorted({int(b) for b in opts.tree_budgets})
+    device = eval_device(getattr(opts, "eval_device", "auto"))
+    inputs = {"drafter": drafter.fingerprint, "target_head": tokens_node.inputs["target"],
+              "block_size": drafter.block_size, "target_layer_ids": drafter.target_layer_ids,
+              "mask_token_id": drafter.mask_token_id, "tree_budgets": budgets,
+              "max_blocks": opts.max_blocks, "end_rule": opts.end_rule, "dtype": opts.dtype,
+              "device": device}
+    problem = None
+    if device == "cuda":
+        from ...models.target import cuda_visible
+
+        visible, why = cuda_visible()
+        if not visible:
+            # Only responses this run must evaluate need the GPU: resolve() refuses before any work.
+            problem = (f"--eval-device cuda: no CUDA GPU is usable here ({why}); pass --eval-device cpu or auto "
+                       "(stored hidden states of any backend evaluate on the CPU).")
+    return KEY.samples(inputs=inputs, upstream_samples=tokens_node.sample_keys,
+                       partition_upstream={"sample": tokens_node.partition.key,
+                                           "hidden_states": [n.partition.key for n in layers]},
+                       ids=tokens_node.ids, needs="gpu" if device == "cuda" else "cpu",
+                       deps=[tokens_node, *layers], label=f"drafter_eval {drafter.name}", problem=problem,
+                       payload={"drafter": drafter, "target_dir": tokens_node.payload["target_dir"],
+                                "backend": backend, "tokens": tokens_node, "layers": layers},
+                       summary=f"{drafter.name}: budgets {budgets or '-'}, layers {drafter.target_layer_ids}")
+
+
+COMMIT_EVERY = 1024
+
+
+def eval_device(choice: str | None) -> str:
+    """``--eval-device``: ``auto`` (or None) is ``cuda`` where a GPU is usable, else ``cpu``, whatever
+    device made the states (decided without importing torch)."""
+    if choice not in (None, "auto"):
+        return choice
+    from ...models.target import cuda_visible
+
+    return "cuda" if cuda_visible()[0] else "cpu"
+
+
+def _max_root(prompt_len: int, max_blocks: int | None, block_size: int) -> int | None:
+    return None if max_blocks is None else prompt_len + (max_blocks - 1) * block_size + 1
+
+
+def produce(ctx: RunContext, nodes: list[Node]) -> None:
+    import torch
+
+    from dfcache.samples import SampleSet, SampleSink
+
+    from .metrics import RootScores, candidate_roots, effective_completion_len, evaluate_response
+    from ...models.dflash import DFlashDrafter, iter_score_roots, load_target_head
+    from ...models.resolve import eos_token_ids
+    from ..tokens import read_tokens
+
+    opts = ctx.options
+    dtype = torch.float32 if opts.dtype == "float32" else torch.bfloat16
+    for node in nodes:
+        todo = node.positions_distinct(node.produce)
+        if not todo:
+            continue
+        ref: DrafterRef = node.payload["drafter"]
+        device = node.inputs["device"]
+        drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
+        head = load_target_head(node.payload["target_dir"], device=device, dtype=dtype)
+        toks = read_tokens(ctx.store, node.payload["tokens"], todo)
+        stops = eos_token_ids(node.payload["target_dir"])
+        budgets = node.inputs["tree_budgets"]
+        states = [SampleSet(ctx.store, ln.partition.key, [ln.sample_keys[i] for i in todo])
+                  for ln in node.payload["layers"]]
+        bar = ctx.progress(len(todo), desc=f"eval {ref.name}", unit="resp")
+        with SampleSink(ctx.store, node.partition, summary=node.summary, max_samples=COMMIT_EVERY,
+                        provenance={"torch": torch.__version__, "device": device}) as sink:
+            for j, i in enumerate(todo):
+                seq = toks.sample(j)
+                plen = int(toks.prompt_lens[j])
+                n, ended = effective_completion_len(seq, plen, stops)
+                roots = candidate_roots(plen, n, ended_by_stop=ended)
+                limit = _max_root(plen, opts.max_blocks, ref.block_size)
+                if limit is not None:
+                    roots = [p for p in roots if p < limit]
+                if roots:
+                    feats_stop = max(roots)
+                    layers = [_as_tensor(ss, j, feats_stop) for ss in states]
+                    width = {t.shape[-1] for t in layers}
+                    if width != {head.hidden_size}:
+                        raise BadInputError(f"hidden states are {sorted(width)} wide but the target's embedding is "
+                                            f"{head.hidden_size}; the drafter, target and states must belong together.")
+                    feats = torch.cat(layers, dim=-1).to(device=device, dtype=dtype)
+                    ids = torch.as_tensor(seq.astype("int64"))
+                    # Reduce each chunk of roots to argmax/top-k at once: [R, B-1, V] logits of a
+                    # long response would not fit in memory with a 150k vocabulary.
+                    parts = [RootScores.from_logits([roots[q] for q in idx], logits, k=max(budgets, default=0))
+                             for idx, logits in iter_score_roots(drafter, head, feats, ids, roots)]
+                    scores = RootScores.concat(parts)
+                else:
+                    scores = RootScores.from_logits([], torch.zeros(0, ref.block_size - 1, head.vocab_size),
+                                                    k=max(budgets, default=0))
+                ev = evaluate_response(scores, seq, plen, budgets=budgets, stop_token_ids=stops)
+                if opts.max_blocks is not None:
+                    for w in [ev.chain, *ev.trees.values()]:
+                        w.roots, w.values = w.roots[: opts.max_blocks], w.values[: opts.max_blocks]
+                sink.add(node.upstream_samples[i], doc={
+                    "prompt_len": plen, "completion_len": n, "ended_by_stop": ended, "rule": ev.rule,
+                    "chain": ev.chain.values, "tree": {str(b): w.values for b, w in ev.trees.items()}})
+                bar.update(1)
+        bar.close()
+
+
+def _as_tensor(samples, j: int, stop: int):
+    """Rows [0, stop) of sample j's states, as a torch tensor in the stored dtype."""
+    import numpy as np
+    import torch
+
+    seg, pos = samples.segment(j)
+    a, _ = seg.rows(pos, "hidden")
+    raw = seg.reader("hidden").read_raw(a, a + stop)
+    if raw.dtype == np.uint16:
+        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(raw)
+
+
+def read_responses(store, node: Node) -> list[dict]:
+    """Every response's eval document of a drafter_eval node's prompt set, in prompt order, each
+    with the prompt's ``id`` (ids belong to the set, not to the shared sample)."""
+    from dfcache.samples import SampleSet
+
+    docs = SampleSet(store, node.partition.key, node.sample_keys).docs()
+    return [{"id": node.ids[i], **d} for i, d in enumerate(docs)]
+
+
+def read_summary(store, node: Node) -> dict:
+    """What the report shows for one drafter: metrics over its responses plus who/what."""
+    from .metrics import aggregate
+
+    docs = read_responses(store, node)
+    ref: DrafterRef = node.payload["drafter"]
+    budgets = node.inputs["tree_budgets"]
+    rules = {d["rule"] for d in docs}
+    summary = {"rule": rules.pop() if len(rules) == 1 else node.inputs["end_rule"],
+               "chain": aggregate([d["chain"] for d in docs], ref.block_size).to_dict(),
+               "tree": {str(b): aggregate([d["tree"][str(b)] for d in docs if str(b) in d["tree"]],
+                                          ref.block_size).to_dict() for b in budgets}}
+    hs_backend = node.payload["backend"]
+    summary.update({"drafter": ref.name, "drafter_path_name": ref.path.name,
+                    "hidden_states_backend": hs_backend, "trained_on": ref.trained_on,
+                    "backend_mismatch": bool(ref.trained_on and ref.trained_on != hs_backend["kernel"]),
+                    "block_size": ref.block_size, "tree_budgets": budgets,
+                    "max_blocks": node.inputs["max_blocks"]})
+    return summary

@@ -1,0 +1,279 @@
+"""Stage `hidden_states`: the target's per-layer hidden states over every token, one partition per layer.
+
+Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
+
+    partition = compute_key('hidden_states', 2, inputs, upstream)
+    sample    = sample_key(partition, tokens sample key)
+    inputs:
+        target        fingerprint of the target directory (the tokens node's "target")
+        layer         k: output of decoder layer k = HF hidden_states[k+1], before the final norm
+                      (the last layer too)
+        backend       the KernelSpec: {kernel: fla|torch, device: cuda|cpu, dtype: bfloat16|float32,
+                      attn_implementation: sdpa|...}
+        versions      {package: installed version} for each --key-versions package (only some runs
+                      have it)
+    upstream:
+        sample        the tokens partition
+
+Sample- and layer-granular on purpose: a drafter needing layers [1, 16, 31] reuses every layer
+of every sample already stored for the same tokens, model and backend class, whatever set it was
+extracted in. All layer nodes of one (tokens, target, backend) share a ``group``, so the runner
+calls :func:`produce` once with every layer that misses samples, and one forward pass per batch
+computes, for the missing samples only, every layer that misses them, stopping after the deepest.
+
+Output, per sample: array ``hidden`` [tokens, hidden_size], the model's dtype exactly (bf16 stored
+as its uint16 bits, or fp32), chunked along tokens; ``--compression none|zstd``. Samples are
+committed in segments of about ``DFCACHE_SEGMENT_BYTES`` (default 256 MiB) per layer, so an
+interrupted extraction keeps every finished segment and the next run computes only the samples
+still missing. Exact library versions, the GPU, the kernel functions really bound and the
+batching are provenance, not key material.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from dfcache.errors import BadInputError, UsageError
+from dfcache.keys import fingerprint_path
+
+from ...graph import KeyRecipe, Node, RunContext
+from ...summaries import samples_origin
+from ...models.target import KernelSpec, kernel_problem, check_layer_ids, read_model_info, resolve_kernel
+from ...provenance_keys import key_version_inputs
+
+KEY = KeyRecipe("hidden_states", 2, inputs={
+    "target": 'fingerprint of the target directory (the tokens node\'s "target")',
+    "layer": "k: output of decoder layer k = HF hidden_states[k+1], before the final norm (the last "
+             "layer too)",
+    "backend": "the KernelSpec: {kernel: fla|torch, device: cuda|cpu, dtype: bfloat16|float32, "
+               "attn_implementation: sdpa|...}",
+    "versions": "{package: installed version} for each --key-versions package",
+}, upstream={"sample": "the tokens partition"}, optional=frozenset({"versions"}), sample="tokens sample key")
+NAME = KEY.stage
+VERSION = KEY.version
+
+
+def requested_layers(ctx: RunContext, drafters) -> list[int]:
+    """The union of the drafters' ``target_layer_ids`` and ``--layer`` ids, sorted."""
+    layers: set[int] = set()
+    for d in drafters:
+        ids = getattr(d, "target_layer_ids", None)
+        if ids is None:
+            raise BadInputError(f"drafter {getattr(d, 'name', d)!r} has no target_layer_ids; its "
+                                "config.json needs dflash_config.target_layer_ids.")
+        layers.update(ids)
+    if ctx.options.layers:
+        layers.update(ctx.options.layers)
+    if not layers:
+        raise BadInputError("no hidden-state layers requested: pass --layer (repeatable, e.g. --layer 1 "
+                            "--layer 3) or a drafter (--drafter DIR) whose dflash_config.target_layer_ids "
+                            "name them.")
+    for k in layers:
+        if isinstance(k, bool) or not isinstance(k, int):
+            raise BadInputError(f"layer id {k!r} is not an integer; pass decoder-layer indices.")
+    return sorted(layers)
+
+
+def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
+    """One node per layer; resolves the backend class without importing torch."""
+    opts = ctx.options
+    payload = tokens_node.payload if isinstance(tokens_node.payload, dict) else {}
+    target_dir = payload.get("target_dir") or opts.target
+    if not target_dir:
+        raise UsageError("no target model: pass --target with the model whose hidden states to extract.")
+    info = read_model_info(target_dir)
+    layers = check_layer_ids(list(layers), info.num_layers)
+    target_fp = tokens_node.inputs.get("target") or fingerprint_path(target_dir)
+    backend = resolve_kernel(opts.backend, opts.device, opts.dtype,
+                             getattr(opts, "attn_implementation", "sdpa"),
+                             has_linear_attention=info.has_linear_attention, check=False)
+    needs = "gpu" if backend.device == "cuda" else "cpu"
+    group = f"{NAME}/{tokens_node.partition.key}/{target_fp}/{backend.label}"
+    problem = kernel_problem(backend)
+    nodes = {}
+    for k in layers:
+        nodes[k] = KEY.samples(
+            inputs={"target": target_fp, "layer": k, "backend": backend.to_key(), **key_version_inputs(opts)},
+            upstream_samples=tokens_node.sample_keys, partition_upstream={"sample": tokens_node.partition.key},
+            ids=tokens_node.ids, needs=needs, deps=[tokens_node],
+            label=f"hidden_states[{k}]", group=group,
+            # Cached states of any backend class are usable anywhere; computing missing ones is what
+            # needs the hardware: resolve() says so before any stage does work.
+            problem=f"(hidden states for {backend.label}) {problem}" if problem else None,
+            fix=(f"{ctx.command_with()} (on a machine with a CUDA GPU)" if needs == "gpu" else None),
+            summary=f"layer {k}/{info.num_layers}",
+            payload={"target_dir": str(target_dir), "layer": k, "backend": backend.to_key(),
+                     "note": backend.note, "tokens": tokens_node},
+            precheck=lambda: _require_weights(target_dir))
+    return nodes
+
+
+def _require_weights(target_dir) -> None:
+    from ...models.resolve import require_weights
+
+    require_weights(target_dir, "extracting hidden states runs the model: pass the directory that holds "
+                                "its weights with --target.")
+
+
+def get_target(ctx: RunContext, target_dir: str, backend: KernelSpec):
+    """The loaded target for ``backend``, loaded once per run (kept in ``ctx.cache``)."""
+    from ...models.target import load_target
+
+    key = (str(target_dir), backend.label)
+    t = ctx.cache.targets.get(key)
+    if t is None:
+        t = load_target(target_dir, backend)
+        ctx.cache.targets[key] = t
+    return t
+
+
+def segment_bytes() -> int:
+    from dfcache.config import segment_bytes as configured
+
+    return configured()
+
+
+class _SampleRows:
+    """Takes one layer's rows in token order (any split) and hands each finished sample to its
+    segment writer: what the extraction pipeline's layer sinks write into."""
+
+    rows_written = 0  # nothing to resume: a segment is committed whole or not at all
+
+    def __init__(self, writer, lengths: list[int]) -> None:
+        self.writer = writer
+        self.lengths = lengths
+        self._i = 0
+        self._parts: list[np.ndarray] = []
+        self._have = 0
+
+    def append(self, rows: np.ndarray) -> None:
+        while len(rows):
+            need = self.lengths[self._i] - self._have
+            take, rows = rows[:need], rows[need:]
+            self._parts.append(take)
+            self._have += len(take)
+            if self._have == self.lengths[self._i]:
+                one = self._parts[0] if len(self._parts) == 1 else np.concatenate(self._parts)
+                self.writer.add({"hidden": one})
+                self._parts, self._have = [], 0
+                self._i += 1
+                while self._i < len(self.lengths) and self.lengths[self._i] == 0:
+                    self.writer.add({"hidden": one[:0]})
+                    self._i += 1
+
+    def checkpoint(self, state=None) -> None:
+        """The pipeline checkpoints after every window; a segment commits only whole."""
+
+
+def produce(ctx: RunContext, nodes: list[Node]) -> None:
+    groups: dict[str, list[Node]] = {}
+    for n in nodes:
+        groups.setdefault(n.group or n.key, []).append(n)
+    for group in groups.values():
+        _produce_group(ctx, group)
+
+
+def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
+    from dfcache.samples import SampleArray, SegmentWriter, index_of
+
+    from ..tokens import read_tokens
+    from .extract import LayerSink, extract
+
+    nodes = sorted(nodes, key=lambda n: n.payload["layer"])
+    # Which layers each missing tokens sample lacks (another process may have committed some since
+    # planning); samples lacking the same layers share forward passes.
+    lacking: dict[str, list[Node]] = {}
+    for n in nodes:
+        have = index_of(ctx.store).partition(n.partition.key)
+        for i in n.positions_distinct(n.produce):
+            if n.sample_keys[i] not in have:
+                lacking.setdefault(n.upstream_samples[i], []).append(n)
+    if not lacking:
+        return
+    p = nodes[0].payload
+    tokens_node = p["tokens"]
+    backend = KernelSpec(**p["backend"])
+    if p.get("note"):
+        ctx.log(f"hidden states: {p['note']}")
+    target = get_target(ctx, p["target_dir"], backend)
+    target.check_layers([n.payload["layer"] for n in nodes])  # planning read config.json; verify on the model
+    position_of = {u: i for i, u in enumerate(tokens_node.sample_keys)}
+    by_layers: dict[tuple, list[str]] = {}
+    for u, ns in lacking.items():
+        by_layers.setdefault(tuple(n.payload["layer"] for n in ns), []).append(u)
+    row_bytes = target.hidden_size * (4 if backend.dtype == "float32" else 2)
+    budget = max(1, segment_bytes() // row_bytes)  # tokens a segment of one layer
+    provenance = {**target.provenance, "batching": "equal-length samples per batch, no padding",
+                  "batch_tokens": ctx.options.batch_tokens}
+    node_of = {n.payload["layer"]: n for n in nodes}
+    origin = samples_origin(ctx.store, (tokens_node.payload or {}).get("completions"))
+    total_tokens, segments = 0, 0
+    import time
+
+    t0 = time.perf_counter()
+    stats = None
+    for layers, ups in by_layers.items():
+        ups = sorted(ups)  # a segment's samples are in upstream-key order
+        toks = read_tokens(ctx.store, tokens_node, [position_of[u] for u in ups])
+        if toks.token_ids.size and (int(toks.token_ids.min()) < 0
+                                    or int(toks.token_ids.max()) >= (target.info.vocab_size or 1 << 62)):
+            raise BadInputError(f"the tokens hold id {int(toks.token_ids.max())}, outside the target's vocabulary "
+                                f"of {target.info.vocab_size}; they come from another tokenizer. Pass the matching "
+                                "--target.")
+        lengths = np.diff(toks.offsets).astype(np.int64)
+        start = 0
+        while start < len(ups):
+            stop, tokens = start, 0
+            while stop < len(ups) and (stop == start or tokens + lengths[stop] <= budget):
+                tokens += int(lengths[stop])
+                stop += 1
+            seg_ups = ups[start:stop]
+            a, b = int(toks.offsets[start]), int(toks.offsets[stop])
+            ids = toks.token_ids[a:b]
+            offsets = toks.offsets[start:stop + 1] - a
+            writers, sinks = [], []
+            try:
+                for k in layers:
+                    w = SegmentWriter(ctx.store, node_of[k].partition, seg_ups, doc=False,
+                                      arrays={"hidden": SampleArray((target.hidden_size,), backend.dtype,
+                                                                    ctx.options.compression)},
+                                      summary=f"{node_of[k].summary}: {origin}", provenance=provenance, rows={"hidden": b - a})
+                    writers.append(w)
+                    rows = _SampleRows(w, [int(x) for x in lengths[start:stop]])
+                    sinks.append(LayerSink(layer=k, writer=rows, array=rows))
+                desc = f"hidden states L{','.join(map(str, layers))}"
+                stats = extract(target, ids, offsets, sinks, batch_tokens=ctx.options.batch_tokens,
+                                progress_factory=lambda n: ctx.progress(n, desc, unit="tok", unit_scale=True),
+                                log=ctx.log)
+                for w in writers:
+                    w.commit()
+            except BaseException:
+                for w in writers:
+                    w.abort()
+                raise
+            total_tokens += b - a
+            segments += 1
+            hook = ctx.hooks.on_extract_checkpoint
+            if hook is not None:
+                hook(segments - 1, total_tokens)
+            start = stop
+    wall = time.perf_counter() - t0
+    ctx.last_extract_stats = stats
+    ctx.log(f"hidden states: {len(lacking)} sample(s), layers {[n.payload['layer'] for n in nodes]} "
+            f"({backend.label}): {total_tokens} tokens in {segments} segment(s), {wall:.1f} s "
+            f"({total_tokens / wall if wall > 0 else 0:,.0f} tok/s)")
+
+
+def read_layer(store, node: Node, positions=None):
+    """A layer node's states of the samples at ``positions`` (default: the whole set), in set
+    order and concatenated along tokens, as a torch tensor in the stored dtype."""
+    import torch
+
+    from dfcache.samples import SampleSet
+
+    positions = list(range(len(node.sample_keys))) if positions is None else list(positions)
+    raw = SampleSet(store, node.partition.key, [node.sample_keys[i] for i in positions]).read_many("hidden", raw=True)
+    raw = np.concatenate(raw) if raw else np.zeros((0, 0), np.float32)
+    if raw.dtype == np.uint16:
+        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(raw)
