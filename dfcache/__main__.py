@@ -53,7 +53,9 @@ def _fast_ls(argv: list[str]) -> int | None:
     opts = _parse(argv)
     if opts is None:
         return None
-    loc = opts.get("--store") or os.environ.get("DFCACHE_STORE") or "store"
+    from .config import default_store_location
+
+    loc = opts.get("--store") or default_store_location()
     if "://" in loc:
         return None
     try:
