@@ -240,8 +240,9 @@ def decode_chunk(data: bytes, codec: str, shape: tuple, storage_dtype: str, wher
     if codec == "zstd":
         import numcodecs
 
-        try:
-            body = np.frombuffer(numcodecs.Zstd().decode(body), dtype=np.uint8)
+        try:  # a chunk of zero-width rows is an empty frame, which numcodecs refuses to decode
+            empty = int(np.prod(shape, dtype=np.int64)) == 0 and zstd_content_size(body) == 0
+            body = np.frombuffer(b"" if empty else numcodecs.Zstd().decode(body), dtype=np.uint8)
         except Exception:
             raise IntegrityError(f"{where} does not decompress.", key=key) from None
     elif codec in BLOSC_CODECS:

@@ -58,7 +58,7 @@ class StoreConformance:
         with pytest.raises(ArtifactNotFoundError):
             store.manifest(_key(0))
 
-    @pytest.mark.parametrize("codec", ["none", "zstd"])
+    @pytest.mark.parametrize("codec", ["none", "zstd", "shuffle-zstd"])
     def test_roundtrip_bitexact(self, store, codec):
         key, data = write_example(store, codec=codec)
         assert store.has(key)
