@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import threading
+from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,24 @@ from ._backend import Backend, Staging
 from .format import PROGRESS, default_chunk_rows  # noqa: F401  (default_chunk_rows: public via dfcache.store)
 
 MAPPED_CHUNKS = 512  # mapped chunks kept per store: address space only, the page cache holds the data
+ENCODE_AHEAD = 4  # compressed chunks in flight per array (about 4 MiB of copies)
+
+_encode_pool_obj = None
+_encode_pool_lock = threading.Lock()
+
+
+def _encode_pool():
+    """Threads that compress chunks: numcodecs releases the GIL, so the producer, the hashing
+    and the compression of the next chunks run on different cores (and blosc off the main
+    thread takes its single-threaded context, which is the faster one for one block)."""
+    global _encode_pool_obj
+    with _encode_pool_lock:
+        if _encode_pool_obj is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _encode_pool_obj = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
+                                                  thread_name_prefix="dfcache-encode")
+        return _encode_pool_obj
 
 
 def repair_hint(key: str) -> str:
@@ -56,6 +75,7 @@ class ArrayWriter:
         self.chunk_digests: list[str] = []
         self._tail = np.empty((0,) + self.row_shape, dtype=self.storage_dtype)
         self.closed = False
+        self._inflight: deque = deque()  # compressed chunks being encoded and staged
 
     @property
     def rows_written(self) -> int:
@@ -103,8 +123,28 @@ class ArrayWriter:
             full = rows
         if full.dtype.byteorder == ">":
             full = full.astype(full.dtype.newbyteorder("<"))
-        self.owner._put(fmt.chunk_relpath(self.name, index, 1 + len(self.row_shape)), fmt.encode_chunk(full, self.codec))
+        rel = fmt.chunk_relpath(self.name, index, 1 + len(self.row_shape))
         self.chunk_digests.append(digest)
+        if self.codec == "none":
+            self.owner._put(rel, fmt.encode_chunk(full, self.codec))
+            return
+        if full is rows:  # the caller's rows: it may reuse its buffer once append() returns
+            full = np.array(rows, copy=True)
+        self._inflight.append(_encode_pool().submit(self._encode_put, rel, full))
+        while len(self._inflight) > ENCODE_AHEAD:
+            self._inflight.popleft().result()
+
+    def _encode_put(self, rel: str, full: np.ndarray) -> None:
+        self.owner._put(rel, fmt.encode_chunk(full, self.codec))
+
+    def drain(self, *, raise_errors: bool = True) -> None:
+        """Wait until every chunk handed to the encoder threads is staged."""
+        while self._inflight:
+            future = self._inflight.popleft()
+            if raise_errors:
+                future.result()
+            else:
+                future.exception()
 
     def finish(self) -> ArraySpec:
         if not self.closed:
@@ -116,6 +156,7 @@ class ArrayWriter:
                 self._write_chunk(self._tail)
                 self._tail = self._tail[:0]
             self.closed = True
+        self.drain()
         shape = [self.total_rows] + list(self.row_shape)
         self.owner._put(fmt.array_meta_relpath(self.name),
                         fmt.array_zarr_json(tuple(shape), self.storage_dtype.name, self.chunk_rows,
@@ -297,6 +338,8 @@ class ArtifactWriter(CommitOnExit):
             raise UsageError("checkpoint() needs store.writer(..., resumable=True).")
         if state is not None:
             self.state = state
+        for aw in self._arrays.values():
+            aw.drain()  # the chunks the progress names are staged
         for name, aw in self._arrays.items():
             if len(aw._tail):
                 self._put(f"tails/{name}.bin", memoryview(np.ascontiguousarray(aw._tail).view(np.uint8).reshape(-1)))
@@ -329,11 +372,17 @@ class ArtifactWriter(CommitOnExit):
         self.manifest = manifest if self.won else self.store.manifest(self.key)
         return self.manifest
 
+    def _drain_quietly(self) -> None:
+        for aw in self._arrays.values():  # no encoder thread may write into a removed staging area
+            aw.drain(raise_errors=False)
+
     def abort(self) -> None:
+        self._drain_quietly()
         self._staging.abort()
 
     def discard(self) -> None:
         """Abort and drop resumable progress too."""
+        self._drain_quietly()
         self._staging.discard()
 
     def _on_failure(self, exc_type) -> None:
