@@ -30,7 +30,7 @@ STORAGE_DTYPE = {
 }
 ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "float16": 2, "int16": 2, "uint16": 2, "float32": 4, "int32": 4,
             "uint32": 4, "float64": 8, "int64": 8, "uint64": 8}  # of the storage dtypes, without numpy
-CODECS = ("none", "zstd", "shuffle-zstd")  # per array; see dfcache/store/format.py
+CODECS = ("none", "zstd", "shuffle-zstd", "bitshuffle-lz4")  # per array; see dfcache/store/format.py
 MAX_ARRAY_BYTES = 1 << 44  # 16 TiB: anything larger in a manifest is hostile or broken
 MAX_NDIM = 8
 

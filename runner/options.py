@@ -17,7 +17,7 @@ CHOICES = {  # option -> (its flag, allowed values)
     "device": ("--device", ("auto", "cuda", "cpu")),
     "eval_device": ("--eval-device", ("auto", "cuda", "cpu")),
     "dtype": ("--dtype", ("bfloat16", "float32")),
-    "compression": ("--compression", ("none", "zstd", "shuffle-zstd")),
+    "compression": ("--compression", ("none", "zstd", "shuffle-zstd", "bitshuffle-lz4")),
     "attn_implementation": ("--attn-implementation", ("sdpa", "eager", "flash_attention_2")),
     "end_rule": ("--end-rule", ("within", "continuation")),
 }
@@ -52,7 +52,7 @@ class EvalOptions:
     device: str = "auto"  # auto|cuda|cpu
     dtype: str = "bfloat16"  # bfloat16|float32
     batch_tokens: int = 16384
-    compression: str = "none"  # none|zstd|shuffle-zstd (dfcache.store.format codecs)
+    compression: str = "none"  # none|zstd|shuffle-zstd|bitshuffle-lz4 (dfcache.store.format codecs)
     # eval
     tree_budgets: list[int] = field(default_factory=list)
     max_blocks: int | None = None

@@ -1,5 +1,5 @@
-"""Chunk codecs: `shuffle-zstd` (zarr v3 blosc: byte shuffle + zstd) round-trips bitwise, keeps
-the digests of the uncompressed bytes, is read by zarr itself, refuses damaged or lying frames,
+"""Chunk codecs: `shuffle-zstd` and `bitshuffle-lz4` (zarr v3 blosc) round-trip bitwise, keep
+the digests of the uncompressed bytes, are read by zarr itself, refuse damaged or lying frames,
 and stores written with `none` or `zstd` read as before."""
 
 import json
@@ -34,16 +34,16 @@ def _write(store, codec, chunk_rows=None):
     return key
 
 
-@pytest.mark.parametrize("chunk_rows", [None, 128])
-def test_shuffle_zstd_round_trip_bitwise_same_digests_and_zarr_reads_it(tmp_path, chunk_rows):
+@pytest.mark.parametrize("codec,chunk_rows", [("shuffle-zstd", None), ("shuffle-zstd", 128), ("bitshuffle-lz4", 128)])
+def test_blosc_codecs_round_trip_bitwise_same_digests_and_zarr_reads_it(tmp_path, codec, chunk_rows):
     store = open_store(tmp_path / "s")
-    plain, packed = _write(store, "none", chunk_rows), _write(store, "shuffle-zstd", chunk_rows)
+    plain, packed = _write(store, "none", chunk_rows), _write(store, codec, chunk_rows)
     mp, mc = store.manifest(plain), store.manifest(packed)
     art = store.open(packed)
     group = zarr.open_group(str(store.backend.local_root / fmt.artifact_prefix(packed)), mode="r")
     for name, a in _arrays().items():
         want = a.view(np.uint16) if a.dtype == ml_dtypes.bfloat16 else a
-        assert mc.arrays[name].codec == "shuffle-zstd"
+        assert mc.arrays[name].codec == codec
         assert mc.arrays[name].digest == mp.arrays[name].digest  # digests cover the logical bytes
         got = art.array(name).read_raw()
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes()

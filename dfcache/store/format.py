@@ -20,7 +20,7 @@ An artifact is one zarr v3 group::
 Each array is chunked along its first axis only. Chunks are encoded here, without going through
 zarr's per-call codec pipeline (which runs at about a third of disk speed, see
 shared/reference/storage-probe.md), with exactly the codecs zarr.json declares: ``bytes``
-(little endian), optionally ``zstd`` or ``blosc`` (byte shuffle + zstd), then ``crc32c``. Any zarr v3
+(little endian), optionally ``zstd`` or ``blosc`` (shuffle + zstd or lz4), then ``crc32c``. Any zarr v3
 reader opens the result.
 
 Digests: a chunk's digest is xxh3-128 over its logical rows (no padding) in the storage dtype; an
@@ -54,10 +54,14 @@ PROGRESS = "progress.json"  # a resumable writer's checkpoint, in its staging ar
 
 TARGET_CHUNK_BYTES = 1 << 20  # 128 tokens at 4096 x bf16: little over-read at sample edges
 ZSTD_LEVEL = 1
-# Codecs written as zarr v3 `blosc` (byte shuffle of the storage dtype, then zstd, the whole chunk
-# one block): bf16 states 1.94x smaller where plain zstd gives 1.41x (bench/codec_variants.py).
-# A name fixes every parameter, so a manifest's codec says exactly how its chunks were encoded.
-BLOSC_CODECS = {"shuffle-zstd": {"cname": "zstd", "clevel": ZSTD_LEVEL, "shuffle": "shuffle"}}
+# Codecs written as zarr v3 `blosc`, the whole chunk one block (blosc's default blocks of tens of
+# KB cost the compressor its context). On bf16 hidden states (python -m bench.codec_variants):
+# shuffle-zstd (byte shuffle, zstd 1) 1.94x smaller where plain zstd gives 1.41x; bitshuffle-lz4
+# (bit shuffle, lz4) 1.61x at about 2.5x shuffle-zstd's encode speed. A name fixes every
+# parameter, so a manifest's codec says exactly how its chunks were encoded.
+BLOSC_CODECS = {"shuffle-zstd": {"cname": "zstd", "clevel": ZSTD_LEVEL, "shuffle": "shuffle"},
+                "bitshuffle-lz4": {"cname": "lz4", "clevel": 5, "shuffle": "bitshuffle"}}
+_BLOSC_SHUFFLE = {"shuffle": 1, "bitshuffle": 2}  # numcodecs.blosc.SHUFFLE, BITSHUFFLE
 BLOSC_HEADER = 16
 MAX_META_BYTES = 1 << 20  # a zarr.json is a few hundred bytes
 MAX_CHUNK_BYTES = 4 << 30  # dfcache writes ~1 MiB chunks; a manifest asking for more is refused
@@ -223,7 +227,7 @@ def encode_chunk(full: np.ndarray, codec: str) -> list:
         p = BLOSC_CODECS[codec]
         # blosc shuffles by the buffer's itemsize: give it the storage dtype, never bytes
         flat = full.reshape(-1) if full.dtype.itemsize > 1 else raw
-        raw = np.frombuffer(blosc.compress(flat, p["cname"].encode(), p["clevel"], blosc.SHUFFLE,
+        raw = np.frombuffer(blosc.compress(flat, p["cname"].encode(), p["clevel"], _BLOSC_SHUFFLE[p["shuffle"]],
                                            max(1, raw.nbytes)), dtype=np.uint8)
     crc = google_crc32c.extend(0, raw).to_bytes(4, "little")
     return [raw, crc]

@@ -22,7 +22,7 @@ calls :func:`produce` once with every layer that misses samples, and one forward
 computes, for the missing samples only, every layer that misses them, stopping after the deepest.
 
 Output, per sample: array ``hidden`` [tokens, hidden_size], the model's dtype exactly (bf16 stored
-as its uint16 bits, or fp32), chunked along tokens; ``--compression none|zstd|shuffle-zstd``. Samples are
+as its uint16 bits, or fp32), chunked along tokens; ``--compression none|zstd|shuffle-zstd|bitshuffle-lz4``. Samples are
 committed in segments of about ``DFCACHE_SEGMENT_BYTES`` (default 256 MiB) per layer, so an
 interrupted extraction keeps every finished segment and the next run computes only the samples
 still missing. Exact library versions, the GPU, the kernel functions really bound and the
