@@ -6,7 +6,7 @@ dfcache and SpecForge alternating (order flipping each pick), warm page cache (t
 just written) and cold (the files the read needs evicted with POSIX_FADV_DONTNEED first).
 The dfcache artifact is opened once (a reader opens it once and reads many samples); the
 time of ``store.open`` is reported apart. A sample read must open exactly the chunk files that
-hold its rows: counted through the ``Artifact._read`` and ``Artifact._local_path`` hooks and checked against chunk math.
+hold its rows: counted through the ``Artifact._read`` and ``Artifact._open_local`` hooks and checked against chunk math.
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ def run(ctx: Ctx) -> Result:
         opened.append(rel)
         return orig_read(rel)
     art._read = counting_read
-    orig_path = art._local_path
+    orig_open = art._open_local
 
-    def counting_path(rel):  # the fast read path opens whole chunks by path
+    def counting_open(rel):  # the fast read path opens chunk files by descriptor
         opened.append(rel)
-        return orig_path(rel)
-    art._local_path = counting_path
+        return orig_open(rel)
+    art._open_local = counting_open
     adir = store.backend.local_root / artifact_prefix(key)
 
     def chunk_paths(a: int, b: int) -> list[str]:

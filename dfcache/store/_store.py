@@ -30,6 +30,7 @@ from ._backend import Backend, Staging
 from .format import PROGRESS, default_chunk_rows  # noqa: F401  (default_chunk_rows: public via dfcache.store)
 
 MAPPED_CHUNKS = 512  # mapped chunks kept per store: address space only, the page cache holds the data
+VERIFIED_CHUNKS = 1 << 18  # chunk files whose crc32c a store remembers having checked (~40 MB at most)
 ENCODE_AHEAD = 4  # compressed chunks in flight per array (about 4 MiB of copies)
 
 _encode_pool_obj = None
@@ -48,6 +49,29 @@ def _encode_pool():
             _encode_pool_obj = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
                                                   thread_name_prefix="dfcache-encode")
         return _encode_pool_obj
+
+
+_scratch_local = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """A per-thread buffer for partial chunk reads, reused: a fresh one costs its page faults."""
+    buf = getattr(_scratch_local, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _scratch_local.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+    return buf[:nbytes]
+
+
+def _pread_full(fd: int, buf: np.ndarray, offset: int) -> int:
+    """Read ``buf.nbytes`` bytes at ``offset`` (short only at the end of the file)."""
+    view = memoryview(buf).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            break
+        done += n
+    return done
 
 
 def repair_hint(key: str) -> str:
@@ -409,6 +433,7 @@ class ArrayReader:
         self.chunk_rows = spec.chunk_rows
         self._ndim = len(self.shape)
         self._storage = np.dtype(STORAGE_DTYPE[spec.dtype])
+        self._row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self._storage.itemsize
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -452,6 +477,13 @@ class ArrayReader:
         e.g. a buffer reused across reads or the columns of a wider one (``big[:, 0:1024]``);
         the rows read are returned as a view of it.
 
+        Local uncompressed chunks are read with one ``pread`` each, straight into the result, the
+        kernel asked to read them all ahead first; each chunk file's crc32c is checked the first
+        time this store reads it and remembered by the file's inode, size, mtime and ctime, so a
+        later read reads only the rows it needs (a file rewritten or replaced is checked again;
+        one corrupted in place without any of those changing is not noticed until the store is
+        reopened, and ``verify`` still checks everything).
+
         ``mapped=True`` (local, uncompressed chunks): chunk files are memory-mapped and their
         crc32c checked the first time this store maps them, not on every read; rows are then
         copied straight from the page cache into ``out``. For many small random reads over the
@@ -470,18 +502,22 @@ class ArrayReader:
             out = out[:rows]
         if stop <= start:
             return out
-        contiguous = out.flags.c_contiguous
         c0, c1 = start // self.chunk_rows, (stop - 1) // self.chunk_rows
-        for i in range(c0, c1 + 1):
-            lo, hi = i * self.chunk_rows, (i + 1) * self.chunk_rows
-            a, b = max(lo, start), min(hi, stop)
-            chunk = self._mapped_chunk(i) if mapped else None
-            if chunk is None:
-                if (contiguous and a == lo and b == hi
-                        and self._read_chunk_into(i, out[a - start:b - start])):
-                    continue
-                chunk = self._chunk(i)
-            out[a - start:b - start] = chunk[a - lo:b - lo]
+        fds = None if mapped else self._open_local(c0, c1)
+        try:
+            for i in range(c0, c1 + 1):
+                lo, hi = i * self.chunk_rows, (i + 1) * self.chunk_rows
+                a, b = max(lo, start), min(hi, stop)
+                chunk = self._mapped_chunk(i) if mapped else None
+                if chunk is None:
+                    fd = fds.get(i) if fds else None
+                    if fd is not None and self._read_local(fd, i, a, b, out[a - start:b - start]):
+                        continue
+                    chunk = self._chunk(i)
+                out[a - start:b - start] = chunk[a - lo:b - lo]
+        finally:
+            for fd in (fds or {}).values():
+                os.close(fd)
         return out
 
     def _mapped_chunk(self, index: int) -> np.ndarray | None:
@@ -519,24 +555,58 @@ class ArrayReader:
         store._mapped[ck] = arr
         return arr
 
-    def _read_chunk_into(self, index: int, rows: np.ndarray) -> bool:
-        """Fast path: an uncompressed local chunk the read covers whole goes straight into the
-        result (no intermediate buffer, no copy), crc32c still checked. False: use _chunk()."""
-        if self.spec.codec != "none":
-            return False
+    def _open_local(self, c0: int, c1: int) -> dict[int, int] | None:
+        """Descriptors of chunks c0..c1 (a missing one left out: _chunk() reports it), with the
+        kernel asked to read them all ahead at once: a cold read then has every chunk in flight
+        instead of one file's readahead at a time. None: not a local uncompressed array."""
+        if self.spec.codec != "none" or self.artifact._local_dir() is None:
+            return None
         self._check_meta()
-        path = self.artifact._local_path(fmt.chunk_relpath(self.name, index, self._ndim))
-        if path is None:
+        prefix, suffix = f"{self.name}/c/", "/0" * (self._ndim - 1)
+        fds: dict[int, int] = {}
+        for i in range(c0, c1 + 1):
+            fd = self.artifact._open_local(f"{prefix}{i}{suffix}")
+            if fd is None:
+                continue
+            fds[i] = fd
+            if c1 > c0:
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                except (AttributeError, OSError):
+                    pass
+        return fds
+
+    def _read_local(self, fd: int, index: int, a: int, b: int, dest: np.ndarray) -> bool:
+        """Rows [a, b) of uncompressed local chunk ``index`` into ``dest``. The chunk's crc32c is
+        checked the first time this store reads the file (known by inode, size, mtime, ctime);
+        after that only the rows asked for are read. False: use _chunk(), which says what is
+        wrong."""
+        store = self.artifact.store
+        row_bytes = self._row_bytes
+        body = self.chunk_rows * row_bytes
+        lo = index * self.chunk_rows
+        st = os.fstat(fd)
+        sig = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        ck = (self.artifact.key, self.name, index)
+        contiguous = dest.flags.c_contiguous
+        if store._verified.get(ck) == sig:
+            want = (b - a) * row_bytes
+            buf = dest.reshape(-1).view(np.uint8) if contiguous else _scratch(want)
+            if _pread_full(fd, buf, (a - lo) * row_bytes) != want:
+                return False
+            if not contiguous:
+                dest[...] = buf.view(self._storage.newbyteorder("<")).reshape(dest.shape)
+            return True
+        whole = contiguous and a == lo and b - lo == self.chunk_rows
+        buf = dest.reshape(-1).view(np.uint8) if whole else _scratch(body)
+        if _pread_full(fd, buf, 0) != body or not fmt.crc_ok(buf, os.pread(fd, 5, body)):
             return False
-        view = rows.reshape(-1).view(np.uint8)
-        try:
-            with open(path, "rb", buffering=0) as f:
-                got = f.readinto(view)
-                crc = f.read(5)
-        except FileNotFoundError:
-            return False  # _chunk() reports it
-        if got != view.nbytes or not fmt.crc_ok(view, crc):
-            return False  # _chunk() re-reads it and says exactly what is wrong
+        if len(store._verified) >= VERIFIED_CHUNKS:
+            store._verified.pop(next(iter(store._verified)))
+        store._verified[ck] = sig
+        if not whole:
+            rows = buf.view(self._storage.newbyteorder("<")).reshape((self.chunk_rows,) + self.shape[1:])
+            dest[...] = rows[a - lo:b - lo]
         return True
 
     def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
@@ -581,6 +651,26 @@ class Artifact:
     def _local_path(self, relpath: str):
         """The file's path when the store is a local directory (fast reads), else None."""
         return self.store.backend.local_file_path(self.key, relpath)
+
+    def _local_dir(self) -> str | None:
+        """The artifact's directory as a string (path objects cost more than reading a small
+        sample's chunks), or None when the store is not local."""
+        d = self.__dict__.get("_dir", False)
+        if d is False:
+            path = self.store.backend.local_file_path(self.key, "")
+            d = self._dir = None if path is None else os.fspath(path).rstrip("/") + "/"
+        return d
+
+    def _open_local(self, relpath: str) -> int | None:
+        """A read-only descriptor of a file of this local artifact (the fast read path), None if
+        the store is not local or the file is missing (the caller's slow path says so)."""
+        d = self._local_dir()
+        if d is None:
+            return None
+        try:
+            return os.open(d + relpath, os.O_RDONLY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
 
     def _read(self, relpath: str) -> bytes:
         backend = self.store.backend
@@ -652,6 +742,8 @@ class Store:
         self.url = backend.url
         self._meta_checked: set[tuple[str, str]] = set()  # (key, array) whose zarr.json agrees
         self._mapped: dict[tuple[str, str, int], np.ndarray] = {}  # read_raw(mapped=True) chunks
+        # (key, array, chunk) -> the file's (inode, size, mtime, ctime) when its crc32c passed
+        self._verified: dict[tuple[str, str, int], tuple] = {}
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"

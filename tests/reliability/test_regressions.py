@@ -235,6 +235,9 @@ def test_ctrl_c_exits_130_with_a_message(tmp_path, monkeypatch, capsys):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Store, "list_manifests", interrupted)
+    from dfcache.store._local import LocalBackend
+
+    monkeypatch.setattr(LocalBackend, "listing", interrupted)  # ls reads the listing index
     assert main(["--store", str(tmp_path / "s"), "ls"]) == 130
     assert "interrupted: committed artifacts are kept" in capsys.readouterr().err
 
