@@ -138,6 +138,15 @@ def a_file(name: str = "store-file") -> Callable[[Ctx], None]:
     return setup
 
 
+def without(stage: str) -> Callable[[Ctx], None]:
+    """The base store less its ``stage`` artifact, as `gc --force` or `pull --no-upstream` leave it."""
+    def setup(ctx: Ctx) -> None:
+        from dfcache.store import open_store
+
+        assert open_store(ctx.store).delete(ctx.keys[stage])
+    return setup
+
+
 SIX = "".join(f'{{"id": "p{i}", "prompt": "question {i}"}}\n' for i in range(6))
 FILE_STORE = "{tmp}/store-file is a file, not a directory"
 
@@ -291,6 +300,10 @@ CASES = [
          lambda c: ["--store", c.tmp / "store-file", "gc", "--dry-run"], a_file()),
     Case("store: a file (run)", EXIT_USAGE, [FILE_STORE],
          lambda c: ["--store", c.tmp / "store-file", *c.run("tokens", "--offline")], a_file()),
+    # ---- a broken chain is a warning, not a failure (docs/reliability.md says why)
+    Case("verify: an artifact whose upstream is not in the store", EXIT_OK,
+         ["warning: 1 artifact(s) depend on upstream artifacts that are not in this store", "pull --no-upstream"],
+         lambda c: ["verify"], without("prompts")),
     # ---- ls filters that can never match (exit 2, with the valid choices)
     Case("ls: --stage that is no stage", EXIT_USAGE, ["--stage 'nonsense'", "hidden_states", "tokens"],
          lambda c: ["ls", "--stage", "nonsense"]),
