@@ -492,18 +492,22 @@ def test_sigint_mid_run_exits_130_keeps_progress_and_resumes(base_store, env, tm
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"question {i}"}) + "\n" for i in range(N_SIGINT)))
     before = artifacts_listing(store)
-    with ScriptedServer(chat="slow") as server:
+    # The server holds every request after the sixth: the interrupt comes while the seventh is in
+    # flight, however loaded the machine (six answers committed, twelve to go).
+    with ScriptedServer(chat="ok", hold_after=N_SIGINT // 3) as server:
         args = [sys.executable, "-m", "dfcache", "--store", str(store), "run", "completions", "--target",
                 str(base_store["args"][1]), "--server", server.url, "--prompts", str(prompts), "--concurrency", "1",
                 "--max-new-tokens", "4"]
         p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-        deadline = time.monotonic() + 120
-        while server.count("POST", "/v1/chat/completions") < N_SIGINT // 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        deadline = time.monotonic() + 300
+        while server.count("POST", "/v1/chat/completions") <= N_SIGINT // 3 and time.monotonic() < deadline:
+            assert p.poll() is None, p.communicate()
+            time.sleep(0.01)
         p.send_signal(signal.SIGINT)
-        out, err = p.communicate(timeout=60)
+        out, err = p.communicate(timeout=120)
         first = server.count("POST", "/v1/chat/completions")
+        server.released.set()  # the next run is answered at once
         assert p.returncode == 130, err
         assert "Traceback" not in err and "interrupted" in err and "run the same command again" in err, err
         after = artifacts_listing(store)
@@ -525,16 +529,19 @@ def test_sigint_mid_hidden_states_resumes(heavy_zygote, base_store, tmp_path, fi
     before = artifacts_listing(store)
     args = ["--store", store, "run", "hidden-states", *base_store["args"], "--offline", "--layer", "2",
             "--backend", "torch", "--device", "cpu", "--dtype", "float32", "--batch-tokens", "24"]
-    child = heavy_zygote.spawn("children:cli_main", *map(str, args), name="hs-sigint")
-    deadline = time.monotonic() + 200
-    while time.monotonic() < deadline and child.poll() is None:
-        if any((p / "progress.json").exists() for p in (store / "staging").glob("*.resume")):
-            break
+    # Stopped just after its first checkpoint (children.py: a pause), then interrupted there:
+    # Ctrl-C lands mid-extraction however loaded the machine is.
+    pause = json.dumps({"after_op": "replace progress.json", "op": 1})
+    child = heavy_zygote.spawn("children:paused_cli", pause, *map(str, args), name="hs-sigint")
+    deadline = time.monotonic() + 300
+    while "\nZ " not in "\n" + child.err:
+        assert child.poll() is None, f"never reached its pause:\n{child.err[-3000:]}"
+        assert time.monotonic() < deadline, child.err[-3000:]
         time.sleep(0.01)
+    assert any((p / "progress.json").exists() for p in (store / "staging").glob("*.resume"))
     child.kill(signal.SIGINT)
+    child.kill(signal.SIGCONT)  # the interrupt is handled as the process goes on
     code = child.wait(120)
-    if code == 0:
-        pytest.skip("the extraction finished before the interrupt arrived")
     assert code == 130, child.err
     assert "Traceback" not in child.err and "interrupted" in child.err
     assert artifacts_listing(store) == before
