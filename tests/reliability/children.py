@@ -63,7 +63,7 @@ def _freeze(what: str) -> None:
 def _point(what: str) -> None:
     p = _PAUSE
     if p["after_op"] is not None and not p["counting"]:
-        if what == p["after_op"]:  # count from the next operation on
+        if what.startswith(p["after_op"]):  # count from the next operation on
             with _PAUSE_LOCK:
                 p["counting"], p["count"] = True, 0
         return
@@ -82,7 +82,7 @@ def _point(what: str) -> None:
 def install_pause(pause: dict | None, fd: int = 1) -> None:
     """Count the store's operations in this process and stop at the one ``pause`` names
     (``{"op": N}``; ``{"after": MARKER, "op": N}`` counts from a marker, ``{"after_op": OP, "op": N}``
-    from the first operation named OP; ``{"list": true}`` prints them all)."""
+    from the first operation whose name starts with OP; ``{"list": true}`` prints them all)."""
     _MARK_FD[0] = fd
     if not pause:
         return

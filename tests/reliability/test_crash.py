@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from children import boundaries_of, check_artifact, key_of
-from rel_helpers import artifacts_listing, copy_store, has_stage
+from rel_helpers import NUM_PROMPTS, artifacts_listing, copy_store, has_stage
 
 from dfcache.store import open_store
 
@@ -297,46 +297,62 @@ def test_sigkill_dfcache_pull_at_random_instants(zygote, fast_tmp, stress, figur
 @pytest.mark.skipif(not has_stage("hidden_states"), reason="runner/stages/hidden_states.py (the hidden-states "
                     "stage) is not there yet")
 def test_sigkill_dfcache_run_hidden_states(heavy_zygote, base_store, tmp_path, stress, figures):
-    """`dfcache run hidden-states` on the tiny target, SIGKILLed at random instants during
-    extraction; the rerun resumes and the states equal an uninterrupted run's bytes."""
+    """`dfcache run hidden-states` on the tiny target, committing one sample a segment, SIGKILLed at
+    random instants once a segment is committed: nothing committed is lost, the rerun computes only
+    the samples still missing, and every sample's states equal an uninterrupted run's bytes."""
+    from dfcache.samples import SampleSet, index_of
+
     trials = 16 if stress else 4
     rng = random.Random(11)
+    small = {"DFCACHE_SEGMENT_BYTES": str(128 * 4)}  # fp32 rows of 128: one sample a segment
     args = [*base_store["args"], "--offline", "--layer", "1", "--layer", "4", "--backend", "torch", "--device",
             "cpu", "--dtype", "float32", "--batch-tokens", "8", "--json"]
     ref = copy_store(base_store, tmp_path / "ref")
     # The uninterrupted run lists its store operations; the kills stop the same run at one of
-    # them after its first checkpoint and before its first artifact is published.
+    # them after its first segment is published and before its last one is.
     first = heavy_zygote.run("children:paused_cli", json.dumps({"list": True}), "--store", ref, "run",
-                             "hidden-states", *args, timeout=300, name="hs-ref")
+                             "hidden-states", *args, timeout=300, name="hs-ref", env=small)
     assert first.code == 0, first.err
-    hs_keys = sorted(k for k in json.loads(first.out)["computed"])
-    assert len(hs_keys) == 2
+    layer_nodes = [n for n in json.loads(first.out)["nodes"] if n["stage"] == "hidden_states"]
+    assert len(layer_nodes) == 2
+    ref_store = open_store(ref)
+    ref_keys = {n["partition"]: sorted(index_of(ref_store).partition(n["partition"])) for n in layer_nodes}
+    assert all(len(v) == NUM_PROMPTS for v in ref_keys.values())
     ops = [line.split(" ", 2)[2] for line in first.err.splitlines() if line.startswith("O ")]
-    first_checkpoint = ops.index("replace progress.json")
-    publish = min(i for i, op in enumerate(ops) if op.startswith("rename ") and op.split()[1] in hs_keys)
-    assert first_checkpoint + 1 < publish, ops
+    publishes = [i for i, op in enumerate(ops) if op.startswith("rename ")]
+    assert len(publishes) >= 2, ops
     kept_before = set(base_store["keys"].values())
     resumed = 0
     t0 = time.monotonic()
     for t in range(trials):
         store = copy_store(base_store, tmp_path / f"s{t}")
-        # before the n-th operation after the first checkpoint; n = publish - first_checkpoint is the rename
-        pause = {"after_op": "replace progress.json", "op": rng.randint(1, publish - first_checkpoint)}
+        # before the n-th operation after the first publish; the largest n is the last publish
+        pause = {"after_op": ops[publishes[0]], "op": rng.randint(1, publishes[-1] - publishes[0])}
         child = heavy_zygote.spawn("children:paused_cli", json.dumps(pause), "--store", store, "run",
-                                   "hidden-states", *args, name=f"hs{t}")
+                                   "hidden-states", *args, name=f"hs{t}", env=small)
         assert kill_when_frozen(child, "err"), f"hs trial {t}: never reached {pause}:\n{child.err[-3000:]}"
         code = child.wait(60)
         assert code == -9, child.err[-3000:]
-        listed = store_is_sound(heavy_zygote, store, kept_before, kept_before | set(hs_keys), f"hs trial {t}")
-        rerun = heavy_zygote.cli("--store", store, "run", "hidden-states", *args, timeout=300)
+        segs = {m.key for m in open_store(store).list_manifests(stage="hidden_states")}
+        committed = {p: set(index_of(open_store(store)).partition(p)) for p in ref_keys}
+        assert any(committed.values()), f"hs trial {t} ({pause}): nothing committed before the kill"
+        store_is_sound(heavy_zygote, store, kept_before | segs, kept_before | segs, f"hs trial {t}")
+        rerun = heavy_zygote.cli("--store", store, "run", "hidden-states", *args, timeout=300, env=small)
         assert rerun.code == 0, rerun.err
-        assert "resuming" in rerun.err, f"hs trial {t} ({pause}): the rerun did not resume:\n{rerun.err}"
+        rows = {r["key"]: r["samples"] for r in json.loads(rerun.out)["stages"] if r["stage"] == "hidden_states"}
+        for n in layer_nodes:
+            c = rows[n["key"]]
+            kept = len(committed[n["partition"]])
+            assert c["reused"] == kept and c["computed"] == NUM_PROMPTS - kept, (t, c, kept)
         resumed += 1
-        for k in hs_keys:
-            a = open_store(store).open(k).array("hidden").read_raw()
-            b = open_store(ref).open(k).array("hidden").read_raw()
-            assert a.tobytes() == b.tobytes(), f"hs trial {t}: layer artifact {k} differs after resume"
-        assert listed <= kept_before | set(hs_keys)
+        st = open_store(store)
+        for p, keys in ref_keys.items():
+            assert sorted(index_of(st).partition(p)) == keys
+            mine, theirs = SampleSet(st, p, keys), SampleSet(ref_store, p, keys)
+            for i in range(len(keys)):
+                assert mine.read_raw(i, "hidden").tobytes() == theirs.read_raw(i, "hidden").tobytes(), \
+                    f"hs trial {t}: sample {keys[i]} of partition {p} differs after the kill"
+        assert {m.key for m in st.list_manifests(stage="hidden_states")} >= segs  # nothing committed lost
     figures.record("crash_run_hidden_states", trials=trials, resumed=resumed,
                    seconds=round(time.monotonic() - t0, 1))
-    assert resumed >= 1, "no rerun resumed from checkpointed progress"
+    assert resumed == trials, "a rerun did not find committed segments of a killed run"
