@@ -41,9 +41,16 @@ class ClosedPort:
     free for a moment; on a machine running other tests (CI beside other work) another server may
     take it before the client connects, which made "connection refused" cases flaky."""
 
-    def __init__(self) -> None:
+    def __init__(self, ports: range | None = None) -> None:
         self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        for port in ports or [0]:  # (``ports``: the first free one of them)
+            try:
+                self.sock.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                continue
+        else:
+            raise OSError(f"no free port in {ports}")
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
 

@@ -265,6 +265,16 @@ CASES = [
          lambda c: ["pull", "s3://bkt/r", "--all", "--endpoint-url", c.url], server="closed", env=FAKE_AWS),
     Case("remote: S3 endpoint unreachable (ls --remote)", EXIT_NETWORK, ["s3://bkt/r"],
          lambda c: ["ls", "--remote", "s3://bkt/r", "--endpoint-url", c.url], server="closed", env=FAKE_AWS),
+    # A refused endpoint whose port holds "416" once read as an HTTP 416 (an empty object): exit 2,
+    # "store format None". Random ports made it a rare flake of the two cases above.
+    Case("remote: S3 endpoint unreachable at a port with 416 in it (pull)", EXIT_NETWORK,
+         ["s3://bkt/r", "connection refused"],
+         lambda c: ["pull", "s3://bkt/r", "--all", "--endpoint-url", c.url], server="closed-416", env=FAKE_AWS,
+         absent=["store format"]),
+    Case("remote: S3 endpoint unreachable at a port with 416 in it (ls --remote)", EXIT_NETWORK,
+         ["s3://bkt/r", "connection refused"],
+         lambda c: ["ls", "--remote", "s3://bkt/r", "--endpoint-url", c.url], server="closed-416", env=FAKE_AWS,
+         absent=["store format"]),
     Case("remote: file:// remote that does not exist", EXIT_USAGE, ["file://{tmp}/no-remote"],
          lambda c: c.run("tokens", "--remote", f"file://{c.tmp}/no-remote")),
     Case("remote: unsupported scheme", EXIT_USAGE, ["http:// scheme is not supported"],
@@ -321,6 +331,8 @@ def _server(kind: str | None):
         return None
     if kind == "closed":
         return ClosedPort()
+    if kind == "closed-416":
+        return ClosedPort(ports=range(41600, 41700))
     if kind == "silent":
         return SilentListener()
     if kind == "loading":
