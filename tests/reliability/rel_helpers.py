@@ -16,7 +16,6 @@ MAX_NEW = 8
 
 
 def has_stage(name: str) -> bool:
-    # a stage is a module or a package (runner/stages/NAME/)
     return (STAGES / f"{name}.py").exists() or (STAGES / name / "__init__.py").exists()
 
 
