@@ -178,14 +178,15 @@ def _run_argv(ctx: typer.Context, target: str) -> list[str]:
 
 
 # What `dfcache ls --stage` and `ls --backend` accept before the store holds any such artifact.
-STAGE_NAMES = ("prompts", "completions", "tokens", "hidden_states", "drafter_eval", "report")
+STAGE_NAMES = ("prompts", "completions", "tokens", "hidden_states", "drafter_eval", "report", "import")
 KERNELS = ("fla", "torch")
 
 
 def register(app: typer.Typer) -> None:
     state.known_stages.update(STAGE_NAMES)
     state.known_kernels.update(KERNELS)
-    state.recomputers["hidden_states"] = _recompute_hidden_states
+    state.recomputers["hidden_states"] = _recompute_hidden_states  # set-level imports
+    state.recomputers["import"] = _recompute_hidden_states
     app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
     app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
     from .cli_peers import register as register_peers

@@ -68,6 +68,8 @@ class StoredSamples:
         docs = h["tokens"].docs()
         self.prompt_lens = np.asarray([d["prompt_len"] for d in docs], dtype=np.int64)
         self._lengths = np.asarray([h["tokens"].rows(i, "ids") for i in range(len(docs))], dtype=np.int64)
+        # Imported tokens carry the peer's own loss mask; the pipeline's is prompt 0, completion 1.
+        self.has_loss_mask = bool(len(docs)) and "loss_mask" in h["tokens"].segment(0)[0].artifact.manifest.arrays
         self.widths: list[int] = []
         self.dtype = None
         for ss in h["layers"]:
@@ -124,7 +126,9 @@ class StoredSamples:
         return out
 
     def loss_mask(self, index: int) -> np.ndarray:
-        """One sample's loss mask (int64): 0 on the prompt, 1 on the completion."""
+        """One sample's loss mask (int64): 0 on the prompt, 1 on the completion (an import's: its own)."""
+        if self.has_loss_mask:
+            return self._open()["tokens"].read(index, "loss_mask").astype(np.int64)
         mask = np.zeros(int(self._lengths[index]), dtype=np.int64)
         mask[int(self.prompt_lens[index]):] = 1
         return mask
@@ -378,9 +382,14 @@ def _quote(a: str) -> str:
 
 
 def stored_selection(store, tokens_key: str, layers: list[int], *, backend: dict | None = None) -> Selection:
-    """A selection named by its tokens key (e.g. an import's) and layer ids: the hidden-state
-    artifacts over those tokens, one per layer (``backend`` chooses when several classes exist)."""
+    """A selection named by the key `dfcache import` printed (an ``import`` artifact: its samples, in
+    file order, from whichever segments hold them) and layer ids; or, for a set-level tokens
+    artifact, the hidden-state artifacts over it, one per layer (``backend`` chooses when several
+    classes exist)."""
     tokens_key = store.resolve(tokens_key)
+    m = store.manifest(tokens_key)
+    if m.stage == "import":
+        return _import_selection(store, m, list(layers))
     by_layer: dict[int, list] = {}
     for m in store.list_manifests(stage="hidden_states"):
         if m.upstream.get("tokens") == tokens_key and (backend is None or m.inputs.get("backend") == backend):
@@ -400,6 +409,45 @@ def stored_selection(store, tokens_key: str, layers: list[int], *, backend: dict
     return Selection(store=store, options=EvalOptions(), layers=list(layers), tokens_key=tokens_key,
                      layer_keys=[m.key for m in chosen], target_dir="", num_layers=-1,
                      hidden_size=int(spec.shape[1]), backend=chosen[0].inputs.get("backend"))
+
+
+@dataclass
+class _Listed:
+    """A stored list of samples of one partition, shaped like the graph's per-sample nodes for
+    :meth:`Selection.source`."""
+
+    partition: object
+    sample_keys: list[str]
+    ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Part:
+    key: str
+
+
+def _import_selection(store, m, layers: list[int]) -> Selection:
+    from dfcache.samples import index_of
+
+    from .imports import read_import
+
+    doc = read_import(store, m.key)
+    have = list(doc["layers"])
+    absent = [k for k in layers if k not in have]
+    if absent or not layers:
+        raise BadInputError(f"the import {m.key[:12]} holds layers {have}; layer(s) "
+                            f"{', '.join(map(str, absent)) or '(none given)'} are not among them. Pass layers={have} "
+                            "or a subset, in the order to concatenate.")
+    parts = {k: p for k, p in zip(have, doc["layer_partitions"])}
+    keys = {k: ks for k, ks in zip(have, doc["hidden_states"])}
+    segs = index_of(store).segments(parts[layers[0]])
+    width = next((int(s.arrays["hidden"].shape[1]) for s in segs.values() if "hidden" in s.arrays), -1)
+    backend = (m.provenance or {}).get("declared_backend")
+    return Selection(store=store, options=EvalOptions(), layers=layers, tokens_key=m.key,
+                     layer_keys=[parts[k] for k in layers], target_dir=(m.provenance or {}).get("target_dir", ""),
+                     num_layers=-1, hidden_size=width, backend=backend,
+                     tokens_node=_Listed(_Part(doc["tokens_partition"]), list(doc["tokens"]), list(doc["ids"])),
+                     layer_nodes=[_Listed(_Part(parts[k]), list(keys[k])) for k in layers])
 
 
 def _run_args(argv: list[str], layers: list[int]) -> list[str]:
