@@ -501,13 +501,18 @@ class Segment:
         off = self.offsets[name]
         return off[pos], off[pos + 1]
 
-    def read_raw(self, pos: int, name: str) -> np.ndarray:
+    def read_raw(self, pos: int, name: str, *, out: np.ndarray | None = None, mapped: bool = False) -> np.ndarray:
+        """One sample's rows in the storage dtype; ``out`` and ``mapped`` as ArrayReader.read_raw."""
         a, b = self.rows(pos, name)
-        return self.reader(name).read_raw(a, b)
+        return self.reader(name).read_raw(a, b, out=out, mapped=mapped)
 
     def read(self, pos: int, name: str) -> np.ndarray:
         a, b = self.rows(pos, name)
         return self.reader(name).read(a, b)
+
+    def prefetch(self, pos: int, name: str) -> None:
+        a, b = self.rows(pos, name)
+        self.reader(name).prefetch(a, b)
 
     def doc(self, pos: int) -> Any:
         return json.loads(self.read_raw(pos, DOC).tobytes())
@@ -617,9 +622,9 @@ class SampleSet:
         seg, pos = self.segment(i)
         return seg.read(pos, name)
 
-    def read_raw(self, i: int, name: str) -> np.ndarray:
+    def read_raw(self, i: int, name: str, *, out: np.ndarray | None = None, mapped: bool = False) -> np.ndarray:
         seg, pos = self.segment(i)
-        return seg.read_raw(pos, name)
+        return seg.read_raw(pos, name, out=out, mapped=mapped)
 
     def rows(self, i: int, name: str) -> int:
         seg, pos = self.segment(i)

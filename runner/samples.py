@@ -45,8 +45,18 @@ SAMPLE_KEY_VERSION = 1  # of ArtifactSamples' keys
 class StoredSamples:
     """:class:`dfcache.training.SampleSource` over stored tokens samples and per-layer samples.
 
-    Holds the store's location and the sample keys, not a handle: each process opens the store
-    on first read (a forked or spawned DataLoader worker reopens it).
+    Holds the store's location and the sample keys; pickled (a spawned DataLoader worker) it
+    carries no handle and the worker opens the store on first read. A *forked* worker of a local
+    store keeps the parent's handles: they are read-only memory maps of chunk files whose crc32c
+    the parent checked, valid in the child as they are, so workers neither re-map nor re-check
+    what the parent read (a remote store is reopened: its clients are not fork-safe).
+
+    Reads: every layer's chunk files of the sample are first handed to the kernel's read-ahead
+    (all at once, so a cold read loads them in parallel), then each layer's rows are copied from
+    the mapped chunks straight into its columns of the item (one copy). A chunk's crc32c is
+    checked when this process tree first maps it (``ArrayReader.read_raw(mapped=True)``); a
+    chunk corrupted after that is noticed when the store is reopened, and `dfcache verify`
+    checks everything.
     """
 
     def __init__(self, store_location: str, tokens_partition: str, tokens_keys: list[str],
@@ -99,13 +109,16 @@ class StoredSamples:
         return open_store(self.store_location, create=False, endpoint_url=self.endpoint_url)
 
     def _open(self, store=None) -> dict:
-        if self._handles is None or self._pid != os.getpid():  # a forked child reopens
+        if self._handles is not None and self._pid != os.getpid() and self._handles.get("local"):
+            self._pid = os.getpid()  # a forked worker of a local store: the parent's maps serve as they are
+        if self._handles is None or self._pid != os.getpid():  # a forked child of a remote store reopens
             from dfcache.samples import SampleSet
 
             st = store if store is not None and self._handles is None and self._pid is None else self._store()
             self._handles = {"tokens": SampleSet(st, self.tokens_partition, self.tokens_keys),
                              "layers": [SampleSet(st, p, keys) for p, keys in
-                                        zip(self.layer_partitions, self.layer_sample_keys)]}
+                                        zip(self.layer_partitions, self.layer_sample_keys)],
+                             "local": getattr(st.backend, "local_root", None) is not None}
             self._pid = os.getpid()
         return self._handles
 
@@ -128,7 +141,7 @@ class StoredSamples:
     def loss_mask(self, index: int) -> np.ndarray:
         """One sample's loss mask (int64): 0 on the prompt, 1 on the completion (an import's: its own)."""
         if self.has_loss_mask:
-            return self._open()["tokens"].read(index, "loss_mask").astype(np.int64)
+            return self._open()["tokens"].read_raw(index, "loss_mask", mapped=True).astype(np.int64)
         mask = np.zeros(int(self._lengths[index]), dtype=np.int64)
         mask[int(self.prompt_lens[index]):] = 1
         return mask
@@ -136,15 +149,28 @@ class StoredSamples:
     def read(self, index: int) -> Sample:
         ids = self.read_tokens(index)
         mask = self.loss_mask(index)
-        parts = self.read_layers(index)
-        hidden = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
         return Sample(key=self._keys[index],
-                      arrays={"input_ids": ids, "loss_mask": mask, "hidden_states": hidden},
+                      arrays={"input_ids": ids, "loss_mask": mask, "hidden_states": self._hidden(index)},
                       dtypes={"input_ids": "int64", "loss_mask": "int64", "hidden_states": self.dtype})
+
+    def _hidden(self, index: int) -> np.ndarray:
+        sets = self._open()["layers"]
+        where = [ss.segment(index) for ss in sets]
+        for seg, pos in where:  # read-ahead of every layer's chunks before the first (blocking) read
+            seg.prefetch(pos, "hidden")
+        if len(where) == 1:
+            return where[0][0].read_raw(where[0][1], "hidden", mapped=True)
+        out = np.empty((int(self._lengths[index]), sum(self.widths)),
+                       dtype=np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype))
+        col = 0
+        for (seg, pos), w in zip(where, self.widths):
+            seg.read_raw(pos, "hidden", out=out[:, col:col + w], mapped=True)
+            col += w
+        return out
 
     def read_tokens(self, index: int) -> np.ndarray:
         """One sample's token ids (int64)."""
-        return self._open()["tokens"].read(index, "ids").astype(np.int64)
+        return self._open()["tokens"].read_raw(index, "ids", mapped=True).astype(np.int64)
 
     def read_layers(self, index: int) -> list[np.ndarray]:
         """One sample's rows of each layer, separately (storage dtype: bf16 as uint16 bits)."""
