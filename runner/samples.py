@@ -146,22 +146,32 @@ class StoredSamples:
         mask[int(self.prompt_lens[index]):] = 1
         return mask
 
-    def read(self, index: int) -> Sample:
+    takes_alloc = True  # read(i, alloc=...): see dfcache.training.shared_alloc
+
+    def read(self, index: int, alloc=None) -> Sample:
+        """Sample ``index``. ``alloc(shape, dtype) -> (array, tensor)``, when given, makes the
+        memory the hidden states are read into (a DataLoader worker's shared memory)."""
         ids = self.read_tokens(index)
         mask = self.loss_mask(index)
+        tensors: dict = {}
         return Sample(key=self._keys[index],
-                      arrays={"input_ids": ids, "loss_mask": mask, "hidden_states": self._hidden(index)},
-                      dtypes={"input_ids": "int64", "loss_mask": "int64", "hidden_states": self.dtype})
+                      arrays={"input_ids": ids, "loss_mask": mask, "hidden_states": self._hidden(index, alloc, tensors)},
+                      dtypes={"input_ids": "int64", "loss_mask": "int64", "hidden_states": self.dtype},
+                      tensors=tensors)
 
-    def _hidden(self, index: int) -> np.ndarray:
+    def _hidden(self, index: int, alloc=None, tensors: dict | None = None) -> np.ndarray:
         sets = self._open()["layers"]
         where = [ss.segment(index) for ss in sets]
         for seg, pos in where:  # read-ahead of every layer's chunks before the first (blocking) read
             seg.prefetch(pos, "hidden")
-        if len(where) == 1:
+        shape = (int(self._lengths[index]), sum(self.widths))
+        dtype = np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
+        if alloc is not None:
+            out, tensors["hidden_states"] = alloc(shape, dtype)
+        elif len(where) == 1:
             return where[0][0].read_raw(where[0][1], "hidden", mapped=True)
-        out = np.empty((int(self._lengths[index]), sum(self.widths)),
-                       dtype=np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype))
+        else:
+            out = np.empty(shape, dtype=dtype)
         col = 0
         for (seg, pos), w in zip(where, self.widths):
             seg.read_raw(pos, "hidden", out=out[:, col:col + w], mapped=True)
