@@ -118,7 +118,7 @@ class StoredSamples:
             self._handles = {"tokens": SampleSet(st, self.tokens_partition, self.tokens_keys),
                              "layers": [SampleSet(st, p, keys) for p, keys in
                                         zip(self.layer_partitions, self.layer_sample_keys)],
-                             "local": getattr(st.backend, "local_root", None) is not None}
+                             "local": st.backend.is_local}
             self._pid = os.getpid()
         return self._handles
 
