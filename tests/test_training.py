@@ -138,6 +138,32 @@ def test_dataloader_workers_read_the_same_items(cached, context):
             assert _same(got[mine["key"]][name], mine[name])
 
 
+def test_a_grown_set_reads_the_cached_samples_from_several_segments(cached, tmp_path):
+    """2 prompts extracted, then 4: the 4-prompt dataset reads samples from both runs' segments,
+    in prompt order, bitwise equal to extracting all 4 at once; a subset reads the same samples."""
+    from dfcache.samples import index_of
+
+    store = tmp_path / "grown"
+    sel = {**cached["sel"], "num_prompts": 2}
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        api.run("hidden-states", store=store, layers=[1, 3], **sel)
+        api.run("hidden-states", store=store, layers=[1, 3], **cached["sel"])
+    finally:
+        torch.set_num_threads(before)
+    grown = api.hidden_state_dataset(store=store, drafters=[str(cached["drafter"])], **cached["sel"])
+    once = api.hidden_state_dataset(store=cached["store"], drafters=[str(cached["drafter"])], **cached["sel"])
+    st = open_store(store)
+    for part in grown.source.layer_partitions:
+        assert len(index_of(st).segments(part)) == 2  # each run committed its own samples
+    assert grown.keys() == once.keys()
+    _assert_same_dataset(grown, once)
+    subset = api.hidden_state_dataset(store=store, drafters=[str(cached["drafter"])], **sel)
+    assert subset.keys() == grown.keys()[:2]
+    _assert_same_dataset(subset, [once[0], once[1]])
+
+
 def test_length_bucket_sampler_covers_every_sample_once_within_the_token_budget(cached):
     ds = api.hidden_state_dataset(store=cached["store"], layers=[1], **cached["sel"])
     lengths = ds.lengths()
