@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["HiddenStateDataset", "LengthBucketSampler", "Sample", "SampleSource", "pad_collate"]
+__all__ = ["HiddenStateDataset", "LengthBucketSampler", "Sample", "SampleSource", "pad_collate", "to_torch"]
 
 
 @dataclass
@@ -86,7 +86,8 @@ def _in_worker() -> bool:
     return get_worker_info() is not None
 
 
-def _to_torch(arr: np.ndarray, dtype: str) -> torch.Tensor:
+def to_torch(arr: np.ndarray, dtype: str) -> torch.Tensor:
+    """A stored array as a tensor of its stored dtype (bf16 arrive as their uint16 bits), no copy."""
     if dtype == "bfloat16":
         bits = np.ascontiguousarray(arr)
         if bits.dtype != np.uint16:
@@ -144,7 +145,7 @@ class HiddenStateDataset(Dataset):
             if t is not None:
                 t = t.view(torch.bfloat16) if dtype == "bfloat16" else t
             else:
-                t = _to_torch(arr, dtype)
+                t = to_torch(arr, dtype)
             if self.max_len is not None:
                 t = t[: self.max_len]
             item[name] = t.unsqueeze(0)

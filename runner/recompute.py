@@ -13,7 +13,7 @@ its relative L2 error is at most ``TOLERANCE[dtype]`` (bf16: 1e-2, float32: 1e-4
 rounding differences of one backend class (batch composition, kernel order) stay far below it,
 while states of another layer or model are of the order of 1 apart. Any disagreement is exit 5.
 
-Registered as the ``hidden_states`` recomputer of ``dfcache verify`` (dfcache.cli._common.state),
+Registered as the ``hidden_states`` recomputer of ``dfcache verify`` (dfcache.cli.common.state),
 so ``dfcache`` itself stays free of models.
 """
 
@@ -152,14 +152,14 @@ def recompute(store, keys: list[str], n: int, *, target: str | None = None, prog
     """Recompute ``n`` samples of each imported set among ``keys`` (see the module docstring)."""
     import torch
 
-    from .extract import _storage_view
-    from .models.target import BackendClass, backend_problem, load_target
+    from .stages.hidden_states.extract import _storage_view
+    from .models.target import KernelSpec, kernel_problem, load_target
     from .samples import stored_selection
 
     out: list[SetAgreement] = []
     for set_key, backend, layers, layer_keys, prov in imported_sets(store, keys):
-        bc = BackendClass(**backend)
-        problem = backend_problem(bc)
+        bc = KernelSpec(**backend)
+        problem = kernel_problem(bc)
         if problem:
             raise BadInputError(f"recomputing the import {set_key[:12]} needs its declared backend {bc.label}: "
                                 f"{problem}")
