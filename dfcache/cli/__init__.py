@@ -46,7 +46,7 @@ def _register_all() -> None:
     from . import _cache_cmds
 
     _cache_cmds.register(app)
-    for mod in ("_diff_cmd", "_transfer_cmds"):
+    for mod in ("_diff_cmd", "_transfer_cmds", "_migrate_cmd"):
         try:
             m = __import__(f"dfcache.cli.{mod}", fromlist=["register"])
         except ImportError:
