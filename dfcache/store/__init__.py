@@ -12,8 +12,8 @@ format in place.
 from . import format
 from ._backend import Backend, Staging, Temporary
 from ._migrate import MigrateResult, migrate_store
-from ._store import (ArrayReader, ArrayWriter, Artifact, ArtifactWriter, Store, default_chunk_rows,
+from ._store import (ArrayReader, ArrayWriter, Artifact, ArtifactWriter, CommitOnExit, Store, default_chunk_rows,
                      open_store)
 
-__all__ = ["ArrayReader", "ArrayWriter", "Artifact", "ArtifactWriter", "Backend", "MigrateResult", "Staging", "Store",
-           "Temporary", "default_chunk_rows", "format", "migrate_store", "open_store"]
+__all__ = ["ArrayReader", "ArrayWriter", "Artifact", "ArtifactWriter", "Backend", "CommitOnExit", "MigrateResult",
+           "Staging", "Store", "Temporary", "default_chunk_rows", "format", "migrate_store", "open_store"]
