@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from ._common import emit_json, progress_enabled, state
+from .common import emit_json, progress_enabled, state
 
 
 def register(app: typer.Typer) -> None:
