@@ -7,6 +7,11 @@ Environment:
     DFCACHE_HOME       where dfcache keeps machine-local state (fingerprint memo); default
                        ``~/.cache/dfcache``.
     DFCACHE_CONFIG     path of a config file to use instead of the usual search.
+    RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID
+                       set by torchrun: which worker of a distributed run this is (docs/distributed.md).
+    SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_MIN, SLURM_ARRAY_TASK_COUNT
+                       read for ``--shard slurm`` only.
+    CUDA_VISIBLE_DEVICES  named in the message when LOCAL_RANK has no GPU.
 
 Config files (TOML), first found wins: ``$DFCACHE_CONFIG``, ``./dfcache.toml``,
 ``~/.config/dfcache/config.toml``. See ``docs/config.md``.
@@ -60,6 +65,16 @@ def dfcache_home() -> Path:
 
 def fingerprint_memo_path() -> Path:
     return dfcache_home() / "fingerprints.json"
+
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "TORCHELASTIC_RUN_ID", "SLURM_ARRAY_TASK_ID", "SLURM_ARRAY_TASK_MIN", "SLURM_ARRAY_TASK_COUNT",
+                  "CUDA_VISIBLE_DEVICES")
+
+
+def launcher_env() -> dict[str, str]:
+    """What a launcher (torchrun, a Slurm array) told this process about its place in a job."""
+    return {k: os.environ[k] for k in _LAUNCHER_VARS if k in os.environ}
 
 
 @dataclass
