@@ -185,7 +185,9 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         if not todo:
             continue
         ref: DrafterRef = node.payload["drafter"]
-        device = "cuda" if node.payload["backend"]["device"] == "cuda" else "cpu"
+        from ..distributed import current, device_for
+
+        device = device_for(current(), "cuda" if node.payload["backend"]["device"] == "cuda" else "cpu")
         drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
         head = load_target_head(node.payload["target_dir"], device=device, dtype=dtype)
         toks = read_tokens(ctx.store, node.payload["tokens"], todo)
