@@ -135,7 +135,14 @@ def test_torchrun_two_ranks_fill_the_store_like_one_process(tmp_path, env, args,
     assert row["computed"] == N and row["reused"] == 0  # summed over both ranks, each sample once
     assert "[rank 1/2] hidden states: 3 sample(s)" in r.stderr and "[rank 0/2] hidden states: 3 sample(s)" in r.stderr
     assert server.max_in_flight <= 2  # the ranks share --concurrency 2, they do not each take 2
-    assert _states(_open(store)) == reference
+    states = _states(_open(store))
+    assert states == reference
+    # Rank 0's bar counts what every rank committed, read from the store: here, all of it.
+    from runner.distributed import StoreProgress
+
+    (p, samples), = states.items()
+    units = [([(p, k)], 10) for k in samples] + [([(p, "0" * 32)], 5)]  # and one never made
+    assert StoreProgress(str(store), units, enabled=False).poll() == (N, 10 * N)
 
 
 def _killed_then_rerun(store, env, args, rerun_cmd, s3=None):
