@@ -13,5 +13,6 @@ BENCHMARKS = {
     "samples": "bench.samples",
     "fingerprint": "bench.fingerprint",
     "eval-batching": "bench.eval_batching",
+    "training": "bench.training",
     "gpu-extract": "bench.gpu_row",
 }

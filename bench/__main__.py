@@ -163,6 +163,16 @@ def _markdown_details(doc: dict) -> list[str]:
                 "| function | calls | own s | share |", "|---|---:|---:|---:|"]
         for p in lprof[1:11]:
             out.append(f"| `{p['function']}` | {p['calls']} | {p['tottime_s']:.3f} | {p['share'] * 100:.0f} % |")
+    eb = doc["benchmarks"].get("eval-batching", {}).get("details", {})
+    eprof = eb.get("profile_batched")
+    if eprof:
+        out += ["", f"Profile of one batched `score_roots` call ({eb.get('profile_n')} tokens, "
+                f"{eprof[0]['total_s']:.2f} s under cProfile): top Python functions, then torch operators, "
+                "by own time:", "", "| function | calls | own s | share |", "|---|---:|---:|---:|"]
+        py = [p for p in eprof[1:] if not p["function"].startswith("torch op ")][:6]
+        ops = [p for p in eprof[1:] if p["function"].startswith("torch op ")][:8]
+        for p in py + ops:
+            out.append(f"| `{p['function']}` | {p['calls']} | {p['tottime_s']:.3f} | {p['share'] * 100:.0f} % |")
     return out
 
 

@@ -15,7 +15,7 @@ re-projects a context of length p for each root p).
 
 from __future__ import annotations
 
-from ._common import Ctx, Result, Row, alternate, med, ms, rmtree, skipped, summary
+from ._common import Ctx, Result, Row, alternate, med, ms, profile_top, rmtree, skipped, summary
 
 NAME = "eval-batching"
 BASE_TOKENS = 512  # one-at-a-time costs O(T^2): ~2 s per run at 256 tokens, ~8 s at 512 here
@@ -58,6 +58,8 @@ def run(ctx: Ctx) -> Result:
                 r.target, r.direction = 10.0, ">="
             rows.append(r.judge())
             details["runs"][n_tok] = det
+        details["profile_batched"] = _profile(D, drafter, head, T)
+        details["profile_n"] = T
     finally:
         torch.set_num_threads(threads)
     rows.reverse()
@@ -94,3 +96,27 @@ def _compare(ctx: Ctx, D, drafter, head, T: int, reps: int):
               "1 torch thread")
     return row, {"tokens": T, "roots": len(roots), "max_abs_diff": diff, "argmax_agreement": agree,
                  "seconds": {k: summary(v) for k, v in times.items()}}
+
+
+def _profile(D, drafter, head, T: int) -> list[dict]:
+    """cProfile of one batched call, plus torch's operator table (where the time goes inside torch)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(T)
+    feats = torch.randn(T, 3 * head.hidden_size, generator=gen)
+    ids = torch.randint(4, head.vocab_size, (T,), generator=gen)
+    roots = list(range(1, T))
+    prof = profile_top(lambda: D.score_roots(drafter, head, feats, ids, roots), n=12)
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU]) as tp:
+            D.score_roots(drafter, head, feats, ids, roots)
+        ops = sorted(tp.key_averages(), key=lambda e: -e.self_cpu_time_total)[:12]
+        total = sum(e.self_cpu_time_total for e in tp.key_averages()) or 1
+        prof += [{"function": f"torch op {e.key}", "calls": e.count, "tottime_s": round(e.self_cpu_time_total / 1e6, 4),
+                  "cumtime_s": round(e.cpu_time_total / 1e6, 4), "share": round(e.self_cpu_time_total / total, 3)}
+                 for e in ops]
+    except Exception as e:  # the profiler is a nicety; the timing rows stand without it
+        prof.append({"function": f"torch profiler unavailable: {type(e).__name__}: {e}", "calls": 0,
+                     "tottime_s": 0, "cumtime_s": 0, "share": 0})
+    return prof

@@ -111,6 +111,12 @@ def main() -> int:
     ap.add_argument("--mixed", type=int, default=16, help="samples of distinct lengths (0: skip)")
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--skip-torch", action="store_true", help="skip the torch-backend extraction")
+    ap.add_argument("--disk-gb", type=float, default=4.0,
+                    help="GB written (with fsync) to measure the disk beside the extraction (0: skip)")
+    ap.add_argument("--skip-packed", action="store_true", help="skip the packed (varlen) mixed-length runs")
+    ap.add_argument("--skip-naive", action="store_true", help="skip the naive .cpu()+torch.save loop")
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--label", default="", help="model label in the rows (e.g. 8B-shaped)")
     ap.add_argument("--budget-s", type=float, default=480.0)
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="check this script on a CPU machine: tiny sizes, torch backend only, no GPU figures")
@@ -191,7 +197,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
 
         L, H = args.num_layers, args.hidden
         cfg = Qwen3_5TextConfig(
-            vocab_size=32000, hidden_size=H, intermediate_size=3 * H, num_hidden_layers=L,
+            vocab_size=args.vocab, hidden_size=H, intermediate_size=3 * H, num_hidden_layers=L,
             num_attention_heads=max(1, H // 128), num_key_value_heads=min(2, max(1, H // 128)), head_dim=256,
             linear_num_key_heads=max(1, H // 128), linear_num_value_heads=max(2, H // 64),
             linear_key_head_dim=128, linear_value_head_dim=128,
@@ -220,7 +226,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
 
     def write_tokens(name: str, lengths: list[int], seed: int) -> Node:
         rng = np.random.default_rng(seed)
-        ids = np.concatenate([rng.integers(3, 32000, n) for n in lengths]).astype(np.int32)
+        ids = np.concatenate([rng.integers(3, args.vocab, n) for n in lengths]).astype(np.int32)
         offsets = np.zeros(len(lengths) + 1, np.int64)
         offsets[1:] = np.cumsum(lengths)
         node = Node.make("tokens", 1, inputs={"target": fp, "bench": name, "seed": seed}, needs="cpu",
@@ -374,17 +380,161 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
             shutil.rmtree(naive_dir, ignore_errors=True)
         return go
 
+    bytes_per_token = len(layers) * args.hidden * 2
+
+    def disk():
+        """The disk's fsync'd write rate, beside the extraction: dd (conv=fdatasync) and one
+        numpy.save of random bytes + fsync, GB/s of data; the faster one is the ceiling."""
+        import subprocess
+
+        n_gb = args.disk_gb
+        f = work / "disk.bin"
+        count = max(1, int(n_gb * 1e9 / (16 << 20)))
+        t = time.perf_counter()
+        cp = subprocess.run(["dd", "if=/dev/zero", f"of={f}", "bs=16M", f"count={count}", "conv=fdatasync"],
+                            capture_output=True, text=True)
+        dd_s = time.perf_counter() - t
+        dd_rate = count * (16 << 20) / dd_s / 1e9 if cp.returncode == 0 else None
+        f.unlink(missing_ok=True)
+        subprocess.run(["sync"])
+        data = np.random.default_rng(0).integers(0, 1 << 16, size=int(n_gb * 1e9 / 2), dtype=np.uint16)
+        t = time.perf_counter()
+        with open(f, "wb") as fh:
+            np.save(fh, data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        np_s = time.perf_counter() - t
+        np_rate = data.nbytes / np_s / 1e9
+        f.unlink(missing_ok=True)
+        del data
+        rate = max(r for r in (dd_rate, np_rate) if r)
+        b.res["disk"] = {"dd_fdatasync_gbps": dd_rate, "numpy_save_fsync_gbps": np_rate, "gb": n_gb,
+                         "ceiling_gbps": rate, "bytes_per_token": bytes_per_token,
+                         "ceiling_tok_per_s": rate * 1e9 / bytes_per_token}
+        log(f"disk: dd {dd_rate or 0:.2f} GB/s, numpy.save+fsync {np_rate:.2f} GB/s -> "
+            f"{rate * 1e9 / bytes_per_token:,.0f} tok/s at {bytes_per_token} B/token")
+
+    def store_only():
+        """The extraction pipeline (copies, window buffers, writer threads, store) with the
+        forward replaced by ready-made GPU tensors: what the store path alone sustains."""
+        from runner.extract import LayerSink, extract
+        from dfcache import compute_key
+
+        class Fake:
+            device = torch.device(DEV)
+            hidden_size = args.hidden
+            torch_dtype = torch.bfloat16
+
+            def __init__(self):
+                g = torch.Generator(device=DEV).manual_seed(0)
+                self.t = torch.randn((args.batch_tokens // args.seq_len, args.seq_len, args.hidden),
+                                     device=DEV, generator=g).to(torch.bfloat16)
+
+            def forward_layers(self, ids, want):
+                return {k: self.t[: ids.shape[0], : ids.shape[1]] for k in want}
+
+        offsets, ids = equal.payload["offsets"], equal.payload["ids"]
+        fake = Fake()
+        writers, sinks = [], []
+        for k in layers:
+            key = compute_key("bench_store_only", 1, {"layer": k, "run": time.time()})
+            w = store.writer(key, stage="bench_store_only", stage_version=1, inputs={"layer": k}, resumable=True)
+            writers.append(w)
+            sinks.append(LayerSink(layer=k, writer=w, array=w.create_array("hidden", (int(offsets[-1]), args.hidden),
+                                                                            "bfloat16")))
+        sync()
+        t = time.perf_counter()
+        st = extract(fake, ids, offsets, sinks, batch_tokens=args.batch_tokens)
+        for w in writers:
+            w.commit()
+        dt = time.perf_counter() - t
+        r = row("store path only (no forward)", "none", st.tokens, dt)
+        b.res["store_only"] = {"tok_per_s": r["tok_per_s"], "gbps": st.tokens * bytes_per_token / dt / 1e9,
+                               "writer_wait_s": st.writer_wait_s, "compute_loop_s": st.forward_s}
+        for w in writers:
+            store.delete(w.key) if hasattr(store, "delete") else None
+
+    if args.disk_gb:
+        b.phase("disk", disk)
+        b.phase("store_only", store_only)
+
+    def packed(kernel: str, mode: dict, label: str, equal_rate: float | None):
+        """Mixed-length set packed into varlen forwards; stored under its own keys (another
+        kernel class unless the exactness phase shows it bitwise equal)."""
+        def go():
+            from runner.extract import LayerSink, extract
+            from dfcache import compute_key
+
+            target = targets[kernel]
+            offsets, ids = mixed.payload["offsets"], mixed.payload["ids"]
+            # warm the packed shapes (fla autotunes per shape) outside the clock
+            from runner.extract import plan_windows
+            from runner.models.packed import forward_layers_packed
+            for w in plan_windows(offsets, 0, args.batch_tokens, pack=True)[0]:
+                for bt in w.batches:
+                    x = np.concatenate([ids[offsets[s]:offsets[s + 1]] for s in bt.samples]).astype(np.int64)
+                    forward_layers_packed(target, torch.from_numpy(x)[None].to(DEV), bt.lengths, layers, **mode)
+            sync()
+            writers, sinks = [], []
+            for k in layers:
+                key = compute_key("hidden_states_packed_bench", 1, {"layer": k, "mode": mode, "kernel": kernel,
+                                                                    "tokens": mixed.key})
+                w = store.writer(key, stage="hidden_states_packed_bench", stage_version=1,
+                                 inputs={"layer": k, "mode": mode}, resumable=True)
+                writers.append(w)
+                sinks.append(LayerSink(layer=k, writer=w, array=w.create_array(
+                    "hidden", (int(offsets[-1]), args.hidden), "bfloat16")))
+            t = time.perf_counter()
+            st = extract(target, ids, offsets, sinks, batch_tokens=args.batch_tokens, pack=mode)
+            for w in writers:
+                w.commit()
+            dt = time.perf_counter() - t
+            r = row(f"dfcache extract (mixed, packed {label})", kernel, st.tokens, dt, None)
+            r["vs_equal_extract"] = round(r["tok_per_s"] / equal_rate, 3) if equal_rate else None
+            keys[f"{kernel}/packed-{label}"] = {k: w.key for k, w in zip(layers, writers)}
+            # exactness against one-sample forwards, a few samples
+            share = {}
+            for s in range(min(4, len(offsets) - 1)):
+                x = torch.from_numpy(ids[offsets[s]:offsets[s + 1]].astype(np.int64))[None].to(DEV)
+                one = target.forward_layers(x, layers)
+                for k in layers:
+                    stored = hs.read_layer(store, keys[f"{kernel}/packed-{label}"][k], int(offsets[s]), int(offsets[s + 1]))
+                    o = one[k][0].cpu()
+                    eq = (stored.view(torch.int16) == o.view(torch.int16)).float().mean().item()
+                    rel = ((stored.float() - o.float()).norm() / o.float().norm()).item()
+                    share[f"sample{s}/layer{k}"] = {"bitwise_equal": eq, "rel_l2": rel}
+            b.res.setdefault("packed", {})[f"{kernel}/{label}"] = {
+                "mode": mode, "tok_per_s": r["tok_per_s"], "vs_equal_extract": r["vs_equal_extract"],
+                "exactness": share, "batches": st.batches,
+                "min_bitwise_equal": min(v["bitwise_equal"] for v in share.values()),
+                "max_rel_l2": max(v["rel_l2"] for v in share.values())}
+            log(f"packed {label}: {r['tok_per_s']:,.0f} tok/s = {r['vs_equal_extract']}x equal-length extraction; "
+                f"bitwise-equal share min {b.res['packed'][f'{kernel}/{label}']['min_bitwise_equal']:.4f}, "
+                f"rel L2 max {b.res['packed'][f'{kernel}/{label}']['max_rel_l2']:.2e}")
+        return go
+
     if DEV == "cuda":
         b.phase("load_fla", load("fla"))
         bare_fla = b.phase("measure_fla", measure("fla")) if "fla" in targets else None
-        if "fla" in targets:
+        if "fla" in targets and mixed is not None and not args.skip_packed:
+            eq_rate = next((r["tok_per_s"] for r in b.res["throughput"]
+                            if r["what"] == "dfcache extract (equal)" and r["backend"] == "fla"), None)
+            b.phase("packed_varlen_fla", packed("fla", {"attention": "varlen", "delta": "varlen", "conv": "padded"},
+                                                "varlen", eq_rate), optional=True)
+            from runner.models import packed as _pk
+            b.res["packed_kernel_choice"] = {str(k): v for k, v in _pk.KERNEL_CHOICE.items()}
+            log(f"packed attention kernel choice: {b.res['packed_kernel_choice']}")
+        if "fla" in targets and not args.skip_naive:
             b.phase("naive_fla", naive("fla", bare_fla), optional=True)
     if not args.skip_torch:
         b.phase("load_torch", load("torch"))
         if "torch" in targets:
             bare_torch = b.phase("measure_torch", measure("torch"))
-            if DEV == "cpu":  # smoke: exercise the naive loop and diff on the only backend there is
+            if DEV == "cpu":  # smoke: exercise the naive loop, packing and diff on the only backend there is
                 b.phase("naive_torch", naive("torch", bare_torch), optional=True)
+                if mixed is not None and not args.skip_packed:
+                    b.phase("packed_torch", packed("torch", {"attention": "segments", "delta": "segments"},
+                                                   "attn per sample", None), optional=True)
 
     def diffs():
         torch_keys = keys.get("torch/equal", {})
@@ -423,10 +573,65 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
             log(f"exactness {kernel}: min share of bitwise-equal elements, stored vs one-sample/plain forward: {worst:.4f}")
 
     b.phase("exactness", exactness, optional=True)
+    b.res["rows"] = suite_rows(b)
     b.res["memory"] = {"host_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                        "gpu_peak_allocated_mb": torch.cuda.max_memory_allocated() / 2**20 if DEV == "cuda" else None}
     print_table(b)
     return 0 if not [e for e in b.res["errors"] if not str(e.get("error", "")).startswith("skipped")] else 1
+
+
+def suite_rows(b: Bench) -> list[dict]:
+    """Rows in the suite's format (bench/_common.Row), with targets, for ``python -m bench --gpu-json``."""
+    res, rows = b.res, []
+    gpu = (res.get("env") or {}).get("gpu") or "GPU"
+    label = b.args.label or f"{(res.get('model') or {}).get('params', 0) / 1e9:.2f} B"
+    tp = {(r["what"], r["backend"]): r for r in res["throughput"]}
+    deepest = max(res["model"].get("extracted_layers") or [0]) if res.get("model") else 0
+    bare = tp.get((f"bare forward to layer {deepest} (equal)", "fla"))
+    ext = tp.get(("dfcache extract (equal)", "fla"))
+    disk = res.get("disk") or {}
+
+    def add(measure, dfc, comp, ratio, target=None, direction=">=", note=""):
+        status = "INFO"
+        if target is not None and ratio is not None:
+            status = "PASS" if (ratio >= target if direction == ">=" else ratio <= target) else "FAIL"
+        rows.append({"measure": measure, "dfcache": dfc, "competitor": comp, "ratio": ratio, "unit": "x",
+                     "target": target, "direction": direction, "status": status, "note": note})
+
+    if bare and ext and disk.get("ceiling_tok_per_s"):
+        ceiling = min(bare["tok_per_s"], disk["ceiling_tok_per_s"])
+        bound = "disk" if disk["ceiling_tok_per_s"] < bare["tok_per_s"] else "forward"
+        add(f"{label}: fla extraction vs min(bare forward to layer {deepest}, fsync'd disk)",
+            f"{ext['tok_per_s']:,.0f} tok/s", f"{ceiling:,.0f} tok/s ({bound}-bound)",
+            round(ext["tok_per_s"] / ceiling, 3), 0.9,
+            note=f"{gpu}; bare forward {bare['tok_per_s']:,.0f} tok/s; disk {disk['ceiling_gbps']:.2f} GB/s "
+                 f"(dd {disk.get('dd_fdatasync_gbps') or 0:.2f}, numpy.save+fsync {disk['numpy_save_fsync_gbps']:.2f}) "
+                 f"= {disk['ceiling_tok_per_s']:,.0f} tok/s at {disk['bytes_per_token']} B/token; "
+                 f"store path alone {(res.get('store_only') or {}).get('tok_per_s') or 0:,.0f} tok/s")
+    for name, pk in (res.get("packed") or {}).items():
+        add(f"{label}: mixed lengths packed ({name.split('/', 1)[1]}) vs equal-length extraction",
+            f"{pk['tok_per_s']:,.0f} tok/s", f"{ext['tok_per_s']:,.0f} tok/s" if ext else "",
+            pk["vs_equal_extract"], 0.8,
+            note=f"{gpu}; stored rows vs one-sample forwards: bitwise-equal share min {pk['min_bitwise_equal'] * 100:.2f} %, "
+                 f"rel L2 max {pk['max_rel_l2']:.2g}" + ("" if pk["min_bitwise_equal"] == 1.0 else
+                                                       " (not bitwise: a different kernel class, keyed apart)"))
+    mixed_one = tp.get(("dfcache extract (mixed)", "fla"))
+    if mixed_one and ext:
+        add(f"{label}: mixed lengths one sample per forward vs equal-length extraction",
+            f"{mixed_one['tok_per_s']:,.0f} tok/s", f"{ext['tok_per_s']:,.0f} tok/s",
+            round(mixed_one["tok_per_s"] / ext["tok_per_s"], 3), note=f"{gpu}; the default (exact) batching")
+    for r in res["throughput"]:
+        add(f"{label}: {r['what']} [{r['backend']}]", f"{r['tok_per_s'] or 0:,.0f} tok/s",
+            f"{r['tokens']} tokens in {r['seconds']} s", r.get("vs_bare"),
+            note="ratio = tokens/s / bare forward to the deepest layer")
+    for kernel, per in (res.get("exactness") or {}).items():
+        if per:
+            low = min(min(v.values()) for v in per.values())
+            add(f"{label}: stored rows bitwise-equal to an unbatched forward [{kernel}]", f"{low * 100:.2f} %", "",
+                None, note="lowest share over the checked samples and layers")
+    for e in res.get("errors") or []:
+        add(f"{label}: phase {e.get('phase')} failed or skipped", "", "", None, note=str(e.get("error"))[:200])
+    return rows
 
 
 def print_table(b: Bench) -> None:

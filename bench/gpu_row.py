@@ -1,6 +1,7 @@
-"""`gpu-extract`: GPU hidden-state extraction results, read from ``--gpu-json PATH`` (written on
-a GPU host by ``bench/gpu_extract.py``) and shown in the table; without it, one row saying the
-benchmark was not run here.
+"""`gpu-extract`: GPU results, read from ``--gpu-json PATH[,PATH...]`` (written on a GPU host by
+``bench/gpu_extract.py`` and ``bench/gpu_eval.py``) and shown in the table; without it, one row
+saying the benchmark was not run here. A JSON with ``rows`` (the suite's row format, targets
+included) is shown as those rows.
 
 Accepted JSON: what ``bench/gpu_extract.py`` writes (``throughput`` rows ``{what, backend,
 tokens, seconds, tok_per_s, vs_bare}``, ``diff`` per layer, ``exactness``, ``errors``): one row per
@@ -34,15 +35,24 @@ def run(ctx: Ctx) -> Result:
         return Result([skipped(NAME, "hidden-state extraction on a GPU",
                                "not run here (no GPU); run bench/gpu_extract.py on a GPU host and pass "
                                "--gpu-json PATH")])
-    path = Path(ctx.gpu_json)
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        return Result([skipped(NAME, "hidden-state extraction on a GPU", f"SKIPPED: cannot read {path}: {e}")])
+    rows, raw = [], {}
+    for part in str(ctx.gpu_json).split(","):
+        path = Path(part.strip())
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            rows.append(skipped(NAME, "GPU results", f"SKIPPED: cannot read {path}: {e}"))
+            continue
+        raw[str(path)] = doc
+        rows += _rows_of(doc, path)
+    if not rows:
+        rows.append(skipped(NAME, "GPU results", f"SKIPPED: {ctx.gpu_json} holds no results"))
+    return Result(rows, {"source": str(ctx.gpu_json), "raw": raw})
+
+
+def _rows_of(doc, path: Path) -> list[Row]:
     rows = []
-    if isinstance(doc, dict) and isinstance(doc.get("throughput"), list):
-        rows = _from_gpu_extract(doc, path)
-    elif isinstance(doc, dict) and isinstance(doc.get("rows"), list):
+    if isinstance(doc, dict) and isinstance(doc.get("rows"), list) and doc["rows"]:
         for r in doc["rows"]:
             kw = {k: r[k] for k in _FIELDS if k in r and r[k] is not None}
             kw["measure"] = str(kw.get("measure", "?"))
@@ -52,12 +62,12 @@ def run(ctx: Ctx) -> Result:
             if r.get("status") in ("SKIPPED", "ERROR"):
                 row.status = r["status"]
             rows.append(row.judge())
+    elif isinstance(doc, dict) and isinstance(doc.get("throughput"), list):
+        rows = _from_gpu_extract(doc, path)
     else:
         for k, v in _flatten(doc):
             rows.append(Row(NAME, k, fmt_num(float(v)), note=f"from {path.name}"))
-    if not rows:
-        rows.append(skipped(NAME, "hidden-state extraction on a GPU", f"SKIPPED: {path} holds no results"))
-    return Result(rows, {"source": str(path), "raw": doc})
+    return rows
 
 
 def _from_gpu_extract(doc: dict, path: Path) -> list[Row]:

@@ -26,7 +26,7 @@ def run(ctx: Ctx) -> Result:
 
     from dfcache.keys import compute_key
     from dfcache.store import open_store
-    from dfcache.store._store import chunk_relpath
+    from dfcache.store.format import artifact_prefix, chunk_relpath
 
     picks = ctx.reps_or(40) if ctx.reps is None else max(ctx.reps * 8, 8)
     h = make_hidden(int(BASE_BYTES * ctx.factor), lengths=(1024, 3072), seed=1)
@@ -60,7 +60,7 @@ def run(ctx: Ctx) -> Result:
         opened.append(rel)
         return orig_path(rel)
     art._local_path = counting_path
-    adir = store.backend._artifact_dir(key)
+    adir = store.backend.local_root / artifact_prefix(key)
 
     def chunk_paths(a: int, b: int) -> list[str]:
         return [str(adir / chunk_relpath("hidden_states", i, 2)) for i in range(a // cr, (b - 1) // cr + 1)] + \

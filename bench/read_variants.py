@@ -54,7 +54,9 @@ def main(argv=None) -> int:
     arr = store.open(key).array("hidden_states")
     cr, W = arr.chunk_rows, h.states.shape[1]
     rb = W * 2
-    adir = store.backend._artifact_dir(key)
+    from dfcache.store.format import artifact_prefix
+
+    adir = store.backend.local_root / artifact_prefix(key)
     cpath = lambda i: adir / f"hidden_states/c/{i}/0"  # noqa: E731
     buf = bytearray(cr * rb + 4)
     crcbuf = bytearray(4)

@@ -40,7 +40,7 @@ def _dfcache_write(store, key: str, h, *, codec: str, stream: bool) -> None:
 def breakdown(h, root, reps: int = 3) -> dict:
     """Where the time of an uncompressed dfcache write goes, piece by piece, with the store's own
     chunk functions, beside numpy.save split the same way (write, then fsync)."""
-    from dfcache.store import _store as S
+    from dfcache.store import format as S
 
     rows = S.default_chunk_rows(h.states.shape, "bfloat16")
     chunks = [h.states[i:i + rows] for i in range(0, h.tokens, rows)]
@@ -48,9 +48,9 @@ def breakdown(h, root, reps: int = 3) -> dict:
         "xxh3_chunk_digests", "crc32c_encode_chunk", "write_chunk_files_no_fsync", "fsync_chunk_files",
         "numpy_save_no_fsync", "numpy_fsync")}
     for _ in range(reps):
-        out["xxh3_chunk_digests"].append(clock(lambda: [S._chunk_digest(c) for c in chunks]))
+        out["xxh3_chunk_digests"].append(clock(lambda: [S.chunk_digest(c) for c in chunks]))
         enc = []
-        out["crc32c_encode_chunk"].append(clock(lambda: enc.extend(S._encode_chunk(c, "none") for c in chunks)))
+        out["crc32c_encode_chunk"].append(clock(lambda: enc.extend(S.encode_chunk(c, "none") for c in chunks)))
         d = root / "bd"
         d.mkdir()
         paths = [d / f"c{i}" for i in range(len(chunks))]

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=8)
     args = ap.parse_args(argv)
 
-    from dfcache.store import _store as S
+    from dfcache.store import format as S
 
     h = make_hidden(int(args.mb * 1e6))
     rows = max(1, int(args.chunk_mb * 2**20) // (h.states.shape[1] * 2))
@@ -59,8 +59,8 @@ def main(argv=None) -> int:
     pool = ThreadPoolExecutor(args.threads)
 
     def encode_write(path: Path, c):
-        S._chunk_digest(c)
-        parts = S._encode_chunk(c, "none")
+        S.chunk_digest(c)
+        parts = S.encode_chunk(c, "none")
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             for p in parts:
@@ -78,8 +78,8 @@ def main(argv=None) -> int:
                 if kind == "one_file":
                     with open(d / "shard", "wb") as f:
                         for c in chunks:
-                            S._chunk_digest(c)
-                            for p in S._encode_chunk(c, "none"):
+                            S.chunk_digest(c)
+                            for p in S.encode_chunk(c, "none"):
                                 f.write(p)
                         f.flush()
                         os.fsync(f.fileno())

@@ -2,16 +2,28 @@
 
 Environment:
     DFCACHE_STORE      default store (path or URL) when ``--store`` is not given; else ``./store``.
-    DFCACHE_OFFLINE    ``1``/``true`` turns offline mode on (as does ``HF_HUB_OFFLINE``).
-    HF_HUB_OFFLINE     honoured as offline too, so one switch covers huggingface_hub and dfcache.
+    DFCACHE_OFFLINE    ``1``/``true`` turns offline mode on (as ``--offline`` does). Nothing else
+                       does: ``HF_HUB_OFFLINE`` only keeps transformers and huggingface_hub off the
+                       Hub (dfcache never downloads from it), so an air-gapped cluster that sets it
+                       everywhere still reaches its own completion server and S3 store.
     DFCACHE_HOME       where dfcache keeps machine-local state (fingerprint memo); default
                        ``~/.cache/dfcache``.
     DFCACHE_CONFIG     path of a config file to use instead of the usual search.
+    DFCACHE_DEBUG      any non-empty value: tracebacks instead of one-line errors (as ``--debug``).
+    AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, AWS_ENDPOINT, AWS_REGION, AWS_DEFAULT_REGION
+                       the S3 endpoint and region when neither ``--endpoint-url`` nor the remote's
+                       config gives one (credentials, ``AWS_ACCESS_KEY_ID`` and friends, are read
+                       by obstore itself and never by dfcache).
+    HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, HF_HOME, XDG_CACHE_HOME
+                       where huggingface_hub keeps models (read the way huggingface_hub reads them).
+    CUDA_VISIBLE_DEVICES
+                       which GPUs exist for this process (decides "is a GPU usable" without torch).
     RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID
                        set by torchrun: which worker of a distributed run this is (docs/distributed.md).
     SLURM_ARRAY_TASK_ID, SLURM_ARRAY_TASK_MIN, SLURM_ARRAY_TASK_COUNT
                        read for ``--shard slurm`` only.
-    CUDA_VISIBLE_DEVICES  named in the message when LOCAL_RANK has no GPU.
+
+Nothing else in dfcache or the runner reads the environment.
 
 Config files (TOML), first found wins: ``$DFCACHE_CONFIG``, ``./dfcache.toml``,
 ``~/.config/dfcache/config.toml``. See ``docs/config.md``.
@@ -34,8 +46,43 @@ def _env_true(name: str) -> bool:
 
 
 def offline_from_env() -> bool:
-    """True if ``DFCACHE_OFFLINE`` or ``HF_HUB_OFFLINE`` is set to a true value."""
-    return _env_true("DFCACHE_OFFLINE") or _env_true("HF_HUB_OFFLINE")
+    """True if ``DFCACHE_OFFLINE`` is set to a true value (``HF_HUB_OFFLINE`` is not dfcache's switch)."""
+    return _env_true("DFCACHE_OFFLINE")
+
+
+def debug_from_env() -> bool:
+    return bool(os.environ.get("DFCACHE_DEBUG"))
+
+
+@dataclass(frozen=True)
+class AwsSettings:
+    endpoint_url: str | None
+    region: str | None
+
+
+def aws_settings() -> AwsSettings:
+    """The S3 endpoint and region from the AWS_* variables (None where unset)."""
+    env = os.environ
+    return AwsSettings(endpoint_url=(env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+                                     or env.get("AWS_ENDPOINT") or None),
+                       region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None)
+
+
+def hub_cache_dir() -> Path:
+    """Where huggingface_hub keeps models, by the same environment variables it reads."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "huggingface" / "hub"
+
+
+def cuda_visible_devices() -> str | None:
+    """``CUDA_VISIBLE_DEVICES`` as set (None if unset)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def default_store_location() -> str:
@@ -136,3 +183,13 @@ def load_config() -> Config:
         cfg.default_remotes = [default] if isinstance(default, str) else list(default)
         return cfg
     return Config()
+
+
+def quiet_hub_libraries(*, bars: bool, notices: bool) -> None:
+    """Silence transformers/huggingface_hub progress bars and notices through their environment
+    (read when they are imported); environment access stays in this module."""
+    if not bars:
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if not notices:
+        os.environ["TRANSFORMERS_VERBOSITY"] = "error"
+        os.environ["TRANSFORMERS_NO_ADVISORY_WARNINGS"] = "1"

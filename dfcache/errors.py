@@ -2,8 +2,10 @@
 
 The tree (exit code in brackets)::
 
-    DfcacheError (Exception)                         [1]
+    DfcacheError (Exception)                         [1]  also: an internal fault (a bug)
     ├── UsageError (ValueError)                      [2]  wrong flags or arguments
+    │   ├── KeyMaterialError                              a value that must not enter a key
+    │   └── DependentsError                               gc would remove what kept artifacts need
     ├── OfflineMissingError (ConnectionError)        [3]  needs the network while offline
     │     (carries the list of missing nodes)
     ├── NetworkError (ConnectionError)               [4]
@@ -20,10 +22,14 @@ The tree (exit code in brackets)::
     ├── BadInputError (ValueError)                   [6]  prompts, model, checkpoint, layer ids
     │   └── ModelNotFoundError (FileNotFoundError)
     └── ArtifactNotFoundError (KeyError, LookupError) [2] no artifact with that key or prefix
-        └── AmbiguousKeyError                              a prefix that matches several keys
+        ├── AmbiguousKeyError                              a prefix that matches several keys
+        └── SamplesMissingError                            samples asked for are in no segment
 
 Each exception also subclasses the stdlib class a caller would naturally catch. Messages name
-the thing that is wrong and end with the fix.
+the thing that is wrong and end with the fix. Where the fix depends on who called (a local read
+says "delete and recompute", a pull says "push a good copy there", the runner names its own
+flags), the raiser gives only ``problem`` and the caller adds the fix with :meth:`with_fix`;
+``message`` (and ``str(err)``) is always ``problem`` followed by ``fix``.
 """
 
 from __future__ import annotations
@@ -38,13 +44,32 @@ EXIT_BAD_INPUT = 6
 
 
 class DfcacheError(Exception):
-    """Base class of every error dfcache raises on purpose."""
+    """Base class of every error dfcache raises on purpose.
+
+    ``problem``: what is wrong, naming the thing. ``fix``: what to do about it (may be None
+    when ``problem`` already says it). ``message``: both, the line a user sees.
+    """
 
     exit_code = EXIT_INTERNAL
+    reason: str | None = None  # a short machine-readable cause where the raiser gives one (dfcache.http)
 
-    def __init__(self, message: str = "", *args: object) -> None:
+    def __init__(self, message: str = "", *args: object, fix: str | None = None) -> None:
         super().__init__(message, *args)
-        self.message = message
+        self.problem = message
+        self.fix = fix
+
+    @property
+    def message(self) -> str:
+        return f"{self.problem} {self.fix}" if self.fix else self.problem
+
+    def with_fix(self, fix: str | None):
+        """A copy of this error (same class and fields) whose fix is ``fix``."""
+        import copy
+
+        new = copy.copy(self)
+        new.fix = fix
+        new.__traceback__ = None
+        return new
 
     def __str__(self) -> str:
         return self.message
@@ -56,13 +81,17 @@ class UsageError(DfcacheError, ValueError):
     exit_code = EXIT_USAGE
 
 
+class KeyMaterialError(UsageError):
+    """A value that must not enter a key (absolute path, mtime, host, NaN) was given as key material."""
+
+
 class OfflineMissingError(DfcacheError, ConnectionError):
     """Artifacts are missing and producing them needs the network, which offline mode forbids."""
 
     exit_code = EXIT_OFFLINE_MISSING
 
-    def __init__(self, message: str, missing: list | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, missing: list | None = None, *, fix: str | None = None) -> None:
+        super().__init__(message, fix=fix)
         self.missing = list(missing or [])
 
 
@@ -71,8 +100,8 @@ class NetworkError(DfcacheError, ConnectionError):
 
     exit_code = EXIT_NETWORK
 
-    def __init__(self, message: str, url: str | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, url: str | None = None, *, fix: str | None = None) -> None:
+        super().__init__(message, fix=fix)
         self.url = url
 
 
@@ -100,8 +129,8 @@ class ServerHTTPError(NetworkError):
     """The server answered with an HTTP error, a malformed body or an unexpected model."""
 
     def __init__(self, message: str, url: str | None = None, status: int | None = None,
-                 server_message: str | None = None) -> None:
-        super().__init__(message, url)
+                 server_message: str | None = None, *, fix: str | None = None) -> None:
+        super().__init__(message, url, fix=fix)
         self.status = status
         self.server_message = server_message
 
@@ -114,8 +143,8 @@ class StoreWriteError(DfcacheError, OSError):
 
     exit_code = EXIT_USAGE
 
-    def __init__(self, message: str, path: str | None = None) -> None:
-        DfcacheError.__init__(self, message)
+    def __init__(self, message: str, path: str | None = None, *, fix: str | None = None) -> None:
+        DfcacheError.__init__(self, message, fix=fix)
         self.path = path
 
     def __str__(self) -> str:
@@ -127,8 +156,8 @@ class IntegrityError(DfcacheError, OSError):
 
     exit_code = EXIT_INTEGRITY
 
-    def __init__(self, message: str, key: str | None = None) -> None:
-        DfcacheError.__init__(self, message)
+    def __init__(self, message: str, key: str | None = None, *, fix: str | None = None) -> None:
+        DfcacheError.__init__(self, message, fix=fix)
         self.key = key
 
     def __str__(self) -> str:
@@ -171,3 +200,11 @@ class DependentsError(UsageError):
     def __init__(self, message: str, *, dependents: dict | None = None) -> None:
         super().__init__(message)
         self.dependents = dict(dependents or {})
+
+
+class SamplesMissingError(ArtifactNotFoundError):
+    """Samples asked for are in no segment of the store (``missing``: their keys)."""
+
+    def __init__(self, message: str, *, missing: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.missing = list(missing or [])

@@ -1,15 +1,15 @@
 """The one HTTP client of the project, and the bounded readiness check.
 
 Every request dfcache or the runner makes goes through :class:`HttpClient`, so this is where
-offline mode is enforced: with offline on (the ``offline`` flag, ``DFCACHE_OFFLINE`` or
-``HF_HUB_OFFLINE``), a request raises :class:`~dfcache.errors.OfflineModeIsEnabled` before a
-socket is opened. A per-call-site check is not enough (huggingface_hub needed a transport-level
-hook for the same reason, PR #3942).
+offline mode is enforced: with offline on (the ``offline`` flag or ``DFCACHE_OFFLINE``; not
+``HF_HUB_OFFLINE``, which is about the Hugging Face Hub only), a request raises
+:class:`~dfcache.errors.OfflineModeIsEnabled` before a socket is opened. A per-call-site check
+is not enough (huggingface_hub needed a transport-level hook for the same reason, PR #3942).
 
 The client never retries. The seed failure of this project was an eval that died in connection
 retries against a server that was still loading; a retry loop hides that state and burns time.
-The only loop is :func:`wait_ready`: one readiness check before any work, bounded by
-``--wait-server SECONDS`` and visible on stderr.
+The only loop is :func:`wait_ready`: one readiness check before any work, bounded by the
+caller's wait and visible on stderr.
 
 Failures map to distinct errors (all :class:`~dfcache.errors.NetworkError`, exit code 4)::
 
@@ -19,7 +19,10 @@ Failures map to distinct errors (all :class:`~dfcache.errors.NetworkError`, exit
     HTTP 503, or a body that says the model is loading    ServerNotReady
     other 4xx/5xx, a body that is not JSON                ServerHTTPError (status, server message)
 
-Each message names the URL and ends with the fix.
+Each message names the URL and ends with the fix. The fixes here name no command-line flag:
+this module does not know the caller's. Each error has a ``reason`` (a key of :data:`FIXES`), and
+a caller passes its own fix texts for those reasons (``HttpClient(fixes=...)``); the runner names
+its own flags that way.
 """
 
 from __future__ import annotations
@@ -51,15 +54,43 @@ _BODY_SNIPPET = 300
 ProgressArg = bool | Callable[[str], None]
 DfcacheErrorLike = NetworkError | UsageError
 
+# reason -> the fix a message ends with. "<reason>.waited": the fix once the caller has already
+# waited for the server (telling them to wait would be wrong).
+FIXES: dict[str, str] = {
+    "bad_url": "Give the server's URL as http://HOST:PORT.",
+    "refused": "Start the server there or give the right URL (if it is starting, wait for it).",
+    "refused.waited": "Start the server there or give the right URL (if it is starting, wait longer).",
+    "not_ready": "Wait until it has loaded the model, then run again.",
+    "not_ready.waited": "Wait longer, until it has loaded the model.",
+    "connect_timeout": "Check that the address is right and that a firewall does not drop the connection.",
+    "read_timeout": "The server may be hung or overloaded: check its log, send fewer requests at once or "
+                    "allow a longer timeout.",
+    "unresolvable": "Check the host name in the URL and the network.",
+    "no_route": "Check the URL and the network (VPN, firewall).",
+    "dropped": "Check that it is running and run again: finished work is kept.",
+    "other": "Check that the server is running and the URL is right.",
+    "bad_json": "Check that the URL points at an OpenAI-compatible or SGLang server and look at its log.",
+    "http_not_found": "Check that the URL points at the right server and that it serves this API.",
+    "http_client": "Check the request (model name, sampling options) against the server's log.",
+    "http_server": "The server failed; look at its log and fix or restart it, then run again.",
+}
 
-def normalize_base_url(url: str) -> str:
+
+def _err(cls, reason: str, problem: str, fixes: dict[str, str], **kw):
+    e = cls(problem, fix=fixes.get(reason) or FIXES.get(reason), **kw)
+    e.reason = reason
+    return e
+
+
+def normalize_base_url(url: str, fixes: dict[str, str] | None = None) -> str:
     """``host:port``, ``http://host:port/``, ``http://host:port/v1`` → ``http://host:port``.
 
     People paste the OpenAI base URL (ending in ``/v1``); endpoints are joined to the root.
     """
+    fixes = fixes or {}
     url = (url or "").strip()
     if not url:
-        raise UsageError("the server URL is empty; pass --server http://HOST:PORT.")
+        raise _err(UsageError, "bad_url", "the server URL is empty.", fixes)
     if "://" not in url:
         url = "http://" + url
     url = url.rstrip("/")
@@ -67,7 +98,7 @@ def normalize_base_url(url: str) -> str:
         url = url[: -len("/v1")]
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise UsageError(f"--server {url!r} is not an http(s) URL; pass --server http://HOST:PORT.")
+        raise _err(UsageError, "bad_url", f"the server URL {url!r} is not an http(s) URL.", fixes)
     return url
 
 
@@ -113,16 +144,19 @@ class HttpClient:
     """A ``requests`` session with no retries, offline enforcement and mapped errors.
 
     Args:
-        offline: refuse every request. ``None`` or ``False`` still honours ``DFCACHE_OFFLINE``
-            and ``HF_HUB_OFFLINE``, read at each request.
+        offline: refuse every request. ``None`` or ``False`` still honours ``DFCACHE_OFFLINE``,
+            read at each request.
         timeout: read timeout in seconds (a whole generation may take minutes).
         connect_timeout: connect timeout in seconds.
         pool_size: connections kept per host; at least the request concurrency.
+        fixes: the caller's fix texts by reason, over :data:`FIXES` (a command line names its flags).
     """
 
     def __init__(self, offline: bool | None = None, *, timeout: float = DEFAULT_TIMEOUT,
-                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, pool_size: int = 16) -> None:
+                 connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, pool_size: int = 16,
+                 fixes: dict[str, str] | None = None) -> None:
         self.offline = bool(offline)
+        self.fixes = dict(fixes or {})
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
         import requests
@@ -153,7 +187,7 @@ class HttpClient:
         """Send one request; return the response if its status is < 400, else raise."""
         if self.is_offline():
             raise OfflineModeIsEnabled(
-                f"offline mode is on (--offline, DFCACHE_OFFLINE or HF_HUB_OFFLINE), so dfcache did "
+                f"offline mode is on (--offline or DFCACHE_OFFLINE), so dfcache did "
                 f"not contact {url}; use artifacts already in the store, or turn offline mode off "
                 "to reach the server.", url=url)
         read = self.timeout if timeout is None else float(timeout)
@@ -176,71 +210,58 @@ class HttpClient:
 
     # ------------------------------------------------------------------------------ mapping
 
-    @staticmethod
-    def _json(resp: requests.Response, method: str, url: str) -> Any:
+    def _json(self, resp: requests.Response, method: str, url: str) -> Any:
         try:
             return resp.json()
         except ValueError:
             snippet = (resp.text or "").strip()[:120]
-            raise ServerHTTPError(
-                f"{method} {url} answered HTTP {resp.status_code} with a body that is not valid JSON "
-                f"({snippet!r}); check that --server points at an OpenAI-compatible or SGLang server "
-                "and look at its log.", url=url, status=resp.status_code, server_message=snippet) from None
+            raise _err(ServerHTTPError, "bad_json",
+                       f"{method} {url} answered HTTP {resp.status_code} with a body that is not valid JSON "
+                       f"({snippet!r}).", self.fixes, url=url, status=resp.status_code,
+                       server_message=snippet) from None
 
-    @staticmethod
-    def _map_status(resp: requests.Response, method: str, url: str) -> NetworkError:
+    def _map_status(self, resp: requests.Response, method: str, url: str) -> NetworkError:
         status = resp.status_code
         msg = _server_message(resp)
         if status == 503 or "loading" in msg.lower():
-            return ServerNotReady(
-                f"the server at {url} is not ready (HTTP {status}: {msg}); wait until it has loaded "
-                "the model, or pass --wait-server SECONDS to wait for it.", url=url)
-        if status in (404, 405):
-            fix = "check that --server points at the right server and --server-api matches it."
-        elif 400 <= status < 500:
-            fix = "check the request options (--served-model, sampling options) against the server's log."
-        else:
-            fix = "the server failed; look at its log and fix or restart it, then run again."
-        return ServerHTTPError(f"{method} {url} failed with HTTP {status}: {msg}; {fix}", url=url,
-                               status=status, server_message=msg)
+            return _err(ServerNotReady, "not_ready", f"the server at {url} is not ready (HTTP {status}: {msg}).",
+                        self.fixes, url=url)
+        reason = ("http_not_found" if status in (404, 405) else "http_client" if 400 <= status < 500
+                  else "http_server")
+        return _err(ServerHTTPError, reason, f"{method} {url} failed with HTTP {status}: {msg}.", self.fixes,
+                    url=url, status=status, server_message=msg)
 
-    @staticmethod
-    def _map_exception(e: requests.exceptions.RequestException, method: str, url: str,
+    def _map_exception(self, e: requests.exceptions.RequestException, method: str, url: str,
                        read_timeout: float) -> DfcacheErrorLike:
         import requests
 
         where = _host_port(url)
+        fixes = self.fixes
         if isinstance(e, requests.exceptions.ConnectTimeout):
-            return ServerTimeout(f"connecting to {url} timed out; check that {where} is the right "
-                                 "address and that a firewall does not drop the connection.", url=url)
+            return _err(ServerTimeout, "connect_timeout", f"connecting to {url} ({where}) timed out.", fixes,
+                        url=url)
         if isinstance(e, (requests.exceptions.ReadTimeout, requests.exceptions.Timeout)):
-            return ServerTimeout(f"{method} {url} got no answer within {read_timeout:g} s; the server "
-                                 "may be hung or overloaded: check its log, lower --concurrency or raise "
-                                 "--request-timeout.", url=url)
+            return _err(ServerTimeout, "read_timeout", f"{method} {url} got no answer within {read_timeout:g} s.",
+                        fixes, url=url)
         if isinstance(e, (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema,
                           requests.exceptions.InvalidSchema)):
-            return UsageError(f"{url} is not a valid URL ({e}); pass --server http://HOST:PORT.")
+            return _err(UsageError, "bad_url", f"{url} is not a valid URL ({e}).", fixes)
         causes = list(_causes(e))
         if any(isinstance(c, ConnectionRefusedError) or getattr(c, "errno", None) == errno.ECONNREFUSED
                for c in causes):
-            return ConnectionRefused(
-                f"connection refused by {url}: nothing listens on {where}; start the server there or "
-                "pass the right --server URL (if it is starting, pass --wait-server SECONDS).", url=url)
+            return _err(ConnectionRefused, "refused", f"connection refused by {url}: nothing listens on {where}.",
+                        fixes, url=url)
         if any(isinstance(c, socket.gaierror) or type(c).__name__ == "NameResolutionError" for c in causes):
-            return ServerUnreachable(f"cannot resolve the host of {url}; check the host name in --server "
-                                     "and the network.", url=url)
+            return _err(ServerUnreachable, "unresolvable", f"cannot resolve the host of {url}.", fixes, url=url)
         if any(getattr(c, "errno", None) in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EHOSTDOWN)
                for c in causes):
-            return ServerUnreachable(f"no route to {where} for {url}; check --server and the network "
-                                     "(VPN, firewall).", url=url)
+            return _err(ServerUnreachable, "no_route", f"no route to {where} for {url}.", fixes, url=url)
         if any(isinstance(c, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError,
                               http.client.RemoteDisconnected, http.client.IncompleteRead)) for c in causes) \
                 or isinstance(e, requests.exceptions.ChunkedEncodingError):
-            return ServerUnreachable(f"the server at {where} closed the connection during {method} {url} "
-                                     "without a full answer (it stopped or crashed); check that it is "
-                                     "running and run again: finished work is kept.", url=url)
-        return ServerUnreachable(f"{method} {url} failed: {e}; check that the server is running and "
-                                 "--server is right.", url=url)
+            return _err(ServerUnreachable, "dropped", f"the server at {where} closed the connection during "
+                        f"{method} {url} without a full answer (it stopped or crashed).", fixes, url=url)
+        return _err(ServerUnreachable, "other", f"{method} {url} failed: {e}.", fixes, url=url)
 
 
 def _short_reason(e: BaseException) -> str:
@@ -271,7 +292,7 @@ def _ready_once(client: HttpClient, base: str, timeout: float) -> str:
 
 def wait_ready(base_url: str, wait_seconds: float = 0.0, progress: ProgressArg = True, *,
                client: HttpClient | None = None, offline: bool | None = None, out=None,
-               interval: float = READY_INTERVAL) -> str:
+               interval: float = READY_INTERVAL, fixes: dict[str, str] | None = None) -> str:
     """Check once that the server answers, polling up to ``wait_seconds`` while it does not.
 
     ``wait_seconds=0`` makes one check. Otherwise the check repeats about every ``interval``
@@ -280,9 +301,9 @@ def wait_ready(base_url: str, wait_seconds: float = 0.0, progress: ProgressArg =
     (ConnectionRefused, ServerNotReady, ...) with how long it waited. Returns which endpoint
     answered (``"health"`` or ``"models"``).
     """
-    base = normalize_base_url(base_url)
     own = client is None
-    client = client or HttpClient(offline=offline)
+    client = client or HttpClient(offline=offline, fixes=fixes)
+    base = normalize_base_url(base_url, client.fixes)
     out = out or sys.stderr
     wait = max(0.0, float(wait_seconds or 0.0))
     start = time.monotonic()
@@ -330,13 +351,14 @@ def wait_ready(base_url: str, wait_seconds: float = 0.0, progress: ProgressArg =
             if elapsed >= wait:
                 show(f"waiting for server at {base}: {min(elapsed, wait):.1f}/{wait:g} s "
                      f"({_short_reason(last)})", final=True)
-                # The check's own fix may say "pass --wait-server SECONDS": it was passed.
-                detail = last.message.replace("pass --wait-server SECONDS", "pass a larger --wait-server")
-                message = f"the server at {base} was not ready after waiting {wait:g} s; last check: {detail}"
-                if isinstance(last, ServerHTTPError):
-                    raise ServerHTTPError(message, url=last.url, status=last.status,
-                                          server_message=last.server_message)
-                raise type(last)(message, url=last.url)
+                # The check's own fix may say "wait for it": the caller has, so it gets the .waited fix.
+                reason = getattr(last, "reason", "other")
+                fix = (client.fixes.get(reason + ".waited") or FIXES.get(reason + ".waited")
+                       or last.fix)
+                final = last.with_fix(fix)
+                final.problem = (f"the server at {base} was not ready after waiting {wait:g} s; last check: "
+                                 f"{last.problem}")
+                raise final
             show(f"waiting for server at {base}: {elapsed:.1f}/{wait:g} s ({_short_reason(last)})")
             time.sleep(max(0.0, min(interval, deadline - time.monotonic())))
     finally:

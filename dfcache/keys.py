@@ -24,17 +24,13 @@ from typing import Any
 
 import xxhash
 
-from .errors import BadInputError, UsageError
+from .errors import BadInputError, KeyMaterialError
 
 KEY_HEX_LEN = 32
 KEY_PATTERN = re.compile(r"^[0-9a-f]{32}$")
 _FORBIDDEN_KEY_NAMES = {"mtime", "mtime_ns", "ctime", "atime", "inode", "host", "hostname", "path",
                         "abspath", "cwd", "pid"}
 _ABS_PATH = re.compile(r"^(/|[A-Za-z]:[\\/]|~[/\\])")
-
-
-class KeyMaterialError(UsageError):
-    """A value that must not enter a key (absolute path, mtime, host, NaN) was given as key material."""
 
 
 def canonical_encode(value: Any) -> bytes:

@@ -29,13 +29,18 @@ def backend_summary(m: Manifest) -> str:
     return "/".join(parts)
 
 
-def input_summary(m: Manifest, width: int = 60) -> str:
+def input_summary(m: Manifest, width: int = 72) -> str:
     if m.summary:
         text = m.summary
     else:
         skip = {"backend"}
         text = " ".join(f"{k}={_short(v)}" for k, v in sorted(m.inputs.items()) if k not in skip)
-    return text if len(text) <= width else text[: width - 1] + "…"
+    if len(text) <= width:
+        return text
+    cut = text[: width - 1]
+    # Cut between words, never inside one (a half "float32" reads as another dtype).
+    space = max(cut.rfind(" "), cut.rfind(","))
+    return (cut[:space] if space > width // 2 else cut).rstrip(" ,") + "…"
 
 
 def _short(v) -> str:
@@ -53,6 +58,17 @@ def manifest_row(m: Manifest) -> dict:
             "created": m.created, "backend": m.backend, "inputs": m.inputs, "upstream": m.upstream,
             "provenance": m.provenance, "summary": m.summary,
             "arrays": {n: {"shape": a.shape, "dtype": a.dtype} for n, a in m.arrays.items()}}
+
+
+def missing_upstream(store, manifests) -> list[tuple[Manifest, str]]:
+    """(artifact, upstream key) pairs where the upstream artifact is not in ``store``."""
+    present = {m.key for m in manifests}
+    out = []
+    for m in manifests:
+        for u in m.upstream_keys:
+            if u not in present and not store.has(u):
+                out.append((m, u))
+    return out
 
 
 @dataclass
@@ -152,3 +168,12 @@ def gc_plan(store, *, tmp: bool = True, stage: str | None = None, older_than_day
     for k, reason in chosen.items():
         plan.items.append(GcItem("artifact", k, sizes[k], reason))
     return plan
+
+
+def where_scope(store, where: list[str], stage: str | None = None, older_than_days: float | None = None) -> list[Manifest]:
+    """Artifacts matching every ``--where`` condition (and the stage / age, when given)."""
+    from .query import filter_manifests
+
+    ms = [m for m in store.list_manifests(stage=stage)
+          if older_than_days is None or _age_days(m.created) >= older_than_days]
+    return filter_manifests(ms, where)

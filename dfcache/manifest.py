@@ -110,20 +110,16 @@ class Manifest:
         try:
             data = json.loads(text)
         except (ValueError, UnicodeDecodeError) as e:
-            err = UntrustedManifestError(f"manifest{' of ' + expect_key if expect_key else ''} is not "
-                                         f"valid JSON ({e}); delete the artifact and recompute or pull "
-                                         "it again.", key=expect_key)
-            err.detail = f"manifest{' of ' + expect_key if expect_key else ''} is not valid JSON ({e})."
-            raise err from None
+            raise UntrustedManifestError(f"manifest{' of ' + expect_key if expect_key else ''} is not "
+                                         f"valid JSON ({e}).", key=expect_key,
+                                         fix="Delete the artifact and recompute or pull it again.") from None
         return validate_manifest(data, expect_key=expect_key)
 
 
 def _bad(msg: str, key: str | None) -> UntrustedManifestError:
     where = f"manifest of {key}" if key else "manifest"
-    err = UntrustedManifestError(f"{where} refused: {msg}. Delete it and recompute, or pull it "
-                                 "again from a trusted remote.", key=key)
-    err.detail = f"{where} refused: {msg}."
-    return err
+    return UntrustedManifestError(f"{where} refused: {msg}.", key=key,
+                                  fix="Delete it and recompute, or pull it again from a trusted remote.")
 
 
 def _int(v: Any) -> bool:

@@ -29,7 +29,9 @@ from .errors import IntegrityError
 from .manifest import Manifest
 from .samples import (DOC, INDEX, Partition, SampleArray, SampleSink, _digest_rows, index_of, index_problem,
                       sample_digest)
-from .transfer import _check_manifest, _check_offline, _fix, _limit, _read_source, _safe_source, _transfer, _verify
+from .store import Store
+from .store import format as fmt
+from .transfer import damage_fix, pull_keys, push_keys, read_bounded
 
 __all__ = ["SampleTransferResult", "compare_samples", "pull_samples", "push_samples"]
 
@@ -64,8 +66,6 @@ class SampleTransferResult:
 
 def _rows_of(src, m: Manifest, name: str, ranges: list[tuple[int, int]], direction: str) -> list[np.ndarray]:
     """The rows [a, b) of each range of one array, from verified chunk files only."""
-    from .store._store import _decode_chunk, chunk_relpath
-
     spec = m.arrays[name]
     cr = spec.chunk_rows
     ndim = len(spec.shape)
@@ -74,11 +74,12 @@ def _rows_of(src, m: Manifest, name: str, ranges: list[tuple[int, int]], directi
         for i in range(a // cr, (b - 1) // cr + 1 if b > a else a // cr):
             if i in chunks:
                 continue
-            rel = chunk_relpath(name, i, ndim)
-            data = _read_source(src, m.key, rel, _limit(m, "chunk", (name, i)), direction)
-            _verify(m, rel, "chunk", (name, i), data, direction, src.url)
-            chunks[i] = _decode_chunk(data, spec.codec, (cr,) + tuple(spec.shape[1:]), spec.storage_dtype,
-                                      f"chunk {i} of array {name} in artifact {m.key}", m.key)
+            rel = fmt.chunk_relpath(name, i, ndim)
+            data = read_bounded(src, m, rel, fmt.FileRole("chunk", name, i), direction)
+            try:
+                chunks[i] = fmt.check_chunk(spec, name, i, data, m.key)
+            except IntegrityError as e:
+                raise e.with_fix(damage_fix(direction, m.key, src.url)) from None
     out = []
     for a, b in ranges:
         rows = np.empty((b - a,) + tuple(spec.shape[1:]), dtype=np.dtype(spec.storage_dtype).newbyteorder("<"))
@@ -120,13 +121,17 @@ def _copy(direction: str, src, dst, wanted: dict[str, list[str]], *, progress: b
             for seg, positions in sorted(by_seg.items()):
                 m = segs[seg]
                 Partition.of_segment(m)
-                _check_manifest(m, direction, src.url)
+                try:
+                    fmt.check_manifest(m)
+                except IntegrityError as e:
+                    raise e.with_fix(damage_fix(direction, seg, src.url)) from None
                 if len(positions) == len(m.samples["keys"]) and not dst.has(seg):
                     whole.append(seg)
                 else:
                     partial[seg] = sorted(positions)
             if whole:
-                r = _transfer(direction, src, dst, whole, with_upstream=False, progress=progress, jobs=jobs)
+                copy = pull_keys if direction == "pull" else push_keys
+                r = copy(src, dst, whole, with_upstream=False, progress=progress, jobs=jobs)
                 result.bytes += r.bytes
                 result.whole_segments.extend(r.transferred)
                 for seg in whole:
@@ -138,13 +143,17 @@ def _copy(direction: str, src, dst, wanted: dict[str, list[str]], *, progress: b
             for seg, positions in partial.items():
                 m = segs[seg]
                 part = Partition.of_segment(m)
-                raw = _read_source(src, seg, f"blobs/{INDEX}.json", _limit(m, "blob", INDEX), direction)
-                _verify(m, f"blobs/{INDEX}.json", "blob", INDEX, raw, direction, src.url)
+                rel, role = fmt.blob_relpath(INDEX), fmt.FileRole("blob", INDEX)
+                raw = read_bounded(src, m, rel, role, direction)
+                try:
+                    fmt.check_file(m, rel, role, raw)
+                except IntegrityError as e:
+                    raise e.with_fix(damage_fix(direction, seg, src.url)) from None
                 index = json.loads(raw)
                 problem = index_problem(m, index)
                 if problem:
                     raise IntegrityError(f"segment {seg} in {src.url} is corrupt: {problem}. "
-                                         f"{_fix(direction, seg, src.url)}", key=seg)
+                                         f"{damage_fix(direction, seg, src.url)}", key=seg)
                 names = sorted(m.arrays)
                 rows = {n: _rows_of(src, m, n, [(index["offsets"][n][p], index["offsets"][n][p + 1])
                                                  for p in positions], direction) for n in names}
@@ -161,7 +170,7 @@ def _copy(direction: str, src, dst, wanted: dict[str, list[str]], *, progress: b
                     got = {n: rows[n][j] for n in names}
                     if sample_digest({n: _digest_rows(r) for n, r in got.items()}) != index["digests"][p]:
                         raise IntegrityError(f"sample {m.samples['keys'][p]} of segment {seg} in {src.url} does not "
-                                             f"match its digest. {_fix(direction, seg, src.url)}", key=seg)
+                                             f"match its digest. {damage_fix(direction, seg, src.url)}", key=seg)
                     sink.add(index["upstream"][p], got)
                     result.bytes += sum(r.nbytes for r in got.values())
                     result.copied += 1
@@ -180,22 +189,22 @@ def _copy(direction: str, src, dst, wanted: dict[str, list[str]], *, progress: b
 def pull_samples(remote, local, wanted: dict[str, list[str]], *, progress: bool = True, jobs: int = 8,
                  offline: bool | None = None) -> SampleTransferResult:
     """Fetch the samples ``local`` lacks of each ``{partition: [sample keys]}`` from ``remote``."""
-    _check_offline(remote, offline)
-    _check_offline(local, offline)
-    return _copy("pull", _safe_source(remote), local, wanted, progress=progress, jobs=jobs)
+    remote.backend.check_offline(offline)
+    local.backend.check_offline(offline)
+    return _copy("pull", Store(remote.backend.for_untrusted_reads()), local, wanted, progress=progress, jobs=jobs)
 
 
 def push_samples(local, remote, wanted: dict[str, list[str]], *, progress: bool = True, jobs: int = 8,
                  offline: bool | None = None) -> SampleTransferResult:
     """Copy the samples ``remote`` lacks of each ``{partition: [sample keys]}`` from ``local``."""
-    _check_offline(remote, offline)
-    _check_offline(local, offline)
+    remote.backend.check_offline(offline)
+    local.backend.check_offline(offline)
     return _copy("push", local, remote, wanted, progress=progress, jobs=jobs)
 
 
 def compare_samples(local, remote, *, offline: bool | None = None) -> list[dict]:
     """Per partition (of either store): stage, samples only local, only in the remote, in both."""
-    _check_offline(remote, offline)
+    remote.backend.check_offline(offline)
     li, ri = index_of(local), index_of(remote)
     rows = []
     for p in sorted(set(li.partitions()) | set(ri.partitions())):

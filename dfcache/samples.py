@@ -50,7 +50,7 @@ from typing import Any, Iterable
 import numpy as np
 import xxhash
 
-from .errors import ArtifactNotFoundError, IntegrityError, UsageError
+from .errors import ArtifactNotFoundError, IntegrityError, SamplesMissingError, UsageError
 from .keys import compute_key
 from .manifest import STORAGE_DTYPE, Manifest
 
@@ -61,14 +61,6 @@ DOC = "doc"  # the array of per-sample JSON documents
 INDEX = "samples"  # the document with per-sample upstream keys, row offsets and digests
 DOC_CHUNK_ROWS = 1 << 16  # 64 KiB of JSON a chunk: one completion's text reads one or two chunks
 MAX_SAMPLE_CHUNK_ROWS = 1 << 14  # token ids: 64 KiB chunks, a few samples each
-
-
-class SamplesMissingError(ArtifactNotFoundError):
-    """Samples asked for are in no segment of the store."""
-
-    def __init__(self, message: str, *, missing: list[str] | None = None) -> None:
-        super().__init__(message)
-        self.missing = list(missing or [])
 
 
 # ------------------------------------------------------------------------------------- keys

@@ -230,7 +230,7 @@ def _result(upto: str, ctx, nodes, seconds: float) -> RunResult:
 
 
 def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, layers: list[int] | None = None,
-                         max_len: int | None = None, **fields_):
+                         max_len: int | None = None, tokens_key: str | None = None, **fields_):
     """A :class:`dfcache.training.HiddenStateDataset` over the stored states of a selection.
 
     The selection is what ``dfcache run hidden-states`` would use with the same options
@@ -239,11 +239,22 @@ def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, laye
     computed: a selection that is not fully cached raises
     :class:`dfcache.errors.OfflineMissingError` naming what is missing and the command that
     produces it.
+
+    ``tokens_key=KEY`` with ``layers=[...]`` selects by key instead (an imported set: `dfcache
+    import` prints its tokens key).
     """
     from dfcache.training import HiddenStateDataset
 
-    from .samples import resolve_selection
+    from .samples import resolve_selection, stored_selection
 
+    if tokens_key is not None:
+        if not layers:
+            from dfcache.errors import UsageError
+
+            raise UsageError("tokens_key= needs layers=[...] (the layer ids, in the order to concatenate).")
+        return HiddenStateDataset(stored_selection(_open(store), tokens_key, list(layers),
+                                                   backend=fields_.pop("backend_key", None)).source(),
+                                  max_len=max_len)
     opts = make_options(options, **fields_)
     sel = resolve_selection(opts, store=_open(store), layers=layers, argv=_argv("hidden-states", None, opts))
     return HiddenStateDataset(sel.source(), max_len=max_len)

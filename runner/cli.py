@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import typer
 
-from dfcache.cli._common import emit_json, get_store, state
+from dfcache.cli._common import emit_json, get_store, progress_enabled, state
 from dfcache.errors import UsageError
 
 from .options import EvalOptions
@@ -47,27 +47,23 @@ def _make_command(mode: str):
         enable_thinking: bool = typer.Option(False, "--enable-thinking/--no-enable-thinking"),
         layers: Optional[List[int]] = typer.Option(None, "--layer", help="Layer ids to extract (run hidden-states without a drafter)."),
         backend: str = typer.Option("auto", "--backend", help="auto|fla|torch"),
-        device: str = typer.Option("auto", "--device", help="auto|cuda|cpu"),
+        device: str = typer.Option("auto", "--device", help="auto|cuda|cpu: where hidden states (and local completions) are computed."),
+        eval_device: str = typer.Option("auto", "--eval-device", help="auto|cuda|cpu: where drafters are evaluated (auto: CUDA where usable, else CPU), whatever device made the states."),
         dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16|float32"),
         batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Tokens per extraction batch."),
         compression: str = typer.Option("none", "--compression", help="none|zstd (lossless) for hidden states."),
+        attn_implementation: str = typer.Option("sdpa", "--attn-implementation", help="sdpa|eager|flash_attention_2: the target's attention kernels (keyed with the backend)."),
+        key_versions: Optional[str] = typer.Option(None, "--key-versions", help="Comma list of packages (fla,transformers,torch,...) whose exact versions join the hidden-state key (opt-in)."),
         tree_budget: Optional[List[int]] = typer.Option(None, "--tree-budget", help="DDTree budget (repeatable)."),
-        end_rule: str = typer.Option("within", "--end-rule", help="within|continuation: how the last block of a completion counts."),
-        offline: bool = typer.Option(False, "--offline", help="Never touch the network; report what is missing."),
+        end_rule: str = typer.Option("within", "--end-rule", help="within: how the last block of a completion counts (continuation is not wired yet; see docs/metrics.md)."),
         remote: Optional[List[str]] = typer.Option(None, "--remote", help="A remote store to look in before computing (repeatable)."),
         endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
-        json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
-        store: Optional[str] = typer.Option(None, "--store", help="Store path or URL (as before the command)."),
-        debug: bool = typer.Option(False, "--debug", help="Show tracebacks (as before the command)."),
-        no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
         shard: Optional[str] = typer.Option(None, "--shard", help="Be worker I of N (I/N, or 'slurm' in a Slurm array): make this worker's share of the samples (docs/distributed.md)."),
     ):
+        # --store, --json, --debug, --offline and --no-progress are the dfcache CLI's global
+        # options, which it adds to every command (dfcache.cli._common.GLOBAL_OPTIONS).
         from dfcache.config import offline_from_env
 
-        # DESIGN §7 puts --store (and scripts put --debug) after the command, too.
-        if store is not None:
-            state.store_location = store
-        state.debug = state.debug or debug
         if server is not None:
             # --server alone means "completions from that server": silently generating locally
             # (the default) while a server was named would cost hours on a large target.
@@ -83,13 +79,30 @@ def _make_command(mode: str):
                                      ("--server-api", server_api, ("openai", "sglang")),
                                      ("--backend", backend, ("auto", "fla", "torch")),
                                      ("--device", device, ("auto", "cuda", "cpu")),
+                                     ("--eval-device", eval_device, ("auto", "cuda", "cpu")),
                                      ("--dtype", dtype, ("bfloat16", "float32")),
                                      ("--compression", compression, ("none", "zstd")),
+                                     ("--attn-implementation", attn_implementation,
+                                      ("sdpa", "eager", "flash_attention_2")),
                                      ("--end-rule", end_rule, ("within", "continuation"))):
             if value not in allowed:
                 raise UsageError(f"{name} {value!r} is not one of {', '.join(allowed)}.")
+        if end_rule == "continuation":
+            # Refused rather than keyed: it needs the target's greedy tokens past the end of every
+            # completion, which no completion source stores yet; accepting it changed the keys and
+            # still computed the within-output rule.
+            raise UsageError("--end-rule continuation is not available yet: it needs the target's greedy "
+                             "continuation past each completion, which dfcache does not store; use "
+                             "--end-rule within (the default). docs/metrics.md describes both rules.")
         if trained_on not in (None, "fla", "torch"):
             raise UsageError(f"--trained-on {trained_on!r} is not one of fla, torch.")
+        for name, value in (("--num-prompts", num_prompts), ("--max-new-tokens", max_new_tokens),
+                            ("--max-blocks", max_blocks), ("--concurrency", concurrency),
+                            ("--batch-tokens", batch_tokens)):
+            if value is not None and value < 1:
+                raise UsageError(f"{name} {value}: give a positive number.")
+        if any(b < 1 for b in tree_budget or []):
+            raise UsageError(f"--tree-budget {min(tree_budget)}: budgets are positive numbers of drafted nodes.")
         if not request_timeout > 0:
             raise UsageError(f"--request-timeout {request_timeout:g}: give a positive number of seconds.")
         if wait_server < 0:
@@ -103,9 +116,10 @@ def _make_command(mode: str):
             seed=seed, enable_thinking=enable_thinking, layers=list(layers) if layers else None,
             backend=backend, device=device, dtype=dtype, batch_tokens=batch_tokens,
             compression=compression, tree_budgets=list(tree_budget or []), max_blocks=max_blocks,
-            end_rule=end_rule, offline=offline or state.offline or offline_from_env(),
-            remotes=list(remote or []), endpoint_url=endpoint_url, json=json_out or state.json,
-            progress=not no_progress and sys.stderr.isatty() and not (json_out or state.json))
+            end_rule=end_rule, eval_device=eval_device, offline=state.offline or offline_from_env(),
+            remotes=list(remote or []), endpoint_url=endpoint_url, json=state.json,
+            progress=progress_enabled(),
+            attn_implementation=attn_implementation, key_versions=_key_versions(key_versions))
         if shard is not None and mode != "run":
             raise UsageError(f"--shard applies to `dfcache run` only (it splits the work of a run between "
                              f"workers); drop it from `dfcache {'plan' if mode == 'plan' else ctx.info_name}`.")
@@ -116,6 +130,12 @@ def _make_command(mode: str):
     command.__doc__ = ("Show the graph and each node's status; does no work." if mode == "plan" else
                        "Run the graph up to TARGET, reusing everything cached.")
     return command
+
+
+def _key_versions(value: str | None) -> list[str]:
+    from .provenance_keys import parse_key_versions
+
+    return parse_key_versions(value)
 
 
 def _arg(v) -> str:
@@ -157,17 +177,26 @@ def _run_argv(ctx: typer.Context, target: str) -> list[str]:
     if root is not ctx:
         add(root, skip=("version", "debug"))
     args += ["run", target]
-    add(ctx, skip=("debug", "shard"))  # a fix names the whole job, not one worker's share
+    add(ctx, skip=("_global_debug", "shard"))  # a fix names the whole job, not one worker's share
     return args
 
 
+# What `dfcache ls --stage` and `ls --backend` accept before the store holds any such artifact.
+STAGE_NAMES = ("prompts", "completions", "tokens", "hidden_states", "drafter_eval", "report")
+KERNELS = ("fla", "torch")
+
+
 def register(app: typer.Typer) -> None:
+    state.known_stages.update(STAGE_NAMES)
+    state.known_kernels.update(KERNELS)
     app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
     app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
     from .cli_peers import register as register_peers
+    from .trust_cli import register as register_trust_tools
     from .watch import register as register_watch
 
     register_peers(app)
+    register_trust_tools(app)
     register_watch(app)
 
 
@@ -194,6 +223,28 @@ def open_remotes(opts: EvalOptions) -> list:
     return remotes
 
 
+def quiet_libraries(*, bars: bool, notices: bool) -> None:
+    """Keep transformers and huggingface_hub in line with our own progress settings: no
+    "Loading weights" bars when ours are off (no terminal, --json, --no-progress), and with
+    --no-progress none of their notices either (kernel fallback warnings). Set through the
+    environment before they are imported (a run imports them only when it computes), and through
+    their APIs when already imported."""
+    from dfcache.config import quiet_hub_libraries
+
+    quiet_hub_libraries(bars=bars, notices=notices)
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as tlog
+
+        if not bars:
+            tlog.disable_progress_bar()
+        if not notices:
+            tlog.set_verbosity_error()
+    if not bars and "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+
+
 def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None = None, shard: str | None = None):
     """Plan (and for mode "run", execute) the graph through runner.api, and print. Returns (ctx, nodes).
 
@@ -202,6 +253,8 @@ def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None
     summary (docs/distributed.md); other torchrun ranks print nothing and return (None, None)."""
     from . import api
     from .graph import check_offline
+
+    quiet_libraries(bars=opts.progress, notices=opts.progress or not state.no_progress)
 
     started = time.perf_counter()
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731

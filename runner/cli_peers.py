@@ -75,6 +75,65 @@ def export_command(ctx: typer.Context, **kw) -> None:
     print(f"manifest: {res.out / 'dfcache-export.json'}")
 
 
+def import_command(
+    directory: str = typer.Argument(..., metavar="DIR", help="The directory the peer wrote."),
+    fmt: str = typer.Option(..., "--format", help="specforge|speculators|modelopt"),
+    model: str = typer.Option(..., "--target", help="The target model that made the states (directory or HF id)."),
+    revision: Optional[str] = typer.Option(None, "--revision", "--target-revision"),
+    layers: Optional[list[int]] = typer.Option(None, "--layer", help="Layer ids the files hold, in file order (repeatable)."),
+    backend: str = typer.Option("auto", "--backend", help="fla|torch: the kernels that made the states (declared)."),
+    device: str = typer.Option("auto", "--device", help="cuda|cpu: where they were made (declared)."),
+    attn_implementation: str = typer.Option("sdpa", "--attn-implementation", help="Attention implementation (declared)."),
+    json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
+    store: Optional[str] = typer.Option(None, "--store", help="Store path or URL (as before the command)."),
+    no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
+) -> None:
+    """Import hidden states made by SpecForge, speculators or ModelOpt (declared, not verified)."""
+    from dfcache.cli._common import state
+    from dfcache.errors import BadInputError
+
+    from .imports import import_dir
+    from .options import EvalOptions
+
+    if store is not None:
+        state.store_location = store
+    as_json = json_out or state.json
+    opts = EvalOptions(target=model, target_revision=revision, backend=backend, device=device,
+                       attn_implementation=attn_implementation, progress=False)
+    progress = None
+    if not no_progress and not as_json and sys.stderr.isatty():
+        from tqdm.auto import tqdm
+
+        progress = lambda n, what: tqdm(total=n, desc=f"import {fmt} ({what})", unit="sample",  # noqa: E731
+                                        file=sys.stderr, leave=False)
+    try:
+        res = import_dir(fmt, directory, opts, get_store(), layers=list(layers or []), progress=progress)
+    except BadInputError as e:
+        res = getattr(e, "result", None)
+        if res is not None and res.samples and not as_json:
+            _print_import(res)
+        if as_json and res is not None:
+            emit_json({**res.to_dict(), "error": str(e), "exit_code": e.exit_code})
+            raise typer.Exit(e.exit_code) from None
+        raise
+    if as_json:
+        emit_json(res.to_dict())
+        return
+    _print_import(res)
+
+
+def _print_import(res) -> None:
+    verb = "already in the store" if res.already else "imported"
+    print(f"{res.samples} {res.format} sample(s) {verb}, marked imported (declared, not verified):")
+    print(f"  tokens            {res.tokens_key}")
+    for k, key in res.layer_keys.items():
+        print(f"  hidden_states[{k}]  {key}")
+    for note in res.notes:
+        print(f"note: {note}")
+    print(f"read them: runner.api.hidden_state_dataset(tokens_key={res.tokens_key[:12]!r}, "
+          f"layers={list(res.layer_keys)})")
+
+
 def register(app: typer.Typer) -> None:
     export_params = [
         inspect.Parameter("format", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str,
@@ -85,3 +144,4 @@ def register(app: typer.Typer) -> None:
     ]
     app.command("export", context_settings={"allow_interspersed_args": True})(
         _with_params(export_command, export_params))
+    app.command("import", context_settings={"allow_interspersed_args": True})(import_command)

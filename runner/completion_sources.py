@@ -75,7 +75,13 @@ def load_tokenizer(target_dir: str | Path, shared: dict | None = None):
         return shared[key]
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(target_dir))
+    try:
+        tok = AutoTokenizer.from_pretrained(str(target_dir))
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        # transformers' message spans many lines; planning checks the files, this is what is left.
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+        raise BadInputError(f"the tokenizer of {target_dir} cannot be loaded ({first}); pass a model "
+                            "directory with a complete tokenizer (tokenizer.json).") from None
     if shared is not None:
         shared[key] = tok
     return tok
@@ -94,6 +100,31 @@ def encode_prompt(tokenizer, messages: list[dict], enable_thinking: bool) -> lis
 
 
 # ----------------------------------------------------------------------------- servers
+
+# dfcache.http's fixes in the runner's words: which of our flags to change (dfcache.http knows none).
+SERVER_FIXES = {
+    "bad_url": "Pass --server http://HOST:PORT.",
+    "refused": "Start the server there or pass the right --server URL (if it is starting, pass "
+               "--wait-server SECONDS).",
+    "refused.waited": "Start the server there or pass the right --server URL (if it is starting, pass a "
+                      "larger --wait-server).",
+    "not_ready": "Wait until it has loaded the model, or pass --wait-server SECONDS to wait for it.",
+    "not_ready.waited": "Wait until it has loaded the model, or pass a larger --wait-server.",
+    "read_timeout": "The server may be hung or overloaded: check its log, lower --concurrency or raise "
+                    "--request-timeout.",
+    "unresolvable": "Check the host name in --server and the network.",
+    "no_route": "Check --server and the network (VPN, firewall).",
+    "other": "Check that the server is running and --server is right.",
+    "bad_json": "Check that --server points at an OpenAI-compatible or SGLang server and look at its log.",
+    "http_not_found": "Check that --server points at the right server and --server-api matches it.",
+    "http_client": "Check the request options (--served-model, sampling options) against the server's log.",
+}
+
+
+def server_url(url: str | None) -> str:
+    """``--server`` as a base URL (``host:port`` and ``.../v1`` accepted)."""
+    return normalize_base_url(url or "", SERVER_FIXES)
+
 
 
 def check_served_model(client: HttpClient, base: str, wanted: str | None, api: str = "openai") -> str:
@@ -140,11 +171,11 @@ class _ServerSource:
                  client: HttpClient | None = None, wait_seconds: float = 0.0, progress=True,
                  out=None, request_timeout: float | None = None, shared: dict | None = None) -> None:
         self.shared = shared if shared is not None else {}
-        self.base = normalize_base_url(base_url)
+        self.base = server_url(base_url)
         self.params = params
         self.wanted_model = served_model
         self.model: str | None = None
-        self.client = client or HttpClient()
+        self.client = client or HttpClient(fixes=SERVER_FIXES)
         self.wait_seconds = wait_seconds
         self.progress = progress
         self.out = out
@@ -385,7 +416,7 @@ def make_source(ctx, target_dir: str | Path, client: HttpClient | None = None):
     if not o.server:
         raise UsageError("--completions server needs --server URL (e.g. --server http://127.0.0.1:30000).")
     client = client or HttpClient(offline=o.offline, timeout=o.request_timeout,
-                                  pool_size=max(1, int(o.concurrency)))
+                                  pool_size=max(1, int(o.concurrency)), fixes=SERVER_FIXES)
     # The readiness wait is reported even without progress bars: it is the one place a run may
     # sit still, and the user must see why.
     kw = dict(served_model=o.served_model, client=client, wait_seconds=o.wait_server,

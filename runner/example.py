@@ -71,10 +71,10 @@ def example_models(root: Path, log: Callable[[str], None] = print) -> dict[str, 
 
 def apply_example(store, opts: EvalOptions, log: Callable[[str], None] = print) -> None:
     """Point ``opts`` at the example models and fill in the example's defaults."""
-    backend = store.backend
-    if not getattr(backend, "is_local", False):
+    where = store.local_dir("example")
+    if where is None:
         raise UsageError("--example needs a local store directory (--store PATH).")
-    models = example_models(Path(backend.root) / "example", log=log)
+    models = example_models(where, log=log)
     if opts.target is None:
         opts.target = str(models["target"])
     if not opts.drafters:

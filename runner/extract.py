@@ -41,8 +41,9 @@ NUM_BUFFERS = 2  # window buffers: one being filled, one being written
 
 @dataclass
 class Batch:
-    samples: list[int]  # sample indices, all of length `length`
+    samples: list[int]  # sample indices, all of length `length` (unless packed)
     length: int
+    lengths: list[int] | None = None  # packed: each sample's length, concatenated in one row
 
 
 @dataclass
@@ -100,7 +101,26 @@ def plan_batches(lengths: dict[int, int], batch_tokens: int) -> list[Batch]:
     return batches
 
 
-def plan_windows(offsets: np.ndarray, start_sample: int, batch_tokens: int) -> tuple[list[Window], int]:
+def plan_packed(lengths: dict[int, int], batch_tokens: int) -> list[Batch]:
+    """Mixed-length batches for packed forwards: samples in index order, concatenated until the
+    next would pass ``batch_tokens`` (a longer sample runs alone)."""
+    batches: list[Batch] = []
+    cur: list[int] = []
+    total = 0
+    for s in sorted(lengths):
+        n = lengths[s]
+        if cur and total + n > batch_tokens:
+            batches.append(Batch(samples=cur, length=total, lengths=[lengths[i] for i in cur]))
+            cur, total = [], 0
+        cur.append(s)
+        total += n
+    if cur:
+        batches.append(Batch(samples=cur, length=total, lengths=[lengths[i] for i in cur]))
+    return batches
+
+
+def plan_windows(offsets: np.ndarray, start_sample: int, batch_tokens: int,
+                 pack: bool = False) -> tuple[list[Window], int]:
     """Windows of consecutive samples from ``start_sample``; returns them and the buffer rows."""
     n = len(offsets) - 1
     lens = np.diff(offsets).astype(np.int64)
@@ -114,7 +134,8 @@ def plan_windows(offsets: np.ndarray, start_sample: int, batch_tokens: int) -> t
             e += 1
         lengths = {i: int(lens[i]) for i in range(s, e) if lens[i] > 0}
         windows.append(Window(index=len(windows), first=s, stop=e, token_start=int(offsets[s]),
-                              token_stop=int(offsets[e]), batches=plan_batches(lengths, batch_tokens)))
+                              token_stop=int(offsets[e]),
+                              batches=(plan_packed if pack else plan_batches)(lengths, batch_tokens)))
         s = e
     return windows, capacity
 
@@ -202,13 +223,19 @@ def _storage_view(t) -> np.ndarray:
 
 
 def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[LayerSink], *,
-            batch_tokens: int, progress_factory=None, on_checkpoint=None, log=None) -> ExtractStats:
+            batch_tokens: int, progress_factory=None, on_checkpoint=None, log=None,
+            pack: dict | None = None) -> ExtractStats:
     """Compute the sinks' layers for every sample and append them in token order.
 
     ``target`` is a :class:`runner.models.target.TargetModel`. ``sinks`` may be resumed writers;
     rows they already hold are not recomputed. ``on_checkpoint(window_index, tokens_done)`` runs
     in the writer thread after each window is checkpointed (an exception there stops the
     extraction like a crash would, after that window). Returns throughput figures.
+
+    ``pack`` (keyword arguments of :func:`runner.models.packed.forward_layers_packed`, e.g.
+    ``{}``) runs mixed-length samples concatenated in one forward instead of equal-length
+    batches. Packed rows need not equal one-sample forwards bit for bit (another kernel class):
+    callers that store them must key them as such.
     """
     import torch
 
@@ -222,7 +249,7 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
     stats.tokens_resumed = start_token
     if start_token and log is not None:
         log(f"hidden states: resuming at sample {start_sample} ({start_token} of {total} tokens kept)")
-    windows, capacity = plan_windows(offsets, start_sample, batch_tokens)
+    windows, capacity = plan_windows(offsets, start_sample, batch_tokens, pack=pack is not None)
     if not windows:
         stats.wall_s = time.perf_counter() - t0
         return stats
@@ -257,10 +284,26 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
                     buffers.put((bufs, views))
                     raise writer.error
                 starts = [int(offsets[s]) for s in b.samples]
-                ids = torch.from_numpy(np.stack([token_ids[a:a + b.length] for a in starts]).astype(np.int64))
-                if cuda:
-                    ids = ids.pin_memory().to(target.device, non_blocking=True)
-                outs = target.forward_layers(ids, layers)
+                if b.lengths is not None:
+                    from .models.packed import forward_layers_packed
+
+                    ids = torch.from_numpy(np.concatenate(
+                        [token_ids[a:a + n] for a, n in zip(starts, b.lengths)]).astype(np.int64))[None]
+                    if cuda:
+                        ids = ids.pin_memory().to(target.device, non_blocking=True)
+                    outs = forward_layers_packed(target, ids, b.lengths, layers, **pack)
+                    # one row; (row, start in it, length) per sample
+                    pieces = []
+                    at = 0
+                    for a, n in zip(starts, b.lengths):
+                        pieces.append((0, at, a, n))
+                        at += n
+                else:
+                    ids = torch.from_numpy(np.stack([token_ids[a:a + b.length] for a in starts]).astype(np.int64))
+                    if cuda:
+                        ids = ids.pin_memory().to(target.device, non_blocking=True)
+                    outs = target.forward_layers(ids, layers)
+                    pieces = [(row, 0, a, b.length) for row, a in enumerate(starts)]
                 stats.batches += 1
                 for k, t in outs.items():
                     if t.dtype != target.torch_dtype or t.shape[-1] != H:
@@ -272,15 +315,15 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
                     copy_stream.wait_stream(torch.cuda.current_stream(target.device))
                     with torch.cuda.stream(copy_stream):
                         for k, t in outs.items():
-                            for row, a in enumerate(starts):
+                            for row, at, a, n in pieces:
                                 o = a - w.token_start
-                                bufs[k][o:o + b.length].copy_(t[row], non_blocking=True)
+                                bufs[k][o:o + n].copy_(t[row, at:at + n], non_blocking=True)
                             t.record_stream(copy_stream)  # keep the allocator off it until copied
                 else:
                     for k, t in outs.items():
-                        for row, a in enumerate(starts):
+                        for row, at, a, n in pieces:
                             o = a - w.token_start
-                            bufs[k][o:o + b.length].copy_(t[row])
+                            bufs[k][o:o + n].copy_(t[row, at:at + n])
                 del outs
             if cuda:
                 event = torch.cuda.Event()

@@ -53,6 +53,7 @@ class Node:
     sample_keys: list[str] | None = None
     ids: list[str] | None = None  # prompt ids per position (messages name them)
     problem: str | None = None  # why missing samples cannot be produced here (hardware)
+    precheck: Any = None  # callable run before any work when this run produces samples (weights)
     local: set = field(default_factory=set)  # positions stored locally
     in_remote: set = field(default_factory=set)  # positions only in a remote
     remote_of: dict = field(default_factory=dict)  # sample key -> remote store
@@ -222,6 +223,9 @@ def resolve(ctx: RunContext, nodes: list[Node]) -> list[Node]:
         n = problems[0]
         raise BadInputError(f"{len(n.produce)} sample(s) of {n.label or n.stage} are in no store and cannot be "
                             f"computed here. {n.problem}")
+    for n in nodes:
+        if n.produce and n.precheck is not None:
+            n.precheck()
     return nodes
 
 

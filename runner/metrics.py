@@ -1,20 +1,20 @@
 """Offline DFlash acceptance metrics: chain and DDTree block values, the greedy walk, aggregation.
 
 Pure functions over token ids and per-root draft scores; no store access. Definitions follow
-``/work/shared/reference/dflash.md`` (cited as §) and DESIGN.md §6:
+z-lab/dflash (the offline acceptance loop) and liranringel/ddtree, as docs/metrics.md states them:
 
-* Chain (§2.1, §6 step 3): a block rooted at p drafts ``d[1..B-1]`` (argmax of the draft logits
+* Chain: a block rooted at p drafts ``d[1..B-1]`` (argmax of the draft logits
   of slots 1..B-1). ``accepted(p)`` = number of leading j with ``d[j] == x[p+j]``, where x is the
   target's greedy sequence. Block value = accepted + 1 (the bonus token), range 1..B.
-* DDTree with budget N (§3.2, §3.3, §3.4): best-first heap over per-depth top-min(N, V)
+* DDTree with budget N: best-first heap over per-depth top-min(N, V)
   log-probs (softmax over the full vocabulary, float32) keeps the N most probable prefixes,
   ties broken by Python tuple order exactly as ``liranringel/ddtree: ddtree.py``
   ``build_ddtree_tree``. ``accepted(p)`` = length of the longest prefix of x[p+1:] that is a
   root path; value = accepted + 1, so value <= min(N, B-1) + 1.
-* The walk (§6 step 3, §7): first root = P (prompt length; x[P] is the prefill argmax and is not
+* The walk: first root = P (prompt length; x[P] is the prefill argmax and is not
   a block); next root = p + value. Values depend on the method, so chain and every budget are
   walked separately over the same per-root scores.
-* End of the completion, two rules (§7, DESIGN.md §6):
+* End of the completion, two rules:
   - ``"within_output"`` (default, later z-lab ``produced`` rule): value capped at the completion
     tokens left after the root, ``min(accepted + 1, P+N-1-p)``; stop when p >= P+N-1, so a root
     on the last token makes no block.
@@ -24,7 +24,7 @@ Pure functions over token ids and per-root draft scores; no store access. Defini
     committed tokens (bonus included) contain the stop token that ends the completion, or the
     root reaches P+N when the completion was cut at max_new_tokens.
   A stop token inside the completion ends it there (greedy decoding stops at the first one).
-* Aggregation (§2.2): tau = mean over responses of each response's mean block value (a macro
+* Aggregation: tau = mean over responses of each response's mean block value (a macro
   average); responses with no block (a one-token completion under ``within_output``) are left
   out of tau and counted separately. Also the histogram of values 0..B (index 0 is always 0,
   kept for the reference layout), per-position acceptance ``accept_rate_at[j-1]`` = fraction of
@@ -66,7 +66,7 @@ def chain_accept(draft_tokens: Sequence[int], target_tokens: Sequence[int]) -> i
 
 
 def topk_log_probs(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-min(k, V) log-probs and token ids per row, computed the way DDTree does (§3.2).
+    """Top-min(k, V) log-probs and token ids per row, computed the way DDTree does.
 
     ``logits`` [..., D, V]; returns float32 log-probs and int64 ids, each [..., D, min(k, V)].
     Log-probs are ``top_logit - logsumexp(logits)`` in float32 so tree scores (and their ties)
@@ -141,7 +141,7 @@ def build_ddtree(top_log_probs: np.ndarray, top_token_ids: np.ndarray, budget: i
 
 
 def tree_accept(tree: DDTree, target_tokens: Sequence[int]) -> int:
-    """Length of the longest prefix of ``target_tokens`` (x[p+1:]) that is a root path (§3.3)."""
+    """Length of the longest prefix of ``target_tokens`` (x[p+1:]) that is a root path."""
     node, n = 0, 0
     for t in target_tokens:
         nxt = tree.child_maps[node].get(int(t))
@@ -361,7 +361,7 @@ class Summary:
 
 
 def aggregate(responses: Sequence[Sequence[int]], block_size: int) -> Summary:
-    """tau (macro mean), histogram 0..B, per-position acceptance, tokens per block (§2.2)."""
+    """tau (macro mean), histogram 0..B, per-position acceptance, tokens per block."""
     per_response = [sum(v) / len(v) for v in responses if len(v)]
     values = [int(x) for v in responses for x in v]
     hist = [0] * (block_size + 1)

@@ -38,7 +38,8 @@ class EvalOptions:
     # eval
     tree_budgets: list[int] = field(default_factory=list)
     max_blocks: int | None = None
-    end_rule: str = "within"  # within|continuation (see docs/metrics.md)
+    end_rule: str = "within"  # within (continuation is refused; see docs/metrics.md)
+    eval_device: str = "auto"  # auto|cuda|cpu: where drafter_eval runs, whatever made the states
     # where things come from
     offline: bool = False
     remotes: list[str] = field(default_factory=list)
@@ -47,3 +48,4 @@ class EvalOptions:
     progress: bool = True
     # hidden states (extraction)
     attn_implementation: str = "sdpa"  # sdpa|eager|...: keyed with the backend class
+    key_versions: list[str] = field(default_factory=list)  # packages whose versions join hidden-state keys

@@ -34,7 +34,8 @@ def build_graph(ctx: RunContext, upto: str = "eval") -> list[Node]:
     from .stages import hidden_states
 
     drafters = []
-    if upto == "eval":
+    if upto == "eval" or ctx.options.drafters:
+        # `run hidden-states --drafter D` extracts the layers D reads (its target_layer_ids).
         from .stages import drafter_eval
 
         drafters = drafter_eval.resolve_drafters(ctx)

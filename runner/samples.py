@@ -4,7 +4,9 @@ Every reader of stored hidden states for training, export and benchmarks goes th
 :class:`StoredSamples` (a :class:`dfcache.training.SampleSource`), so the storage layout is known
 in one place. The layout is sample-granular (docs/format.md "Samples and segments"): each tokens
 sample (array ``ids``, document with ``prompt_len``) and each layer's hidden-state sample (array
-``hidden``) lives in some segment; a read opens only the chunks of that sample's rows.
+``hidden``) lives in some segment; a read opens only the chunks of that sample's rows. Sets that
+`dfcache import` brought in keep the set-level layout (one tokens artifact, one artifact per layer);
+:class:`ArtifactSamples` reads those, with the same sample semantics.
 
 What a sample yields (names and semantics of SpecForge's DFlash offline features):
 
@@ -20,7 +22,7 @@ What a sample yields (names and semantics of SpecForge's DFlash offline features
 
 Sample keys: ``xxh3_128(canonical({"hidden_states": [layer sample keys], "tokens": tokens sample
 key}))``, built from the store's own per-sample keys: exactly what its bytes come from, and the
-same for a prompt in any set.
+same for a prompt in any set. (An imported set's keys cover its artifacts: see ArtifactSamples.)
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ import numpy as np
 import xxhash
 
 from dfcache.errors import BadInputError, OfflineMissingError
-from dfcache.keys import canonical_encode
+from dfcache.keys import canonical_encode, compute_key
 from dfcache.training import Sample
 
 from .options import EvalOptions
+
+SAMPLE_KEY_VERSION = 1  # of ArtifactSamples' keys
 
 class StoredSamples:
     """:class:`dfcache.training.SampleSource` over stored tokens samples and per-layer samples.
@@ -119,10 +123,15 @@ class StoredSamples:
         out[1:] = np.cumsum(self._lengths)
         return out
 
+    def loss_mask(self, index: int) -> np.ndarray:
+        """One sample's loss mask (int64): 0 on the prompt, 1 on the completion."""
+        mask = np.zeros(int(self._lengths[index]), dtype=np.int64)
+        mask[int(self.prompt_lens[index]):] = 1
+        return mask
+
     def read(self, index: int) -> Sample:
         ids = self.read_tokens(index)
-        mask = np.zeros(len(ids), dtype=np.int64)
-        mask[int(self.prompt_lens[index]):] = 1
+        mask = self.loss_mask(index)
         parts = self.read_layers(index)
         hidden = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
         return Sample(key=self._keys[index],
@@ -136,6 +145,149 @@ class StoredSamples:
     def read_layers(self, index: int) -> list[np.ndarray]:
         """One sample's rows of each layer, separately (storage dtype: bf16 as uint16 bits)."""
         return [ss.read_raw(index, "hidden") for ss in self._open()["layers"]]
+
+
+class ArtifactSamples:
+    """:class:`dfcache.training.SampleSource` over a set-level tokens artifact (``token_ids``,
+    ``offsets``, ``prompt_lens``, ``samples``, optionally ``loss_mask``) and one ``hidden`` artifact per
+    layer (rows in the tokens' order): the layout `dfcache import` writes. Sample ``i`` is rows
+    ``offsets[i]:offsets[i+1]`` of each; a read touches only the chunks those rows fall in.
+
+    Holds the store's location, not a handle: each process opens the store on first read.
+    """
+
+    def __init__(self, store_location: str, tokens_key: str, layer_keys: list[str], *,
+                 layers: list[int] | None = None, endpoint_url: str | None = None, store=None) -> None:
+        if not layer_keys:
+            raise BadInputError("no hidden-state layers selected: pass --layer or a drafter.")
+        self.store_location = store_location
+        self.endpoint_url = endpoint_url
+        self.tokens_key = tokens_key
+        self.layer_keys = list(layer_keys)
+        self.layers = list(layers) if layers is not None else None
+        self._pid: int | None = None
+        self._handles: dict | None = None
+        st = store if store is not None else self._store()
+        art = st.open(tokens_key)
+        self.offsets = art.array("offsets").read().astype(np.int64)
+        self.prompt_lens = art.array("prompt_lens").read().astype(np.int64)
+        self.sample_ids = [str(s.get("id", i)) for i, s in enumerate(art.json("samples"))]
+        # Imported tokens carry the peer's own loss mask; the pipeline's is prompt 0, completion 1.
+        self.has_loss_mask = "loss_mask" in art.manifest.arrays
+        if len(self.prompt_lens) != len(self.offsets) - 1 or len(self.sample_ids) != len(self.prompt_lens):
+            raise BadInputError(f"tokens artifact {tokens_key} is inconsistent (offsets, prompt_lens and "
+                                f"samples disagree); delete it (dfcache gc --key {tokens_key[:12]} --yes) "
+                                "and run again.")
+        total = int(self.offsets[-1])
+        self.widths: list[int] = []
+        self.dtype = None
+        for k in self.layer_keys:
+            spec = st.manifest(k).arrays.get("hidden")
+            if spec is None or spec.shape[0] != total:
+                raise BadInputError(f"hidden-state artifact {k} does not hold {total} rows for tokens "
+                                    f"{tokens_key}; it belongs to other tokens.")
+            if self.dtype not in (None, spec.dtype):
+                raise BadInputError(f"the selected layers mix dtypes ({self.dtype}, {spec.dtype}); select "
+                                    "layers extracted with one --dtype.")
+            self.dtype = spec.dtype
+            self.widths.append(int(spec.shape[1]))
+        self._keys = [compute_key("sample", SAMPLE_KEY_VERSION, {"index": i, "id": sid},
+                                  {"tokens": tokens_key, "hidden_states": self.layer_keys})
+                      for i, sid in enumerate(self.sample_ids)]
+
+    # Pickling (spawned DataLoader workers) carries the location and the small index arrays only.
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_handles"] = None
+        state["_pid"] = None
+        return state
+
+    def _store(self):
+        from dfcache import open_store
+
+        return open_store(self.store_location, create=False, endpoint_url=self.endpoint_url)
+
+    def _open(self) -> dict:
+        if self._handles is None or self._pid != os.getpid():  # a forked child reopens
+            st = self._store()
+            tok = st.open(self.tokens_key)
+            self._handles = {"tokens": tok.array("token_ids"),
+                             "loss_mask": tok.array("loss_mask") if self.has_loss_mask else None,
+                             "layers": [st.open(k).array("hidden") for k in self.layer_keys]}
+            self._pid = os.getpid()
+        return self._handles
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def read(self, index: int) -> Sample:
+        h = self._open()
+        a, b = int(self.offsets[index]), int(self.offsets[index + 1])
+        ids = self._rows("tokens", a, b).astype(np.int64)
+        mask = self.loss_mask(index)
+        hidden = self._hidden(h["layers"], a, b)
+        return Sample(key=self._keys[index],
+                      arrays={"input_ids": ids, "loss_mask": mask, "hidden_states": hidden},
+                      dtypes={"input_ids": "int64", "loss_mask": "int64", "hidden_states": self.dtype})
+
+    def _rows(self, name: str, a: int, b: int) -> np.ndarray:
+        """Rows of a per-token array of the tokens artifact. Its chunks hold ~256k tokens (4 bytes
+        a row), so each decoded chunk is kept (a few per process): a random sample read would
+        otherwise decode a whole chunk for a few hundred ids."""
+        h = self._open()
+        arr = h[name]
+        cache = h.setdefault("chunks", {})
+        cr = arr.chunk_rows
+        parts = []
+        for c in range(a // cr, (b - 1) // cr + 1 if b > a else a // cr):
+            chunk = cache.get((name, c))
+            if chunk is None:
+                if len(cache) >= 8:
+                    cache.pop(next(iter(cache)))
+                chunk = cache[(name, c)] = arr.read(c * cr, (c + 1) * cr)
+            lo = max(a, c * cr) - c * cr
+            hi = min(b, (c + 1) * cr) - c * cr
+            parts.append(chunk[lo:hi])
+        if not parts:
+            return arr.read(a, b)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+    def _hidden(self, layers, a: int, b: int) -> np.ndarray:
+        if len(layers) == 1:
+            return layers[0].read_raw(a, b, mapped=True)
+        out = np.empty((b - a, sum(self.widths)), dtype=np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype))
+        # Each layer's rows go straight from its mapped chunks into its columns: one copy.
+        col = 0
+        for arr, w in zip(layers, self.widths):
+            arr.read_raw(a, b, out=out[:, col:col + w], mapped=True)
+            col += w
+        return out
+
+    def loss_mask(self, index: int) -> np.ndarray:
+        """One sample's loss mask (int64)."""
+        a, b = int(self.offsets[index]), int(self.offsets[index + 1])
+        if self.has_loss_mask:
+            return self._rows("loss_mask", a, b).astype(np.int64)
+        mask = np.zeros(b - a, dtype=np.int64)
+        mask[int(self.prompt_lens[index]):] = 1
+        return mask
+
+    def read_tokens(self, index: int) -> np.ndarray:
+        """One sample's token ids (int64)."""
+        a, b = int(self.offsets[index]), int(self.offsets[index + 1])
+        return self._rows("tokens", a, b).astype(np.int64)
+
+    def read_layers(self, index: int) -> list[np.ndarray]:
+        """One sample's rows of each layer, separately (storage dtype: bf16 as uint16 bits)."""
+        h = self._open()
+        a, b = int(self.offsets[index]), int(self.offsets[index + 1])
+        return [arr.read_raw(a, b) for arr in h["layers"]]
 
 
 @dataclass
@@ -161,9 +313,12 @@ class Selection:
         """What the selection's bytes depend on (the set keys), for export manifests."""
         return {"tokens": self.tokens_key, "layers": self.layers, "hidden_states": self.layer_keys}
 
-    def source(self) -> StoredSamples:
+    def source(self) -> "StoredSamples | ArtifactSamples":
         st = self.store
         t = self.tokens_node
+        if t is None:  # an imported set (stored_selection): set-level artifacts
+            return ArtifactSamples(st.url, self.tokens_key, self.layer_keys, layers=self.layers,
+                                   endpoint_url=self.options.endpoint_url, store=st)
         return StoredSamples(st.url, t.partition.key, t.sample_keys, [n.partition.key for n in self.layer_nodes],
                              [n.sample_keys for n in self.layer_nodes], t.ids, layers=self.layers,
                              endpoint_url=self.options.endpoint_url, store=st)
@@ -220,6 +375,31 @@ def _quote(a: str) -> str:
     import shlex
 
     return shlex.quote(a)
+
+
+def stored_selection(store, tokens_key: str, layers: list[int], *, backend: dict | None = None) -> Selection:
+    """A selection named by its tokens key (e.g. an import's) and layer ids: the hidden-state
+    artifacts over those tokens, one per layer (``backend`` chooses when several classes exist)."""
+    tokens_key = store.resolve(tokens_key)
+    by_layer: dict[int, list] = {}
+    for m in store.list_manifests(stage="hidden_states"):
+        if m.upstream.get("tokens") == tokens_key and (backend is None or m.inputs.get("backend") == backend):
+            by_layer.setdefault(int(m.inputs["layer"]), []).append(m)
+    missing = [k for k in layers if k not in by_layer]
+    if missing:
+        raise OfflineMissingError(f"no hidden states of layer(s) {', '.join(map(str, missing))} over tokens "
+                                  f"{tokens_key} in {store.url}; `dfcache ls --stage hidden_states` shows "
+                                  "which layers are there.")
+    several = [k for k in layers if len(by_layer[k]) > 1]
+    if several:
+        raise BadInputError(f"layer(s) {', '.join(map(str, several))} over tokens {tokens_key} exist for several "
+                            "backend classes; pass backend= (the 'backend' inputs of the one you mean).")
+    chosen = [by_layer[k][0] for k in layers]
+    art = store.manifest(chosen[0].key)
+    spec = art.arrays["hidden"]
+    return Selection(store=store, options=EvalOptions(), layers=list(layers), tokens_key=tokens_key,
+                     layer_keys=[m.key for m in chosen], target_dir="", num_layers=-1,
+                     hidden_size=int(spec.shape[1]), backend=chosen[0].inputs.get("backend"))
 
 
 def _run_args(argv: list[str], layers: list[int]) -> list[str]:

@@ -69,14 +69,23 @@ def tiny_drafter_config(target_dir: str | Path, *, block_size: int = 8,
     types = (types * num_layers)[:num_layers] if len(types) != num_layers else types
     return DFlashConfig(
         hidden_size=int(t["hidden_size"]), num_hidden_layers=num_layers, num_attention_heads=heads,
-        num_key_value_heads=int(t.get("num_key_value_heads", heads)),
+        num_key_value_heads=int(t.get("num_key_value_heads") or heads),
         head_dim=int(t.get("head_dim") or t["hidden_size"] // heads),
-        intermediate_size=int(t["intermediate_size"]), rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
+        intermediate_size=_mlp_width(t), rms_norm_eps=float(t.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta, block_size=block_size, target_layer_ids=list(layer_ids),
         mask_token_id=mask_token_id,
         layer_types=types, sliding_window=sliding_window if "sliding_attention" in types else None,
         num_target_layers=n_target, vocab_size=int(t["vocab_size"]),
     )
+
+
+def _mlp_width(t: dict) -> int:
+    """The drafter's dense MLP width. MoE targets (Qwen3.5-MoE, Qwen3-Next) may have no dense
+    ``intermediate_size``; their shared expert's (or one expert's) width stands in for it."""
+    for name in ("intermediate_size", "shared_expert_intermediate_size", "moe_intermediate_size"):
+        if isinstance(t.get(name), int) and t[name] > 0:
+            return int(t[name])
+    return 4 * int(t["hidden_size"])
 
 
 @contextlib.contextmanager
@@ -135,7 +144,7 @@ def capture_features(model, input_ids: Sequence[int] | torch.Tensor,
     Hooks on the decoder's ``layers[k]`` give the output of decoder layer k for every k, the last
     layer included (HF's last ``hidden_states`` entry has the final norm applied).
     """
-    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
+    ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1).to(next(model.parameters()).device)
     layers = _decoder_layers(model)
     bad = [k for k in layer_ids if not 0 <= k < len(layers)]
     if bad:

@@ -114,8 +114,8 @@ def default_report_dir(store, directory: str) -> Path:
     base = Path(directory.split("*")[0] if is_glob(directory) else directory)
     name = (base.name or base.resolve().name or "run").strip("-_") or "run"
     tag = xxhash.xxh3_64_hexdigest(os.path.abspath(os.path.expanduser(directory)).encode())[:8]
-    root = getattr(store.backend, "root", None) if getattr(store.backend, "is_local", False) else None
-    return Path(root if root is not None else ".") / "reports" / f"watch-{name}-{tag}"
+    reports = store.local_dir("reports")
+    return (reports if reports is not None else Path("reports")) / f"watch-{name}-{tag}"
 
 
 class Watch:

@@ -35,6 +35,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ClosedPort:
+    """A port where nothing listens, and that nothing else can take while this is open: a socket
+    bound to it but not listening, so every connect is refused. A port from free_port() is only
+    free for a moment; on a machine running other tests (CI beside other work) another server may
+    take it before the client connects, which made "connection refused" cases flaky."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def __enter__(self) -> "ClosedPort":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def _http_ok(url: str, timeout: float = 1.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:

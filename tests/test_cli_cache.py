@@ -75,3 +75,94 @@ def test_store_from_environment(filled, tmp_path):
     store, keys = filled
     r = dfcache("ls", "--json", env={"DFCACHE_STORE": str(store)})
     assert r.code == 0 and len(json.loads(r.out)) == 3
+
+
+def _main(capsys, *args):
+    from dfcache.cli import main
+
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_global_options_after_every_command(filled, tmp_path, capsys, monkeypatch):
+    """--store, --json, --offline, --debug and --no-progress follow any command name (docs/cli.md);
+    every command the app has is in the table, so a new command cannot miss them."""
+    from dfcache.cli import _register_all, app
+
+    store, keys = filled
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # a --store not taken would make ./store here
+    remote = f"file://{tmp_path / 'remote'}"
+    table = {
+        "ls": ["ls"], "show": ["show", keys[0][:8]], "verify": ["verify"], "gc": ["gc", "--dry-run"],
+        "diff": ["diff", keys[0], keys[1]], "push": ["push", remote, "--all"], "status": ["status", remote],
+        "pull": ["pull", remote, "--all"], "plan": ["plan", "prompts", "--num-prompts", "1"],
+        "run": ["run", "prompts", "--num-prompts", "1"],
+    }
+    import typer
+
+    _register_all()
+    group = typer.main.get_command(app)
+    for name, command in group.commands.items():  # every command, those not run below included
+        opts = {o for p in command.params for o in getattr(p, "opts", [])}
+        assert {"--store", "--json", "--debug", "--offline", "--no-progress"} <= opts, name
+    for name, args in table.items():
+        code, out, err = _main(capsys, *args, "--store", store, "--json", "--offline", "--no-progress", "--debug")
+        assert code == 0, f"{name}: {err}"
+        json.loads(out)  # --json took effect
+    assert not (tmp_path / "cwd" / "store").exists()
+
+
+def test_ls_stage_spelled_as_run_spells_it(tmp_path, capsys):
+    store = tmp_path / "store"
+    code, out, err = _main(capsys, "--store", store, "run", "prompts", "--num-prompts", "1", "--json")
+    assert code == 0, err
+    for spelling in ("prompts", " prompts", "hidden-states", "hidden_states"):
+        code, out, err = _main(capsys, "ls", "--stage", spelling, "--store", store, "--json")
+        assert code == 0, err
+        assert [r["stage"] for r in json.loads(out)] == ([] if "hidden" in spelling else ["prompts"])
+
+
+def test_show_json_has_the_backend_object_ls_has(tmp_path, capsys):
+    s = open_store(tmp_path / "store")
+    backend = {"kernel": "fla", "device": "cuda", "dtype": "bfloat16", "attn_implementation": "sdpa"}
+    with s.writer("ab" * 16, stage="hidden_states", stage_version=1, inputs={"layer": 1, "backend": backend}) as w:
+        w.put_json("x", {})
+    code, out, _ = _main(capsys, "--store", tmp_path / "store", "show", "abab", "--json")
+    shown = json.loads(out)
+    code, out, _ = _main(capsys, "--store", tmp_path / "store", "ls", "--json")
+    assert shown["backend"] == json.loads(out)[0]["backend"] == backend
+
+
+def test_gc_refuses_dependents_force_removes_and_verify_reports_the_broken_chain(tmp_path, capsys):
+    s = open_store(tmp_path / "store")
+    up, _ = write_example(s, i=0, rows=50, chunk_rows=25)
+    down = "cd" * 16
+    with s.writer(down, stage="conformance2", stage_version=1, inputs={}, upstream={"states": [up]}) as w:
+        w.put_json("x", {})
+    store = tmp_path / "store"
+    code, out, err = _main(capsys, "--store", store, "gc", "--yes", "--key", up[:8])
+    assert code == 2 and f"{up[:12]} is needed by {down[:12]}" in err and "--force" in err
+    assert s.has(up)
+    # Removing both together is fine; so is --force, which leaves the chain broken.
+    code, out, err = _main(capsys, "--store", store, "gc", "--dry-run", "--key", up[:8], "--key", down[:8])
+    assert code == 0, err
+    code, out, err = _main(capsys, "--store", store, "gc", "--yes", "--force", "--key", up[:8])
+    assert code == 0 and not s.has(up) and s.has(down)
+    code, out, err = _main(capsys, "--store", store, "verify")
+    assert code == 0 and f"BROKEN CHAIN {down} (conformance2): upstream {up} is not in this store" in out
+    code, out, err = _main(capsys, "--store", store, "verify", "--json")
+    assert json.loads(out)["missing_upstream"] == [{"key": down, "stage": "conformance2", "upstream": up}]
+
+
+def test_ls_summary_is_cut_between_words(tmp_path):
+    from dfcache.maintenance import input_summary
+
+    s = open_store(tmp_path / "store")
+    text = "layer 12/64 (qwen3_5_text): reasoning-prompts-v2.jsonl×1000, openai server model Qwen3.5-27B-FP8"
+    with s.writer("ef" * 16, stage="hidden_states", stage_version=1, inputs={}, summary=text) as w:
+        w.put_json("x", {})
+    short = input_summary(s.manifest("ef" * 16), width=60)
+    assert short.endswith("…") and len(short) <= 60
+    assert text.startswith(short[:-1]) and text[len(short) - 1] in " ,"  # ends at a word's end

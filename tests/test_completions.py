@@ -8,8 +8,8 @@ import time
 
 import pytest
 from cli_util import dfcache
-from servers import (RecordingListener, ScriptedServer, SGLangTestServer, TransformersServe,
-                     free_port, run_pipeline)
+from servers import (ClosedPort, RecordingListener, ScriptedServer, SGLangTestServer, TransformersServe,
+                     run_pipeline)
 
 from dfcache import open_store
 from dfcache.errors import (EXIT_NETWORK, ConnectionRefused, NetworkError, OfflineMissingError,
@@ -186,7 +186,8 @@ def test_requests_run_concurrently_within_the_bound(tiny_target, tmp_path):
 
 
 def test_closed_port_fails_at_once_and_wait_server_waits(tiny_target, tmp_path, capsys):
-    url = f"http://127.0.0.1:{free_port()}"
+    closed = ClosedPort()  # refused for the whole test (held until it ends)
+    url = closed.url
     t = time.monotonic()
     with pytest.raises(ConnectionRefused):
         run_pipeline(tmp_path / "store", "completions", **_server_opts(tiny_target, url))
@@ -271,7 +272,8 @@ def test_preflight_checks_the_server_once_before_any_work(tiny_target, tmp_path)
         ctx = RunContext(open_store(tmp_path / "store"), EvalOptions(progress=False, **_server_opts(tiny_target, url)))
         return ctx, resolve(ctx, build_graph(ctx, upto="tokens"))
 
-    ctx, nodes = plan(f"http://127.0.0.1:{free_port()}")
+    closed = ClosedPort()
+    ctx, nodes = plan(closed.url)
     with pytest.raises(ConnectionRefused):
         completions.preflight(ctx, nodes)
     assert ctx.store.list_manifests() == []  # failed before any stage ran

@@ -2,7 +2,8 @@
 
 This is the project's correctness test (DESIGN.md §6; dflash.md §7 "Offline equals online in
 float32"). A tiny Qwen3.5 target and a drafter trained on its greedy completions run real
-DFlash decoding in a loop written here the way z-lab/dflash HEAD's ``dflash_generate`` does it:
+DFlash decoding in the package's loop (``runner.parity.online_dflash``, which `dfcache parity`
+runs on users' models), written the way z-lab/dflash HEAD's ``dflash_generate`` does it:
 draft a block from the context features committed so far, verify it with a target forward,
 accept the matching prefix plus the bonus token, append the accepted positions' target features
 to the context, repeat. The offline side instead takes one full target forward over prompt +
@@ -16,14 +17,15 @@ Everything runs in float32: in bf16 the reference itself drifts from plain greed
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from runner import metrics
 from runner.models.dflash import DFlashDrafter, load_target_head, score_roots
+from runner.parity import greedy_continuation, online_dflash
 from runner.tiny import build_tiny_target
 from runner.train_tiny import (HELDOUT_PROMPT_IDS, TrainStats, capture_features, greedy_complete, load_prompts,
                                make_untrained_drafter, single_thread, train_tiny_drafter)
@@ -31,100 +33,6 @@ from runner.train_tiny import (HELDOUT_PROMPT_IDS, TrainStats, capture_features,
 MAX_NEW_TOKENS = 64
 NUM_PROMPTS = 6
 TREE_BUDGETS = [1, 4, 16]
-
-
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def reference_draft(drafter: DFlashDrafter, head, ctx_features: torch.Tensor, block_ids: torch.Tensor,
-                    start: int) -> torch.Tensor:
-    """One draft call as ``DFlashDraftModel.forward`` does it: keys/values = cat(context, block).
-
-    Written independently of ``runner.models.dflash``'s attention code (only the weights are
-    shared): RoPE at absolute positions 0..start+B-1, no mask on full-attention layers, causal +
-    window on sliding layers. Returns draft logits for slots 1..B-1.
-    """
-    cfg = drafter.config
-    B, hd = block_ids.shape[0], cfg.head_dim
-    nh, kvh = cfg.num_attention_heads, cfg.num_key_value_heads
-    z = drafter.hidden_norm(drafter.fc(ctx_features))
-    h = F.embedding(block_ids, head.embed_tokens)
-    pos = torch.arange(start + B)
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2).float() / hd))
-    ang = pos[:, None].float() * inv_freq
-    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
-    for i, layer in enumerate(drafter.layers):
-        a = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = a.q_norm(a.q_proj(x).view(B, nh, hd)).transpose(0, 1)
-        both = torch.cat([z, x])
-        k = a.k_norm(a.k_proj(both).view(-1, kvh, hd)).transpose(0, 1)
-        v = a.v_proj(both).view(-1, kvh, hd).transpose(0, 1)
-        q = q * cos[start:] + _rotate_half(q) * sin[start:]
-        k = k * cos + _rotate_half(k) * sin
-        mask = None
-        if cfg.layer_types[i] == "sliding_attention":
-            qp, kp = pos[start:, None], pos[None, :]
-            mask = (kp <= qp) & (qp - kp < cfg.sliding_window)
-        g = nh // kvh
-        o = F.scaled_dot_product_attention(q[None], k.repeat_interleave(g, 0)[None],
-                                           v.repeat_interleave(g, 0)[None], attn_mask=mask)
-        h = h + a.o_proj(o[0].transpose(0, 1).reshape(B, -1))
-        y = layer.post_attention_layernorm(h)
-        h = h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(y)) * layer.mlp.up_proj(y))
-    return drafter.norm(h[1:]) @ head.lm_head.T
-
-
-def target_pass(model, ids, layer_ids):
-    logits, feats = capture_features(model, ids, layer_ids)
-    return logits.argmax(-1), feats
-
-
-@torch.no_grad()
-def online_dflash(model, drafter, head, prompt: list[int], max_new_tokens: int, stop_ids: list[int]):
-    """Greedy DFlash decoding (z-lab/dflash HEAD 44947fb rules).
-
-    Returns (completion, [(root, value)] per block, {root: draft logits}).
-    """
-    B, mask_id, layer_ids = drafter.block_size, drafter.mask_token_id, drafter.target_layer_ids
-    P = len(prompt)
-    max_length = P + max_new_tokens
-    out = list(prompt) + [mask_id] * (max_new_tokens + B)
-    post, feats = target_pass(model, prompt, layer_ids)
-    out[P] = int(post[-1])                       # prefill token: committed, not a block
-    ctx = feats                                  # features of positions < start
-    start, blocks, draft_logits = P, [], {}
-    while start < max_length:
-        block = out[start:start + B]
-        draft_logits[start] = reference_draft(drafter, head, ctx, torch.tensor(block), start)
-        block[1:] = draft_logits[start].argmax(-1).tolist()
-        post, feats = target_pass(model, out[:start] + block, layer_ids)
-        post = post[start:].tolist()
-        acc = metrics.chain_accept(block[1:], post[:-1])
-        out[start:start + acc + 1] = block[:acc + 1]
-        out[start + acc + 1] = post[acc]
-        ctx = torch.cat([ctx, feats[start:start + acc + 1]])
-        blocks.append((start, acc + 1))
-        start += acc + 1
-        if any(t in stop_ids for t in out[P:start + 1]):
-            break
-    completion = out[P:min(start + 1, max_length)]
-    for i, t in enumerate(completion):
-        if t in stop_ids:
-            completion = completion[:i + 1]
-            break
-    return completion, blocks, draft_logits
-
-
-@torch.no_grad()
-def greedy_continuation(model, seq: list[int], n: int) -> list[int]:
-    """The target's next n greedy tokens after ``seq``, not stopping at EOS (what HEAD verifies past the end)."""
-    seq = list(seq)
-    for _ in range(n):
-        seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[-n:]
 
 
 @pytest.fixture(scope="module")
@@ -265,3 +173,78 @@ def test_untrained_drafter_has_same_config_and_low_acceptance(tiny):
     ev = metrics.evaluate_response(score_roots(untrained, tiny["head"], feats, torch.tensor(seq), roots),
                                    seq, len(run["prompt"]), roots=roots)
     assert ev.chain.mean < 1.5
+
+
+# ---------------------------------------------------------------------------------- dfcache parity
+
+def test_compare_blocks_counts_roots_and_values():
+    from runner.parity import MethodParity, compare_blocks, within_output
+
+    # HEAD walk of a 10-token completion after a 5-token prompt; the last block is capped.
+    online = within_output([(5, 3), (8, 4), (12, 4)], prompt_len=5, completion_len=10)
+    assert online == [(5, 3), (8, 4), (12, 2)]
+    m = MethodParity("chain")
+    compare_blocks(m, "r", online, [(5, 3), (8, 2), (10, 4)], keep=5)
+    assert (m.blocks, m.matched, m.mismatch_count) == (3, 1, 2)
+    assert m.mismatches == [{"response": "r", "block": 1, "root": 8, "online": 4, "offline": 2},
+                            {"response": "r", "block": 2, "root": 12, "online": 2, "offline": None}]
+
+
+@pytest.fixture(scope="module")
+def parity_store(tmp_path_factory):
+    from dfcache import open_store
+
+    return tmp_path_factory.mktemp("parity") / "store", open_store
+
+
+def test_parity_float32_matches_every_block_chain_and_tree(tiny, parity_store):
+    from runner.parity import ParityOptions, run_parity
+
+    path, open_store = parity_store
+    with single_thread():
+        res = run_parity(open_store(path), ParityOptions(
+            target=str(tiny["target_dir"]), drafter=str(tiny["drafter_dir"]), prompts="builtin:reasoning",
+            num_prompts=2, max_new_tokens=32, tree_budgets=[4], backend="torch"), log=lambda m: None)
+    d = res.to_dict()
+    assert d["ok"] and d["exact_required"] and d["completions_equal"] == 2
+    assert [(m["method"], m["blocks"] == m["matched"]) for m in d["methods"]] == [("chain", True), ("tree-4", True)]
+    assert d["blocks"] >= 8 and d["mismatches"] == []
+    assert res.tau_online == res.tau_offline and res.tau_online["chain"] > 1.5
+
+
+def test_parity_cli_json_reuses_the_store(tiny, parity_store, capsys):
+    import dataclasses
+
+    from dfcache.cli import main
+    from dfcache.cli._common import state
+
+    path, _ = parity_store
+    saved = dataclasses.replace(state)
+    try:
+        # In this process (torch is loaded already); the exit code is main()'s return value.
+        with single_thread():
+            rc = main(["--store", str(path), "parity", "--target", str(tiny["target_dir"]), "--drafter",
+                       str(tiny["drafter_dir"]), "--prompts", "builtin:reasoning", "--num-prompts", "2",
+                       "--max-new-tokens", "32", "--tree-budget", "4", "--backend", "torch", "--json"])
+    finally:
+        for f in dataclasses.fields(state):
+            setattr(state, f.name, getattr(saved, f.name))
+    cap = capsys.readouterr()
+    assert rc == 0, cap.err
+    out = json.loads(cap.out)
+    assert out["ok"] and out["blocks"] == out["matched"] > 0 and out["agreement"] == 1.0
+    assert "0 of 8 stages to produce" in cap.err  # the offline side came from the store
+
+
+def test_parity_bfloat16_reports_agreement(tiny, tmp_path):
+    from dfcache import open_store
+    from runner.parity import ParityOptions, format_parity, run_parity
+
+    with single_thread():
+        res = run_parity(open_store(tmp_path / "store"), ParityOptions(
+            target=str(tiny["target_dir"]), drafter=str(tiny["drafter_dir"]), prompts="builtin:reasoning",
+            num_prompts=1, max_new_tokens=12, dtype="bfloat16", backend="torch"), log=lambda m: None)
+    chain = res.methods[0]
+    assert res.ok and not res.exact_required and chain.blocks >= 1
+    assert 0.0 <= chain.rate <= 1.0 and chain.matched + chain.mismatch_count == chain.blocks
+    assert "agreement is reported, not required" in format_parity(res)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from servers import RecordingListener, ScriptedServer, SilentListener, TransformersServe, free_port
+from servers import ClosedPort, RecordingListener, ScriptedServer, SilentListener, TransformersServe
 
 from dfcache import open_store
 from dfcache.errors import EXIT_BAD_INPUT, EXIT_NETWORK, EXIT_OFFLINE_MISSING, EXIT_USAGE
@@ -200,7 +200,7 @@ def test_plan_json_gives_each_node_its_status(server_plan, local_plan):
 
 
 @pytest.mark.parametrize("how", ["--offline before run", "--offline after run", "DFCACHE_OFFLINE=1",
-                                 "HF_HUB_OFFLINE=1"])
+                                 "--offline after run, HF_HUB_OFFLINE=1"])
 def test_offline_missing_network_artifact_exits_3_at_once_without_connecting(how, server_plan, tiny_target,
                                                                              env, tmp_path):
     store = tmp_path / "store"
@@ -209,8 +209,9 @@ def test_offline_missing_network_artifact_exits_3_at_once_without_connecting(how
         extra_env = None
         if how == "--offline before run":
             args = ["--offline", *args]
-        elif how == "--offline after run":
+        elif how.startswith("--offline after run"):
             args = [*args, "--offline"]
+            extra_env = {"HF_HUB_OFFLINE": "1"} if "HF_HUB" in how else None
         else:
             name = how.split("=")[0]
             extra_env = {name: "1"}
@@ -231,6 +232,18 @@ def test_offline_missing_network_artifact_exits_3_at_once_without_connecting(how
     assert "--offline" not in fix
     assert "reaches the server" in msg
     assert committed(store) == set(), "offline refusal must come before any work"
+
+
+def test_hf_hub_offline_still_reaches_the_completion_server(env, tiny_target, tmp_path):
+    """HF_HUB_OFFLINE=1 keeps transformers and huggingface_hub off the Hub; it does not make
+    dfcache offline, so a cluster that sets it everywhere still gets completions from its server."""
+    store = tmp_path / "store"
+    with ScriptedServer(chat="ok") as server:
+        r = cli(env, store, "run", "completions", *_args(tiny_target, "--server", server.url), "--json",
+                extra_env={"HF_HUB_OFFLINE": "1"})
+        requests = server.count("POST", "/v1/chat/completions")
+    assert r.code == 0, r.err
+    assert requests == N and len(r.json()["computed"]) == 2  # prompts and completions
 
 
 # ----------------------------------------------------------------------------- 3. server check
@@ -255,7 +268,8 @@ def test_server_check_fails_once_up_front_with_exit_4(name, kind, wait, words, n
                                                       tmp_path):
     store = tmp_path / "store"
     if kind == "closed":
-        server, url = None, f"http://127.0.0.1:{free_port()}"
+        server = ClosedPort()
+        url = server.url
     elif kind == "loading":
         server = ScriptedServer(health="loading").start()
         url = server.url
@@ -400,7 +414,7 @@ def test_fully_cached_tokens_run_does_no_work_and_imports_no_torch(local_run, ti
     assert committed(store) == before
     # Offline changes nothing for a run that needs nothing.
     r = cli(env, store, "run", "tokens", *_args(tiny_target, "--completions", "local"), "--json",
-            extra_env={"HF_HUB_OFFLINE": "1"})
+            extra_env={"DFCACHE_OFFLINE": "1"})
     assert r.code == 0, r.err
     assert r.json()["computed"] == [] and r.heavy == []
 

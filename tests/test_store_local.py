@@ -1,4 +1,4 @@
-"""The local directory backend: the conformance suite plus local-only guarantees."""
+"""The local directory and ``file://`` backends: the conformance suite plus local-only guarantees."""
 
 import pytest
 
@@ -10,3 +10,13 @@ class TestLocalStore(StoreConformance):
     @pytest.fixture
     def store(self, tmp_path):
         return open_store(tmp_path / "store")
+
+
+class TestFileRemoteStore(StoreConformance):
+    """``file://``: the same directory layout, read without following symbolic links."""
+
+    @pytest.fixture
+    def store(self, tmp_path):
+        store = open_store(f"file://{tmp_path / 'remote'}")
+        assert store.backend.local_file_path("0" * 32, "zarr.json") is None  # never the fast path
+        return store

@@ -3,6 +3,7 @@ specific to object stores (no partial artifact visible, temporaries, error mappi
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import time
@@ -173,12 +174,31 @@ def test_unreachable_endpoint_is_network_error_with_fix(s3):
     import socket
 
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here once the socket closes
-    store = open_store("s3://nobody/p", endpoint_url=f"http://127.0.0.1:{port}")
-    with pytest.raises(ConnectionRefused) as e:
-        store.has("ef" * 16)
+        s.bind(("127.0.0.1", 0))  # bound, never listening: refused, and no other process can take it
+        port = s.getsockname()[1]
+        store = open_store("s3://nobody/p", endpoint_url=f"http://127.0.0.1:{port}")
+        with pytest.raises(ConnectionRefused) as e:
+            store.has("ef" * 16)
     assert e.value.exit_code == 4 and "s3://nobody/p" in str(e.value) and "endpoint" in str(e.value)
+
+
+class _Panic(BaseException):
+    """Stands for pyo3's PanicException (a BaseException, not an Exception) from a tokio worker."""
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("something obstore never said before"), _Panic("tokio worker panicked"),
+                                 asyncio.CancelledError()], ids=["RuntimeError", "BaseException", "CancelledError"])
+def test_any_unexpected_object_store_error_is_exit_4(exc):
+    """Whatever class the object store raises, the caller gets a NetworkError (exit 4) naming the
+    store, never exit 1."""
+    store = open_store("s3://nobody/p", endpoint_url="http://127.0.0.1:9")
+
+    async def failing():
+        raise exc
+
+    with pytest.raises(NetworkError) as e:
+        store.backend._run(failing(), "listing")
+    assert e.value.exit_code == 4 and "listing s3://nobody/p" in str(e.value)
 
 
 def test_missing_bucket_names_the_bucket(s3):

@@ -23,6 +23,16 @@ from dfcache.errors import OfflineMissingError  # noqa: E402
 from dfcache.training import HiddenStateDataset, LengthBucketSampler, pad_collate  # noqa: E402
 from runner import api  # noqa: E402
 
+@pytest.fixture(autouse=True)
+def fresh_cli_state():
+    # dfcache.cli.main keeps global options (--json, --store) in a module-level state.
+    from dfcache.cli._common import GlobalState, state
+
+    yield
+    for k, v in vars(GlobalState()).items():
+        setattr(state, k, v)
+
+
 DRAFTER_LAYERS = [3, 1]  # deliberately not sorted: concatenation follows the drafter's order
 LAST = 5  # the tiny target has 6 layers
 
@@ -235,3 +245,167 @@ def test_export_of_an_uncached_selection_exits_3_with_the_command(cached, tmp_pa
     assert code == 3
     assert "dfcache --store" in err and "run hidden-states" in err and "--layer 2" in err and "--format" not in err
     assert not out.exists()
+
+
+# ----------------------------------------------------------------------------------- import
+
+
+def _import(store, fmt, src, target, *layers, extra=()) -> int:
+    args = ["--store", str(store), "import", str(src), "--format", fmt, "--target", str(target),
+            "--backend", "torch", "--device", "cpu", "--no-progress", *extra]
+    for k in layers:
+        args += ["--layer", str(k)]
+    return cli_main(args)
+
+
+@pytest.fixture
+def target_path(cached):
+    return cached["sel"]["target"]
+
+
+def _assert_same_dataset(a, b):
+    assert len(a) == len(b)
+    for i in range(len(a)):
+        for name in ("input_ids", "loss_mask", "hidden_states"):
+            assert _same(a[i][name], b[i][name]), (i, name)
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_import_of_an_export_gives_back_the_same_samples_marked_imported(cached, target_path, tmp_path, capsys, fmt):
+    if fmt == "specforge":
+        pytest.importorskip("specforge")
+    else:
+        pytest.importorskip("datasets")
+    out = tmp_path / "export"
+    assert _export(cached, fmt, out) == 0
+    capsys.readouterr()
+    layers = DRAFTER_LAYERS + ([LAST] if fmt == "speculators" else [])
+    store = tmp_path / "other-store"
+    assert _import(store, fmt, out, target_path, *layers, extra=["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["samples"] == 4 and res["refused"] == [] and res["provenance"] == "imported (declared, not verified)"
+    imported = api.hidden_state_dataset(store=store, tokens_key=res["tokens_key"], layers=DRAFTER_LAYERS)
+    original = api.hidden_state_dataset(store=cached["store"], drafters=[str(cached["drafter"])], **cached["sel"])
+    _assert_same_dataset(imported, original)
+    st = open_store(store)
+    for m in st.list_manifests():
+        assert m.provenance["imported"] == "imported (declared, not verified)"
+    # The layers are keyed as extraction keys them over those tokens: the same key as the original's
+    # layer keys would have over the same tokens, with the declared backend inside.
+    hs = [m for m in st.list_manifests(stage="hidden_states")]
+    assert sorted(int(m.inputs["layer"]) for m in hs) == sorted(layers)
+    assert all(m.inputs["backend"]["kernel"] == "torch" and m.upstream == {"tokens": res["tokens_key"]} for m in hs)
+    assert cli_main(["--store", str(store), "ls", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert len(rows) == len(layers) + 1
+    assert all(r["summary"].startswith("imported (declared, not verified)") for r in rows)
+    assert _import(store, fmt, out, target_path, *layers, extra=["--json"]) == 0  # again: nothing new
+    assert json.loads(capsys.readouterr().out)["already_imported"] is True
+
+
+def test_import_modelopt_dumps(cached, target_path, tmp_path, capsys):
+    ds = api.hidden_state_dataset(store=cached["store"], layers=[1, 3], **cached["sel"])
+    src = tmp_path / "modelopt"
+    src.mkdir()
+    for i in range(3):  # ModelOpt's compute_hidden_states_hf.py layout, one .pt per conversation
+        it = ds[i]
+        torch.save({"input_ids": it["input_ids"][0], "hidden_states": it["hidden_states"][0, :, :128].clone(),
+                    "aux_hidden_states": it["hidden_states"][0].clone(), "conversation_id": 100 + i},
+                   src / f"{100 + i}.pt")
+    store = tmp_path / "mo-store"
+    assert _import(store, "modelopt", src, target_path, 1, 3, extra=["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    got = api.hidden_state_dataset(store=store, tokens_key=res["tokens_key"], layers=[1, 3])
+    assert len(got) == 3 and "every token counts" in res["notes"][0]
+    for i in range(3):
+        assert _same(got[i]["hidden_states"], ds[i]["hidden_states"])
+        assert got[i]["loss_mask"].sum() == got[i]["loss_mask"].shape[1]
+
+
+def test_import_refuses_bad_samples_one_by_one_and_keeps_the_good(cached, target_path, tmp_path, capsys):
+    ds = api.hidden_state_dataset(store=cached["store"], layers=[1], **cached["sel"])
+    src = tmp_path / "sf" / "rows_0-2000"
+    src.mkdir(parents=True)
+
+    def record(i, **change):
+        it = ds[i]
+        rec = {"input_ids": it["input_ids"][0].clone(), "loss_mask": it["loss_mask"][0].clone(),
+               "hidden_states": it["hidden_states"].clone()}
+        rec.update(change)
+        return rec
+
+    torch.save(record(0), src / "data_0.ckpt")
+    torch.save(record(1), src / "data_1.ckpt")
+    nan = record(2)
+    nan["hidden_states"][0, 3, 7] = float("nan")
+    torch.save(nan, src / "data_2.ckpt")
+    torch.save(record(3, input_ids=ds[3]["input_ids"][0][:-2].clone()), src / "data_3.ckpt")
+    torch.save(record(0), src / "data_4.ckpt")
+    data = (src / "data_4.ckpt").read_bytes()
+    (src / "data_4.ckpt").write_bytes(data[: len(data) // 2])  # a crash-truncated file
+    store = tmp_path / "bad-store"
+    assert _import(store, "specforge", src.parent, target_path, 1) == 6
+    err = capsys.readouterr().err
+    assert "refused 3 of 5" in err and "(2 imported)" in err
+    assert "data_2.ckpt: hidden states hold 1 NaN/Inf" in err
+    assert "data_3.ckpt: holds" in err and "rows of hidden states for" in err
+    assert "data_4.ckpt: unreadable (truncated or corrupt)" in err
+    st = open_store(store)
+    tokens = st.list_manifests(stage="tokens")
+    assert len(tokens) == 1 and st.open(tokens[0].key).array("offsets").shape == (3,)
+    got = api.hidden_state_dataset(store=store, tokens_key=tokens[0].key, layers=[1])
+    _assert_same_dataset(got, [ds[0], ds[1]])
+
+
+def test_import_needs_declared_layers_and_backend(cached, target_path, tmp_path, capsys):
+    src = tmp_path / "empty"
+    src.mkdir()
+    assert cli_main(["--store", str(tmp_path / "s"), "import", str(src), "--format", "specforge", "--target",
+                     target_path, "--layer", "1"]) == 2
+    assert "--backend fla|torch and --device cuda|cpu" in capsys.readouterr().err
+    assert _import(tmp_path / "s", "specforge", src, target_path) == 2
+    assert "--layer K" in capsys.readouterr().err
+
+
+def test_read_raw_into_a_reused_buffer(cached):
+    from dfcache.errors import UsageError
+
+    ds = api.hidden_state_dataset(store=cached["store"], layers=[1], **cached["sel"])
+    arr = open_store(cached["store"]).open(_layer_segment(ds.source)).array("hidden")
+    n = arr.shape[0]
+    assert n >= 8
+    buf = np.full((n + 10,) + arr.shape[1:], 7, dtype=np.uint16)
+    got = arr.read_raw(2, n, out=buf)
+    assert got.base is buf or got.base is buf.base
+    assert np.array_equal(got, arr.read_raw(2, n))
+    with pytest.raises(UsageError):
+        arr.read_raw(0, n // 2, out=buf[: n // 4])  # too few rows
+
+
+def _layer_segment(source) -> str:
+    """The key of the segment that holds the selection's first sample of its first layer."""
+    return source._open()["layers"][0].segment(0)[0].key
+
+
+def test_mapped_reads_check_each_chunk_and_refuse_a_corrupt_one(cached, tmp_path):
+    import shutil
+
+    from dfcache.errors import IntegrityError
+
+    store_dir = tmp_path / "copy"
+    shutil.copytree(cached["store"], store_dir)
+    ds = api.hidden_state_dataset(store=store_dir, layers=[1], **cached["sel"])
+    arr = open_store(store_dir).open(_layer_segment(ds.source)).array("hidden")
+    n = arr.shape[0]
+    assert np.array_equal(arr.read_raw(0, n, mapped=True), arr.read_raw(0, n))
+    wide = np.zeros((n, 3 * 128), dtype=np.uint16)
+    arr.read_raw(0, n, out=wide[:, 128:256], mapped=True)  # columns of a wider array
+    assert np.array_equal(wide[:, 128:256], arr.read_raw(0, n)) and not wide[:, :128].any()
+    key = _layer_segment(ds.source)
+    chunk = next(p for p in store_dir.rglob("hidden/c/0/0") if key in str(p))
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    fresh = open_store(store_dir).open(_layer_segment(ds.source)).array("hidden")
+    with pytest.raises(IntegrityError, match="crc32c"):
+        fresh.read_raw(0, 10, mapped=True)

@@ -8,7 +8,6 @@ design assigns (see ``dfcache.errors``).
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Optional
 
@@ -16,7 +15,7 @@ import typer
 
 from .. import __version__
 from ..errors import EXIT_INTERNAL, EXIT_USAGE, DfcacheError
-from ._common import err, state
+from ._common import GLOBAL_OPTIONS, GlobalState, apply_global, emit_json, err, state, with_global_options
 
 app = typer.Typer(name="dfcache", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -31,16 +30,16 @@ def _version(value: bool) -> None:
 
 
 @app.callback()
-def _global(store: Optional[str] = typer.Option(None, "--store", help="Store path or URL (else $DFCACHE_STORE, else ./store)."),
-            json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
-            debug: bool = typer.Option(False, "--debug", help="Show tracebacks."),
-            offline: bool = typer.Option(False, "--offline", help="Never touch the network."),
+def _global(store: Optional[str] = GLOBAL_OPTIONS["store"][1](),
+            json_out: bool = GLOBAL_OPTIONS["json"][1](),
+            debug: bool = GLOBAL_OPTIONS["debug"][1](),
+            offline: bool = GLOBAL_OPTIONS["offline"][1](),
+            no_progress: bool = GLOBAL_OPTIONS["no_progress"][1](),
             version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                          help="Print the version and exit.")) -> None:
-    state.store_location = store
-    state.json = state.json or json_out
-    state.debug = state.debug or debug
-    state.offline = state.offline or offline
+    for name, value in (("store", store), ("json", json_out), ("debug", debug), ("offline", offline),
+                        ("no_progress", no_progress)):
+        apply_global(name, value)
 
 
 def _register_all() -> None:
@@ -60,6 +59,9 @@ def _register_all() -> None:
             ep.load()(app)
         except Exception as e:  # a broken plugin must not take `ls`/`verify` down with it
             _plugin_errors.append(f"command plugin {ep.value} failed to load: {type(e).__name__}: {e}")
+    # Global options work after any command name too (docs/cli.md), plugins' commands included.
+    for info in app.registered_commands:
+        info.callback = with_global_options(info.callback)
 
 
 _plugin_errors: list[str] = []
@@ -68,36 +70,42 @@ _INTERRUPTED = "interrupted: committed artifacts are kept; run the same command 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # --json/--debug are accepted anywhere on the line (scripts put them last).
+    state.__dict__.update(GlobalState().__dict__)  # main() may run several times in one process
+    # Known before parsing, so that a usage error is JSON too and a crash in parsing shows its
+    # traceback; the parser then takes these flags wherever they stand.
     for flag in ("--json", "--debug"):
-        if flag in argv and argv.index(flag) > 0:
+        if flag in argv:
             setattr(state, flag[2:], True)
-    if os.environ.get("DFCACHE_DEBUG"):
+    from ..config import debug_from_env
+
+    if debug_from_env():
         state.debug = True
     try:
         _register_all()
         if _plugin_errors and any(a in ("run", "plan") for a in argv):
             for line in _plugin_errors:
                 err(f"error: {line}")
-            return EXIT_INTERNAL
+            return _json_error(" ".join(_plugin_errors), EXIT_INTERNAL, "PluginError")
         rv = app(args=argv, prog_name="dfcache", standalone_mode=False)
         if isinstance(rv, int) and not isinstance(rv, bool):
             # typer turns Ctrl-C (KeyboardInterrupt) into Exit(130) and, outside standalone mode,
             # returns the code instead of raising: without this a Ctrl-C'ed run exited 0, silently.
             if rv == 130:
                 err(_INTERRUPTED)
+                return _json_error(_INTERRUPTED, 130, "KeyboardInterrupt")
             return rv
         return 0
     except DfcacheError as e:
         if state.debug:
             raise
         err(f"error: {e}")
-        return e.exit_code
+        extra = {"missing": e.missing} if getattr(e, "missing", None) else {}
+        return _json_error(str(e), e.exit_code, type(e).__name__, **extra)
     except KeyboardInterrupt:
         if state.debug:
             raise
         err(_INTERRUPTED)
-        return 130
+        return _json_error(_INTERRUPTED, 130, "KeyboardInterrupt")
     except typer.Exit as e:
         return e.exit_code
     except SystemExit as e:
@@ -105,17 +113,26 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # click usage errors and the unexpected
         if _is_click_error(e, "Abort"):
             err("aborted.")
-            return 130
+            return _json_error("aborted.", 130, "Abort")
         if _is_click_error(e, "ClickException"):
             if state.debug:
                 raise
             e.show()
-            return getattr(e, "exit_code", EXIT_USAGE) or EXIT_USAGE
+            code = getattr(e, "exit_code", EXIT_USAGE) or EXIT_USAGE
+            return _json_error(e.format_message(), code, "UsageError")
         if state.debug:
             raise
-        err(f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and "
-            "report it)")
-        return EXIT_INTERNAL
+        message = (f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and "
+                   "report it)")
+        err(message)
+        return _json_error(message, EXIT_INTERNAL, "InternalError")
+
+
+def _json_error(message: str, code: int, kind: str, **extra) -> int:
+    """Under --json, the error as one JSON object on stdout too (stderr keeps the human line)."""
+    if state.json:
+        emit_json({"error": message, "exit_code": code, "type": kind, **extra})
+    return code
 
 
 def _is_click_error(e: Exception, name: str) -> bool:

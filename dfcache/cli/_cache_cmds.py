@@ -8,12 +8,9 @@ from typing import List, Optional
 import typer
 
 from ..errors import IntegrityError, UsageError
-from ..maintenance import backend_summary, gc_plan, input_summary, manifest_row
-from ._common import emit_json, get_store, human_bytes, state
-
-
-def _json_flag(local: bool) -> bool:
-    return local or state.json
+from ..maintenance import backend_summary, gc_plan, input_summary, manifest_row, missing_upstream, where_scope
+from ..query import filter_manifests
+from ._common import check_kernel, check_stage, emit_json, get_store, human_bytes, progress_enabled, state
 
 
 def register(app: typer.Typer) -> None:
@@ -22,7 +19,7 @@ def register(app: typer.Typer) -> None:
            backend: Optional[str] = typer.Option(None, "--backend", help="Only hidden states of this kernel family (fla|torch)."),
            remote: Optional[str] = typer.Option(None, "--remote", help="List a remote store instead (URL or configured name)."),
            endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
-           json_out: bool = typer.Option(False, "--json", help="Print a JSON list.")) -> None:
+           where: Optional[List[str]] = typer.Option(None, "--where", help="Provenance condition, e.g. 'fla<0.7', 'gpu~H100' (repeatable; all must hold).")) -> None:
         """List artifacts: key, stage, size, created, backend, inputs."""
         errors: list = []
         if remote:
@@ -31,12 +28,17 @@ def register(app: typer.Typer) -> None:
             store = open_remote(remote, endpoint_url=endpoint_url, offline=state.offline or None, create=False)
         else:
             store = get_store()
-        manifests = store.list_manifests(stage=stage, errors=errors)
+        everything = store.list_manifests(errors=errors)
+        stage = check_stage(stage, lambda: everything)
+        backend = check_kernel(backend, everything)
+        manifests = [m for m in everything if stage is None or m.stage == stage]
         if backend:
             manifests = [m for m in manifests if (m.backend or {}).get("kernel") == backend]
+        if where:
+            manifests = filter_manifests(manifests, where)
         manifests.sort(key=lambda m: (m.created, m.key))
         rows = [manifest_row(m) for m in manifests]
-        if _json_flag(json_out):
+        if state.json:
             emit_json(rows)
             return
         if not rows:
@@ -53,8 +55,7 @@ def register(app: typer.Typer) -> None:
                   "`dfcache verify` to see them.")
 
     @app.command("show")
-    def show(key: str = typer.Argument(..., help="A key or unique key prefix."),
-             json_out: bool = typer.Option(False, "--json")) -> None:
+    def show(key: str = typer.Argument(..., help="A key or unique key prefix.")) -> None:
         """Show one artifact's manifest and its upstream chain."""
         store = get_store()
         full = store.resolve(key)
@@ -74,8 +75,8 @@ def register(app: typer.Typer) -> None:
                 stack.extend((u, depth + 1) for u in um.upstream_keys)
             else:
                 chain.append({"key": k, "stage": None, "depth": depth, "present": False, "summary": ""})
-        if _json_flag(json_out):
-            emit_json({**m.to_dict(), "upstream_chain": chain})
+        if state.json:
+            emit_json({**m.to_dict(), "backend": m.backend, "upstream_chain": chain})
             return
         print(f"key:          {m.key}")
         print(f"stage:        {m.stage} (version {m.stage_version})")
@@ -105,18 +106,23 @@ def register(app: typer.Typer) -> None:
             print(f"  {'  ' * (c['depth'] - 1)}{c['key'][:12]} {c['stage'] or '?'}{mark}")
 
     @app.command("verify")
-    def verify(keys: Optional[List[str]] = typer.Argument(None, help="Keys or prefixes (default: all)."),
-               json_out: bool = typer.Option(False, "--json")) -> None:
+    def verify(keys: Optional[List[str]] = typer.Argument(None, help="Keys or prefixes (default: all).")) -> None:
         """Re-hash artifacts against their manifests; exit 5 if any is corrupt or incomplete."""
         store = get_store()
         errors: list = []
+        everything = store.list_manifests(errors=errors)
         if keys:
             targets = [store.resolve(k) for k in keys]
         else:
-            targets = [m.key for m in store.list_manifests(errors=errors)]
+            targets = [m.key for m in everything]
         bad = {k: [msg] for k, msg in errors}
+        # A missing upstream artifact is a broken chain, not corrupt data: the dependent's own
+        # bytes are fine, and a store may hold an artifact without its inputs on purpose (pulled
+        # with --no-upstream, or a run that pulled only the eval it needed). Reported, exit 0.
+        wanted = set(targets)
+        broken = [(m, u) for m, u in missing_upstream(store, everything) if m.key in wanted]
         progress = None
-        if not _json_flag(json_out) and len(targets) > 20:
+        if progress_enabled() and len(targets) > 20:  # a bar on a terminal only, never into a pipe
             from tqdm.auto import tqdm
 
             progress = tqdm(total=len(targets), desc="verifying", unit="artifact", leave=False)
@@ -128,13 +134,18 @@ def register(app: typer.Typer) -> None:
                 progress.update(1)
         if progress:
             progress.close()
-        if _json_flag(json_out):
+        if state.json:
             emit_json({"checked": len(targets) + len(errors),
-                       "bad": [{"key": k, "problems": p} for k, p in bad.items()]})
+                       "bad": [{"key": k, "problems": p} for k, p in bad.items()],
+                       "missing_upstream": [{"key": m.key, "stage": m.stage, "upstream": u} for m, u in broken]})
         else:
             for k, problems in bad.items():
                 print(f"BAD {k}: " + "; ".join(problems))
-            print(f"{len(targets) + len(errors)} artifact(s) checked, {len(bad)} bad")
+            for m, u in broken:
+                print(f"BROKEN CHAIN {m.key} ({m.stage}): upstream {u} is not in this store; recompute it "
+                      "(run the command that made it) or pull it.")
+            print(f"{len(targets) + len(errors)} artifact(s) checked, {len(bad)} bad"
+                  + (f", {len(broken)} missing upstream artifact(s)" if broken else ""))
         if bad:
             names = ", ".join(k[:12] for k in list(bad)[:5]) + (", ..." if len(bad) > 5 else "")
             one = next(iter(bad))[:12]
@@ -150,21 +161,27 @@ def register(app: typer.Typer) -> None:
            older_than: Optional[float] = typer.Option(None, "--older-than", help="Artifacts created more than DAYS ago."),
            key: Optional[List[str]] = typer.Option(None, "--key", help="These artifacts (keys or prefixes)."),
            bad: bool = typer.Option(False, "--bad", help="Artifacts that fail verification."),
+           where: Optional[List[str]] = typer.Option(None, "--where", help="Artifacts whose provenance matches, e.g. 'fla<0.7' (repeatable; with --stage/--older-than all must hold)."),
            grace: float = typer.Option(60.0, "--grace", help="Keep temporaries younger than this many seconds."),
            duplicates: bool = typer.Option(False, "--duplicates", help="Segments whose every sample is also in another segment (part of the default scope)."),
-           force: bool = typer.Option(False, "--force", help="Remove artifacts even if others depend on them."),
-           json_out: bool = typer.Option(False, "--json")) -> None:
+           force: bool = typer.Option(False, "--force", help="Remove artifacts even if others depend on them "
+                                                            "(`verify` then reports the broken chains).")) -> None:
         """Remove stale temporaries and, with a scope, artifacts. Needs --dry-run or --yes."""
         if dry_run == yes:
             raise UsageError("gc needs exactly one of --dry-run (show what would go) or --yes (remove it).")
         store = get_store()
-        default_scope = not (stage or older_than is not None or key or bad or duplicates)
+        stage = check_stage(stage, store.list_manifests)
+        keys = [store.resolve(k) for k in (key or [])]
+        default_scope = not (stage or older_than is not None or key or bad or duplicates or where)
+        if where:
+            # --where narrows --stage/--older-than instead of adding to them.
+            keys += [m.key for m in where_scope(store, where, stage, older_than)]
+            stage, older_than = None, None
         plan = gc_plan(store, tmp=tmp or default_scope,
-                       stage=stage, older_than_days=older_than,
-                       keys=[store.resolve(k) for k in (key or [])], bad=bad, grace_s=grace,
+                       stage=stage, older_than_days=older_than, keys=keys, bad=bad, grace_s=grace,
                        duplicates=duplicates or default_scope, force=force)
         removed = plan.execute(store, grace_s=grace) if yes else []
-        if _json_flag(json_out):
+        if state.json:
             emit_json({"dry_run": dry_run, "items": [i.__dict__ for i in plan.items],
                        "bytes": plan.total_bytes, "removed": removed})
             return

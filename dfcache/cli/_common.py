@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
+
+import typer
 
 from ..maintenance import human_bytes  # noqa: F401  (re-exported for the commands)
 
@@ -15,9 +20,71 @@ class GlobalState:
     json: bool = False
     debug: bool = False
     offline: bool = False
+    no_progress: bool = False
+    # Global options given on this command line (wherever they stood), as {option: value}; `run`
+    # rebuilds fix messages ("produce it with: dfcache ...") from them.
+    given: dict = field(default_factory=dict)
+    # Values `ls --stage` and `ls --backend` accept beyond what the store holds, registered by
+    # command plugins (dfcache itself knows no stage names).
+    known_stages: set = field(default_factory=set)
+    known_kernels: set = field(default_factory=set)
 
 
 state = GlobalState()
+
+
+# The global options: accepted before the command (`dfcache --store S ls`) and after it
+# (`dfcache ls --store S`), on every command. Declared once here; the app callback and
+# :func:`with_global_options` both use this table.
+GLOBAL_OPTIONS = {
+    "store": (Optional[str], lambda: typer.Option(None, "--store", help="Store path or URL (else $DFCACHE_STORE, else ./store).")),
+    "json": (bool, lambda: typer.Option(False, "--json", help="Machine-readable output on stdout (errors too).")),
+    "debug": (bool, lambda: typer.Option(False, "--debug", help="Show tracebacks.")),
+    "offline": (bool, lambda: typer.Option(False, "--offline", help="Never touch the network (--offline or DFCACHE_OFFLINE=1).")),
+    "no_progress": (bool, lambda: typer.Option(False, "--no-progress", help="No progress bars and no library progress output.")),
+}
+_PREFIX = "_global_"
+
+
+def apply_global(name: str, value) -> None:
+    """Record one global option's value (the later of two places wins for --store)."""
+    if name == "store":
+        if value is not None:
+            state.store_location = value
+            state.given["--store"] = value
+    elif value:
+        setattr(state, name, True)
+        state.given["--" + name.replace("_", "-")] = True
+
+
+def with_global_options(func):
+    """``func`` with every global option it does not declare added as a keyword option."""
+    sig = inspect.signature(func, eval_str=True)
+    if any(p.name.startswith(_PREFIX) for p in sig.parameters.values()):
+        return func  # already wrapped
+    # A plugin command that declares one of them itself keeps its own (two --json options would
+    # clash in the parser); main() has read --json and --debug from the whole line already.
+    declared = {d for p in sig.parameters.values() for d in (getattr(p.default, "param_decls", None) or ())}
+    extra = [inspect.Parameter(_PREFIX + name, inspect.Parameter.KEYWORD_ONLY, default=make(), annotation=ann)
+             for name, (ann, make) in GLOBAL_OPTIONS.items()
+             if "--" + name.replace("_", "-") not in declared]
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        for name in GLOBAL_OPTIONS:
+            apply_global(name, kwargs.pop(_PREFIX + name, None))
+        return func(*args, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=[*sig.parameters.values(), *extra])
+    wrapper.__annotations__ = {**{p.name: p.annotation for p in sig.parameters.values()},
+                               **{p.name: p.annotation for p in extra}}
+    return wrapper
+
+
+def progress_enabled(stream=None) -> bool:
+    """Progress bars only on a terminal, and never with --no-progress or --json."""
+    stream = stream or sys.stderr
+    return not (state.no_progress or state.json) and stream.isatty()
 
 
 def get_store(create: bool = True):
@@ -36,3 +103,36 @@ def emit_json(obj) -> None:
 def err(message: str) -> None:
     sys.stderr.write(message.rstrip() + "\n")
     sys.stderr.flush()
+
+
+def check_stage(stage: str | None, manifests_of) -> str | None:
+    """``--stage`` as the store spells it: ``hidden-states`` (as `run` spells its targets) is
+    ``hidden_states``. A stage that no command plugin defines and no artifact has can never match:
+    that is a usage error listing the valid names. ``manifests_of()`` gives the store's manifests
+    (called only when the name is not a known stage)."""
+    from ..errors import UsageError
+
+    if stage is None:
+        return None
+    name = stage.strip().replace("-", "_")
+    if name in state.known_stages:
+        return name
+    present = {m.stage for m in manifests_of()}
+    if name in present:
+        return name
+    choices = ", ".join(sorted(state.known_stages | present)) or "none (the store is empty)"
+    raise UsageError(f"--stage {stage!r} is not a stage; choose one of {choices}.")
+
+
+def check_kernel(kernel: str | None, manifests) -> str | None:
+    """``ls --backend``: a kernel family (the first part of the BACKEND column)."""
+    from ..errors import UsageError
+
+    if kernel is None:
+        return None
+    present = {str(m.backend.get("kernel")) for m in manifests if m.backend}
+    if kernel in state.known_kernels | present:
+        return kernel
+    choices = ", ".join(sorted(state.known_kernels | present)) or "none (no artifact has a backend)"
+    raise UsageError(f"--backend {kernel!r} is not a kernel family; choose one of {choices} (the device "
+                     "and dtype follow it in the BACKEND column of `dfcache ls`).")

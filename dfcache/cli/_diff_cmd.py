@@ -13,8 +13,7 @@ def register(app: typer.Typer) -> None:
     @app.command("diff")
     def diff(key_a: str = typer.Argument(..., help="Reference artifact: a key or unique key prefix."),
              key_b: str = typer.Argument(..., help="Artifact compared with it: a key or unique key prefix."),
-             array: Optional[List[str]] = typer.Option(None, "--array", help="Only this array (repeatable); default: every array both hold."),
-             json_out: bool = typer.Option(False, "--json", help="Print a JSON object.")) -> None:
+             array: Optional[List[str]] = typer.Option(None, "--array", help="Only this array (repeatable); default: every array both hold.")) -> None:
         """Compare two artifacts' arrays: relative L2 error, max |diff|, per-row cosine, equal share.
 
         For hidden states, diff the same layer of two backends (e.g. fla on GPU against the torch
@@ -25,7 +24,7 @@ def register(app: typer.Typer) -> None:
         store = get_store(create=False)
         a, b = store.resolve(key_a), store.resolve(key_b)
         report = diff_artifacts(store, a, b, arrays=list(array) if array else None)
-        if json_out or state.json:
+        if state.json:
             emit_json(report.to_dict())
         else:
             print(format_report(report))

@@ -7,13 +7,13 @@ from typing import List, Optional
 
 import typer
 
-from ._common import emit_json, err, get_store, human_bytes, state
+from ._common import check_stage, emit_json, err, get_store, human_bytes, progress_enabled, state
 
 
-def _offline(flag: bool = False) -> bool:
+def _offline() -> bool:
     from ..config import offline_from_env
 
-    return flag or state.offline or offline_from_env()
+    return state.offline or offline_from_env()
 
 
 def _remote(url: str, endpoint_url: Optional[str], *, create: bool, offline: bool):
@@ -22,8 +22,8 @@ def _remote(url: str, endpoint_url: Optional[str], *, create: bool, offline: boo
     return open_remote(url, endpoint_url=endpoint_url, offline=offline, create=create)
 
 
-def _report(result, json_out: bool) -> None:
-    if json_out or state.json:
+def _report(result) -> None:
+    if state.json:
         emit_json(result.to_dict())
         return
     for key in result.missing_upstream:
@@ -37,56 +37,51 @@ _STAGE = typer.Option(None, "--stage", help="Every artifact of this stage (or, w
 _ENDPOINT = typer.Option(None, "--endpoint-url", help="S3 endpoint (else the remote's config, else AWS_ENDPOINT_URL).")
 _JOBS = typer.Option(8, "--jobs", "-j", min=1, help="Files transferred in parallel.")
 _NO_UP = typer.Option(False, "--no-upstream", help="Only the named artifacts, not their upstream chains.")
-_JSON = typer.Option(False, "--json", help="Print the result as JSON.")
-_OFFLINE = typer.Option(False, "--offline", help="Refuse remotes that need the network (file:// still works).")
 
 
 def register(app: typer.Typer) -> None:
     @app.command("push")
     def push(url: str = typer.Argument(..., help="Remote URL (s3://bucket/prefix, file:///path) or configured name."),
              keys: Optional[List[str]] = _KEYS, all_: bool = _ALL, stage: Optional[str] = _STAGE,
-             endpoint_url: Optional[str] = _ENDPOINT, jobs: int = _JOBS, no_upstream: bool = _NO_UP,
-             json_out: bool = _JSON, offline: bool = _OFFLINE) -> None:
+             endpoint_url: Optional[str] = _ENDPOINT, jobs: int = _JOBS, no_upstream: bool = _NO_UP) -> None:
         """Copy artifacts (and their upstream chains) the remote lacks; local data is verified first."""
         from ..transfer import push_keys, select_keys
 
-        offline = _offline(offline)
+        offline = _offline()
         local = get_store(create=False)
-        chosen = select_keys(local, keys or [], all_keys=all_, stage=stage)
+        chosen = select_keys(local, keys or [], all_keys=all_, stage=check_stage(stage, local.list_manifests))
         remote = _remote(url, endpoint_url, create=True, offline=offline)
         result = push_keys(local, remote, chosen, with_upstream=not no_upstream,
-                           progress=not (json_out or state.json), jobs=jobs, offline=offline)
-        _report(result, json_out)
+                           progress=progress_enabled(), jobs=jobs, offline=offline)
+        _report(result)
 
     @app.command("pull")
     def pull(url: str = typer.Argument(..., help="Remote URL (s3://bucket/prefix, file:///path) or configured name."),
              keys: Optional[List[str]] = _KEYS, all_: bool = _ALL, stage: Optional[str] = _STAGE,
-             endpoint_url: Optional[str] = _ENDPOINT, jobs: int = _JOBS, no_upstream: bool = _NO_UP,
-             json_out: bool = _JSON, offline: bool = _OFFLINE) -> None:
+             endpoint_url: Optional[str] = _ENDPOINT, jobs: int = _JOBS, no_upstream: bool = _NO_UP) -> None:
         """Fetch artifacts (and their upstream chains) the local store lacks; each is verified
         against its manifest before it is committed."""
         from ..transfer import pull_keys, select_keys
 
-        offline = _offline(offline)
+        offline = _offline()
         remote = _remote(url, endpoint_url, create=False, offline=offline)
-        chosen = select_keys(remote, keys or [], all_keys=all_, stage=stage)
+        chosen = select_keys(remote, keys or [], all_keys=all_, stage=check_stage(stage, remote.list_manifests))
         local = get_store(create=True)
         result = pull_keys(remote, local, chosen, with_upstream=not no_upstream,
-                           progress=not (json_out or state.json), jobs=jobs, offline=offline)
-        _report(result, json_out)
+                           progress=progress_enabled(), jobs=jobs, offline=offline)
+        _report(result)
 
     @app.command("status")
     def status(url: str = typer.Argument(..., help="Remote URL or configured name."),
-               endpoint_url: Optional[str] = _ENDPOINT, json_out: bool = _JSON,
-               offline: bool = _OFFLINE) -> None:
+               endpoint_url: Optional[str] = _ENDPOINT) -> None:
         """Which artifacts are only local, only in the remote, or in both."""
         from ..transfer import compare
 
-        offline = _offline(offline)
+        offline = _offline()
         remote = _remote(url, endpoint_url, create=False, offline=offline)
         local = get_store(create=False)
         cmp = compare(local, remote, offline=offline)
-        if json_out or state.json:
+        if state.json:
             emit_json(cmp.to_dict())
             return
         for title, ms in (("only local", cmp.only_local), ("only remote", cmp.only_remote)):

@@ -1,9 +1,24 @@
-"""The small interface every store backend implements (local directory, object store).
+"""The small interface every store backend implements, with its capabilities declared.
 
 A backend moves bytes; it knows artifacts only as a key and relative file names inside them
-(``manifest.json``, ``zarr.json``, ``<array>/zarr.json``, ``<array>/c/<i>/0``,
-``blobs/<name>.json``). Everything about arrays, digests and manifests lives in ``_store.py``,
-so both backends share it and pass the same conformance suite.
+(the names in :mod:`dfcache.store.format`). Everything about arrays, digests and manifests lives
+in ``format.py`` and ``_store.py``, so every backend shares it and passes the same conformance
+suite (:mod:`dfcache.testing.store_conformance`).
+
+Backends, one private module each: ``_local.py`` (a directory), ``_file_remote.py`` (a
+``file://`` directory read without following symlinks), ``_s3.py`` (``s3://``, with the write
+lease in ``_s3_lease.py``). ``_open.py`` picks one per URL scheme.
+
+Capabilities are class attributes and methods here, never probed with ``getattr``:
+
+- ``needs_network``: every operation talks to a server, so offline mode refuses it
+  (:meth:`Backend.check_offline`, the one place that refusal is made for stores).
+- ``local_root``: the store is a directory on this machine (a fast read path, and a place for
+  files materialized from artifacts); None for object stores.
+- :meth:`Backend.read_file_limited`: a bounded read, so an untrusted copy can never make a reader
+  download more than the manifest allows.
+- :meth:`Backend.local_file_path`: a committed file's path for zero-copy reads, or None.
+- :meth:`Backend.for_untrusted_reads`: the same store read as someone else's (no symlinks).
 """
 
 from __future__ import annotations
@@ -11,8 +26,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
-MANIFEST = "manifest.json"
+from ..errors import IntegrityError, OfflineModeIsEnabled
 
 
 @dataclass
@@ -63,7 +79,22 @@ class Staging(ABC):
 
 class Backend(ABC):
     url: str
-    is_local: bool = False
+    needs_network: bool = False
+    local_root: Path | None = None
+
+    @property
+    def is_local(self) -> bool:
+        return self.local_root is not None
+
+    def check_offline(self, offline: bool | None = None) -> None:
+        """Refuse, before any socket is opened, a backend that needs the network while offline
+        (``offline``, else ``DFCACHE_OFFLINE``/``HF_HUB_OFFLINE``)."""
+        if not self.needs_network:
+            return
+        from ..config import offline_from_env
+
+        if offline_from_env() if offline is None else offline:
+            raise offline_refusal(self.url)
 
     @abstractmethod
     def read_manifest(self, key: str) -> bytes | None: ...
@@ -75,6 +106,14 @@ class Backend(ABC):
     @abstractmethod
     def read_file(self, key: str, relpath: str) -> bytes:
         """Read a committed artifact's file; raise FileNotFoundError if it is missing."""
+
+    def read_file_limited(self, key: str, relpath: str, limit: int) -> bytes:
+        """Like :meth:`read_file`, but never reads more than ``limit`` bytes: IntegrityError (no
+        fix; the caller knows it) if the file is larger. Backends override this to stop early."""
+        data = self.read_file(key, relpath)
+        if len(data) > limit:
+            raise too_large(self.url, key, relpath, limit)
+        return data
 
     @abstractmethod
     def list_files(self, key: str) -> dict[str, int]:
@@ -93,6 +132,21 @@ class Backend(ABC):
     def remove_temporary(self, name: str, grace_s: float = 60.0) -> bool:
         """Remove a leftover if no live process holds it; True if removed."""
 
-    def local_file_path(self, key: str, relpath: str):
+    def local_file_path(self, key: str, relpath: str) -> Path | None:
         """Path of a committed file on a local filesystem, or None (fast read path)."""
         return None
+
+    def for_untrusted_reads(self) -> "Backend":
+        """This store, read as someone else's (a pull source): no symlink is ever followed."""
+        return self
+
+
+def too_large(url: str, key: str, relpath: str, limit: int) -> IntegrityError:
+    return IntegrityError(f"{relpath} of artifact {key} in {url} is larger than its manifest allows "
+                          f"({limit} bytes).", key=key)
+
+
+def offline_refusal(url: str) -> OfflineModeIsEnabled:
+    """The one error for a store that needs the network while offline (no socket was opened)."""
+    return OfflineModeIsEnabled(f"cannot reach {url}: offline mode is on (--offline, DFCACHE_OFFLINE or "
+                                "HF_HUB_OFFLINE).", url=url, fix="Use a file:// remote or turn offline mode off.")

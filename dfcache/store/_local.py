@@ -31,9 +31,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import IntegrityError, StoreWriteError, UsageError
-from ._backend import MANIFEST, Backend, Staging, Temporary
-
-STORE_MARKER = "dfcache-store.json"
+from ._backend import Backend, Staging, Temporary, too_large
+from .format import FORMAT_VERSION, MANIFEST, STORE_MARKER, store_marker_bytes
 
 
 def _fsync_dir(path: Path) -> None:
@@ -252,12 +251,16 @@ class _LocalStaging(Staging):
 
 
 class LocalBackend(Backend):
-    is_local = True
+    """A store directory of this user's: reads follow the fast path (``local_file_path``)."""
 
     def __init__(self, root: str | os.PathLike, create: bool = True) -> None:
         self.root = Path(root).expanduser().absolute()
+        self.local_root = self.root
         self.url = str(self.root)
         marker = self.root / STORE_MARKER
+        if self.root.exists() and not self.root.is_dir():
+            raise UsageError(f"store {self.root} is a file, not a directory; pass a store directory (or a "
+                             "path that does not exist yet) with --store or DFCACHE_STORE.")
         if not marker.exists():
             if self.root.exists() and any(p.name not in {"README.md", ".gitignore", ".gitkeep"}
                                           for p in self.root.iterdir()):
@@ -269,7 +272,7 @@ class LocalBackend(Backend):
                 for sub in ("artifacts", "staging", "locks"):
                     (self.root / sub).mkdir(parents=True, exist_ok=True)
                 tmp = marker.with_name(f"{STORE_MARKER}.{uuid.uuid4().hex}.tmp")
-                tmp.write_text(json.dumps({"format_version": 1, "kind": "dfcache-store"}) + "\n")
+                tmp.write_bytes(store_marker_bytes())
                 os.replace(tmp, marker)
             except OSError as e:
                 raise UsageError(f"cannot create a store at {self.root}: {e.strerror}; pass a "
@@ -280,9 +283,9 @@ class LocalBackend(Backend):
             except (OSError, ValueError):
                 raise IntegrityError(f"{marker} is unreadable; the store is damaged. Restore the file "
                                      '(content {"format_version": 1}) or use another store.') from None
-            if info.get("format_version") != 1:
+            if info.get("format_version") != FORMAT_VERSION:
                 raise UsageError(f"store {self.root} has format {info.get('format_version')}; this "
-                                 "dfcache reads format 1. Upgrade dfcache or use another store.")
+                                 f"dfcache reads format {FORMAT_VERSION}. Upgrade dfcache or use another store.")
 
     def _artifact_dir(self, key: str) -> Path:
         return self.root / "artifacts" / key[:2] / key
@@ -329,8 +332,19 @@ class LocalBackend(Backend):
         with open(self._artifact_dir(key) / relpath, "rb") as f:
             return f.read()
 
+    def read_file_limited(self, key: str, relpath: str, limit: int) -> bytes:
+        with open(self._artifact_dir(key) / relpath, "rb") as f:
+            if os.fstat(f.fileno()).st_size > limit:
+                raise too_large(self.url, key, relpath, limit)
+            return f.read()
+
     def local_file_path(self, key: str, relpath: str) -> Path:
         return self._artifact_dir(key) / relpath
+
+    def for_untrusted_reads(self) -> Backend:
+        from ._file_remote import FileRemoteBackend
+
+        return FileRemoteBackend(self.root, create=False)
 
     def list_files(self, key: str) -> dict[str, int]:
         base = self._artifact_dir(key)

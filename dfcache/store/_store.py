@@ -1,32 +1,22 @@
 """Artifacts: writing, committing, reading and verifying them, over any backend.
 
-An artifact is one zarr v3 group. Each array is chunked along its first axis only; chunk ``i``
-holds rows ``[i*chunk_rows, (i+1)*chunk_rows)`` and lives in the file ``<array>/c/<i>/0...``
-(zarr's default chunk key encoding). Chunks are encoded here, without going through zarr's
-per-call codec pipeline (which runs at about a third of disk speed, see
-shared/reference/storage-probe.md), with exactly the codecs zarr.json declares: ``bytes``
-(little endian), optionally ``zstd``, then ``crc32c``. Any zarr v3 reader opens the result; the
-tests check that zarr reads back what we wrote.
-
-Digests: each chunk's digest is xxh3-128 over its logical rows (no padding) in the storage
-dtype; an array's digest is xxh3-128 over its chunk digests joined by ``,``. Chunk digests let
-a streaming writer resume and let ``verify`` name the bad chunk.
+What the files are (names, encodings, digests, checks) is :mod:`dfcache.store.format`; this
+module is the API on top of it: :class:`Store`, :class:`ArtifactWriter`, :class:`Artifact`.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
-import functools
 import json
 import os
+import re
 import socket
 import threading
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
-import google_crc32c
 import numpy as np
-import xxhash
 
 from .. import __version__
 from ..errors import (AmbiguousKeyError, ArtifactNotFoundError, IntegrityError, UntrustedManifestError,
@@ -34,126 +24,17 @@ from ..errors import (AmbiguousKeyError, ArtifactNotFoundError, IntegrityError, 
 from ..keys import KEY_PATTERN
 from ..manifest import (CODECS, NAME_PATTERN, STORAGE_DTYPE, ArraySpec, BlobSpec, Manifest,
                         validate_manifest)
+from . import format as fmt
 from ._backend import Backend, Staging
+from .format import PROGRESS, default_chunk_rows  # noqa: F401  (default_chunk_rows: public via dfcache.store)
 
-TARGET_CHUNK_BYTES = 1 << 20  # 128 tokens at 4096 x bf16: little over-read at sample edges
-ZSTD_LEVEL = 1
-PROGRESS = "progress.json"
-
-
-def _logical_dtype_of(arr: np.ndarray) -> str:
-    if arr.dtype.name == "bfloat16":
-        return "bfloat16"
-    name = arr.dtype.name
-    if name not in STORAGE_DTYPE:
-        raise UsageError(f"dtype {name} cannot be stored; use one of {', '.join(STORAGE_DTYPE)}.")
-    return name
-
-
-def _np_logical_dtype(dtype: str) -> np.dtype:
-    if dtype == "bfloat16":
-        import ml_dtypes
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(dtype)
-
-
-def default_chunk_rows(shape: tuple[int, ...], dtype: str) -> int:
-    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(STORAGE_DTYPE[dtype]).itemsize
-    rows = max(1, TARGET_CHUNK_BYTES // max(1, row_bytes))
-    rows = 1 << (rows.bit_length() - 1)  # a power of two keeps block reads aligned
-    return int(min(max(rows, 16), 1 << 20))
-
-
-def chunk_relpath(name: str, index: int, ndim: int) -> str:
-    return f"{name}/c/{index}" + "/0" * (ndim - 1)
-
-
-@functools.lru_cache(maxsize=256)
-def _array_zarr_json(shape: tuple, storage_dtype: str, chunk_rows: int, codec: str, dtype: str) -> bytes:
-    """zarr.json of an array, produced by zarr itself so the metadata is always what zarr reads."""
-    import zarr
-    from zarr.codecs import Crc32cCodec, ZstdCodec
-    from zarr.storage import MemoryStore
-
-    compressors: list = [ZstdCodec(level=ZSTD_LEVEL)] if codec == "zstd" else []
-    compressors.append(Crc32cCodec())
-    store = MemoryStore()
-    zarr.create_array(store=store, name="a", shape=shape, dtype=storage_dtype,
-                      chunks=(chunk_rows,) + tuple(shape[1:]) if shape else (1,),
-                      compressors=compressors, filters=None, fill_value=0,
-                      attributes={"dfcache_dtype": dtype})
-    buf = store._store_dict["a/zarr.json"]
-    return buf.to_bytes()
-
-
-def _group_zarr_json(key: str, stage: str) -> bytes:
-    return json.dumps({"zarr_format": 3, "node_type": "group",
-                       "attributes": {"dfcache": {"key": key, "stage": stage}}}, indent=1).encode()
-
-
-def _chunk_digest(rows: np.ndarray) -> str:
-    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(rows).view(np.uint8).reshape(-1))
-
-
-def _array_digest(chunk_digests: list[str]) -> str:
-    return xxhash.xxh3_128_hexdigest(",".join(chunk_digests).encode())
-
-
-def _encode_chunk(full: np.ndarray, codec: str) -> list:
-    raw = np.ascontiguousarray(full).view(np.uint8).reshape(-1)
-    if codec == "zstd":
-        import numcodecs
-
-        raw = np.frombuffer(numcodecs.Zstd(level=ZSTD_LEVEL).encode(raw), dtype=np.uint8)
-    crc = google_crc32c.extend(0, raw).to_bytes(4, "little")
-    return [raw, crc]
-
-
-def _decode_chunk(data: bytes, codec: str, shape: tuple, storage_dtype: str, where: str,
-                  key: str | None) -> np.ndarray:
-    if len(data) < 4:
-        raise IntegrityError(f"{where} is truncated ({len(data)} bytes).", key=key)
-    body = np.frombuffer(data, dtype=np.uint8)[:-4]
-    if google_crc32c.extend(0, body) != int.from_bytes(data[-4:], "little"):
-        raise IntegrityError(f"{where} fails its crc32c checksum (corrupt or truncated).", key=key)
-    if codec == "zstd":
-        import numcodecs
-
-        try:
-            body = np.frombuffer(numcodecs.Zstd().decode(body), dtype=np.uint8)
-        except Exception:
-            raise IntegrityError(f"{where} does not decompress.", key=key) from None
-    dt = np.dtype(storage_dtype).newbyteorder("<")
-    expect = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-    if body.nbytes != expect:
-        raise IntegrityError(f"{where} holds {body.nbytes} bytes, expected {expect}.", key=key)
-    return np.frombuffer(body, dtype=dt).reshape(shape)
+MAPPED_CHUNKS = 512  # mapped chunks kept per store: address space only, the page cache holds the data
 
 
 def repair_hint(key: str) -> str:
-    """How to get past a corrupt or incomplete artifact: the end of every such message."""
+    """How to get past a corrupt or incomplete local artifact: the fix of every such error."""
     return (f"Delete it with `dfcache gc --key {key[:12]} --yes` and run again to recompute it, or pull "
             "it again.")
-
-
-def array_meta_problem(meta: Any, spec: ArraySpec) -> str | None:
-    """What is wrong with an array's zarr.json given its manifest entry (None if they agree).
-
-    A manifest edited by hand (a shape, a dtype) passes its own validation and the chunk
-    checksums; only this disagreement gives it away."""
-    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
-        return "zarr.json is not zarr v3 array metadata"
-    grid = ((meta.get("chunk_grid") or {}).get("configuration") or {}).get("chunk_shape")
-    if (meta.get("shape") != spec.shape or meta.get("data_type") != spec.storage_dtype
-            or not isinstance(grid, list) or not grid or grid[0] != spec.chunk_rows):
-        return (f"zarr.json says shape {meta.get('shape')} {meta.get('data_type')} in chunks of "
-                f"{grid[0] if isinstance(grid, list) and grid else '?'} rows, the manifest {spec.shape} "
-                f"{spec.storage_dtype} in chunks of {spec.chunk_rows}")
-    attrs = meta.get("attributes")
-    if isinstance(attrs, dict) and "dfcache_dtype" in attrs and attrs["dfcache_dtype"] != spec.dtype:
-        return f"zarr.json says dtype {attrs['dfcache_dtype']}, the manifest {spec.dtype}"
-    return None
 
 
 # ------------------------------------------------------------------------------------ writing
@@ -182,7 +63,7 @@ class ArrayWriter:
 
     def _as_storage(self, data: np.ndarray) -> np.ndarray:
         data = np.asarray(data)
-        got = _logical_dtype_of(data) if data.dtype.name != "uint16" else "uint16"
+        got = fmt.logical_dtype_of(data) if data.dtype.name != "uint16" else "uint16"
         if self.dtype == "bfloat16" and got in ("bfloat16", "uint16"):
             data = data.view(np.uint16)
         elif got != self.dtype:
@@ -214,7 +95,7 @@ class ArrayWriter:
 
     def _write_chunk(self, rows: np.ndarray) -> None:
         index = len(self.chunk_digests)
-        digest = _chunk_digest(rows)
+        digest = fmt.chunk_digest(rows)
         if len(rows) < self.chunk_rows:
             full = np.zeros((self.chunk_rows,) + self.row_shape, dtype=self.storage_dtype)
             full[: len(rows)] = rows
@@ -222,7 +103,7 @@ class ArrayWriter:
             full = rows
         if full.dtype.byteorder == ">":
             full = full.astype(full.dtype.newbyteorder("<"))
-        self.owner._put(chunk_relpath(self.name, index, 1 + len(self.row_shape)), _encode_chunk(full, self.codec))
+        self.owner._put(fmt.chunk_relpath(self.name, index, 1 + len(self.row_shape)), fmt.encode_chunk(full, self.codec))
         self.chunk_digests.append(digest)
 
     def finish(self) -> ArraySpec:
@@ -236,12 +117,12 @@ class ArrayWriter:
                 self._tail = self._tail[:0]
             self.closed = True
         shape = [self.total_rows] + list(self.row_shape)
-        self.owner._put(f"{self.name}/zarr.json",
-                        _array_zarr_json(tuple(shape), self.storage_dtype.name, self.chunk_rows,
+        self.owner._put(fmt.array_meta_relpath(self.name),
+                        fmt.array_zarr_json(tuple(shape), self.storage_dtype.name, self.chunk_rows,
                                          self.codec, self.dtype))
         nbytes = int(np.prod(shape, dtype=np.int64)) * self.storage_dtype.itemsize
         return ArraySpec(shape=shape, dtype=self.dtype, chunk_rows=self.chunk_rows,
-                         digest=_array_digest(self.chunk_digests), nbytes=nbytes, codec=self.codec,
+                         digest=fmt.array_digest(self.chunk_digests), nbytes=nbytes, codec=self.codec,
                          chunk_digests=list(self.chunk_digests))
 
     def state(self) -> dict:
@@ -251,7 +132,7 @@ class ArrayWriter:
                 # The tail file and progress.json are replaced one after the other; a crash between
                 # the two leaves a newer tail beside older progress, possibly of the same length.
                 # Its digest tells them apart (a mismatched tail is dropped, never appended to).
-                "tail_digest": _chunk_digest(self._tail) if len(self._tail) else None}
+                "tail_digest": fmt.chunk_digest(self._tail) if len(self._tail) else None}
 
 
 class ArtifactWriter:
@@ -358,7 +239,7 @@ class ArtifactWriter:
                 raw = self._staging.get(f"tails/{name}.bin")
                 if raw is not None:
                     tail = np.frombuffer(raw, dtype=aw.storage_dtype).reshape((-1,) + aw.row_shape)
-                    if len(tail) == prev["tail_rows"] and prev.get("tail_digest") == _chunk_digest(tail):
+                    if len(tail) == prev["tail_rows"] and prev.get("tail_digest") == fmt.chunk_digest(tail):
                         aw._tail = tail.copy()
         self._arrays[name] = aw
         return aw
@@ -369,7 +250,7 @@ class ArtifactWriter:
         data = np.asarray(data)
         if data.ndim == 0:
             data = data.reshape(1)
-        aw = self.create_array(name, data.shape, dtype or _logical_dtype_of(data), chunk_rows=chunk_rows,
+        aw = self.create_array(name, data.shape, dtype or fmt.logical_dtype_of(data), chunk_rows=chunk_rows,
                                codec=codec)
         if aw.rows_written == 0:
             aw.append(data)
@@ -379,8 +260,8 @@ class ArtifactWriter:
         if not NAME_PATTERN.match(name) or ".." in name:
             raise UsageError(f"blob name {name!r} is not allowed; use letters, digits, _ . -.")
         data = json.dumps(obj, sort_keys=True, ensure_ascii=False, allow_nan=False).encode()
-        self._put(f"blobs/{name}.json", data)
-        self._blobs[name] = BlobSpec(digest=xxhash.xxh3_128_hexdigest(data), nbytes=len(data))
+        self._put(fmt.blob_relpath(name), data)
+        self._blobs[name] = BlobSpec(digest=fmt.blob_digest(data), nbytes=len(data))
 
     def checkpoint(self, state: dict | None = None) -> None:
         """Persist progress so a later writer of the same key resumes from here (resumable only)."""
@@ -405,7 +286,7 @@ class ArtifactWriter:
         arrays = {}
         for name, aw in self._arrays.items():
             arrays[name] = aw.finish()
-        self._put("zarr.json", _group_zarr_json(self.key, self.stage))
+        self._put(fmt.GROUP_META, fmt.group_zarr_json(self.key, self.stage))
         files = {k: v for k, v in self._files.items() if not k.startswith("tails/")}
         provenance = {"host": socket.gethostname(), "dfcache": __version__, **self.provenance}
         manifest = Manifest(key=self.key, stage=self.stage, stage_version=self.stage_version,
@@ -472,51 +353,104 @@ class ArrayReader:
         if (key, self.name) in checked:
             return
         try:
-            meta = json.loads(self.artifact._read(f"{self.name}/zarr.json"))
+            fmt.parse_array_meta(self.artifact._read(fmt.array_meta_relpath(self.name)), self.spec, self.name, key)
         except FileNotFoundError:
-            problem = "zarr.json is missing"
-        except ValueError:
-            problem = "zarr.json is not valid JSON"
-        else:
-            problem = array_meta_problem(meta, self.spec)
-        if problem:
-            raise IntegrityError(f"array {self.name} of artifact {key} is corrupt: {problem}. "
-                                 f"{repair_hint(key)}", key=key)
+            raise IntegrityError(f"array {self.name} of artifact {key} is corrupt: zarr.json is missing.",
+                                 key=key, fix=repair_hint(key)) from None
+        except IntegrityError as e:
+            raise e.with_fix(repair_hint(key)) from None
         checked.add((key, self.name))
 
     def _chunk(self, index: int) -> np.ndarray:
         self._check_meta()
         key = self.artifact.key
-        rel = chunk_relpath(self.name, index, self._ndim)
+        rel = fmt.chunk_relpath(self.name, index, self._ndim)
         where = f"chunk {index} of array {self.name} in artifact {key}"
         try:
             data = self.artifact._read(rel)
         except FileNotFoundError:
-            raise IntegrityError(f"{where} is missing; the artifact is incomplete. {repair_hint(key)}",
-                                 key=key) from None
+            raise IntegrityError(f"{where} is missing; the artifact is incomplete.", key=key,
+                                 fix=repair_hint(key)) from None
         try:
-            return _decode_chunk(data, self.spec.codec, (self.chunk_rows,) + self.shape[1:],
-                                 self._storage.name, where, key)
+            return fmt.decode_chunk(data, self.spec.codec, (self.chunk_rows,) + self.shape[1:],
+                                    self._storage.name, where, key)
         except IntegrityError as e:
-            raise IntegrityError(f"{e.message} {repair_hint(key)}", key=key) from None
+            raise e.with_fix(repair_hint(key)) from None
 
-    def read_raw(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Rows [start, stop) in the storage dtype (bf16 comes back as its uint16 bits)."""
+    def read_raw(self, start: int = 0, stop: int | None = None, *, out: np.ndarray | None = None,
+                 mapped: bool = False) -> np.ndarray:
+        """Rows [start, stop) in the storage dtype (bf16 comes back as its uint16 bits).
+
+        ``out``: an array of at least that many rows (storage dtype, row shape) to read into,
+        e.g. a buffer reused across reads or the columns of a wider one (``big[:, 0:1024]``);
+        the rows read are returned as a view of it.
+
+        ``mapped=True`` (local, uncompressed chunks): chunk files are memory-mapped and their
+        crc32c checked the first time this store maps them, not on every read; rows are then
+        copied straight from the page cache into ``out``. For many small random reads over the
+        same chunks (training); a chunk corrupted after its first check in this process is not
+        noticed until the store is reopened (``verify`` still checks everything)."""
         n = self.shape[0]
         stop = n if stop is None else min(stop, n)
         start = max(0, start)
-        out = np.empty((max(0, stop - start),) + self.shape[1:], dtype=self._storage)
+        rows = max(0, stop - start)
+        if out is None:
+            out = np.empty((rows,) + self.shape[1:], dtype=self._storage)
+        else:
+            if out.dtype != self._storage or out.shape[1:] != self.shape[1:] or len(out) < rows:
+                raise UsageError(f"out= must be a {self._storage} array of at least {rows} rows of shape "
+                                 f"{self.shape[1:]}.")
+            out = out[:rows]
         if stop <= start:
             return out
+        contiguous = out.flags.c_contiguous
         c0, c1 = start // self.chunk_rows, (stop - 1) // self.chunk_rows
         for i in range(c0, c1 + 1):
             lo, hi = i * self.chunk_rows, (i + 1) * self.chunk_rows
             a, b = max(lo, start), min(hi, stop)
-            if a == lo and b == hi and self._read_chunk_into(i, out[a - start:b - start]):
-                continue
-            chunk = self._chunk(i)
+            chunk = self._mapped_chunk(i) if mapped else None
+            if chunk is None:
+                if (contiguous and a == lo and b == hi
+                        and self._read_chunk_into(i, out[a - start:b - start])):
+                    continue
+                chunk = self._chunk(i)
             out[a - start:b - start] = chunk[a - lo:b - lo]
         return out
+
+    def _mapped_chunk(self, index: int) -> np.ndarray | None:
+        """An uncompressed local chunk's rows over a read-only mmap, crc32c checked when first
+        mapped by this store (then kept, a bounded number per store). None: use _chunk()."""
+        if self.spec.codec != "none":
+            return None
+        store = self.artifact.store
+        ck = (self.artifact.key, self.name, index)
+        hit = store._mapped.get(ck)
+        if hit is not None:
+            return hit
+        self._check_meta()
+        path = self.artifact._local_path(fmt.chunk_relpath(self.name, index, self._ndim))
+        if path is None:
+            return None
+        import mmap
+
+        body = self.chunk_rows * int(np.prod(self.shape[1:], dtype=np.int64)) * self._storage.itemsize
+        try:
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            return None  # _chunk() reports what is wrong
+        if hasattr(mm, "madvise"):  # one large read-ahead for the crc pass, not a fault per few pages
+            mm.madvise(mmap.MADV_WILLNEED)
+        raw = np.frombuffer(mm, dtype=np.uint8)
+        if len(raw) != body + 4 or not fmt.crc_ok(raw[:body], raw[body:].tobytes()):
+            del raw
+            mm.close()
+            return None  # _chunk() re-reads it and says exactly what is wrong
+        arr = raw[:body].view(self._storage.newbyteorder("<")).reshape((self.chunk_rows,) + self.shape[1:])
+        if len(store._mapped) >= MAPPED_CHUNKS:
+            store._mapped.pop(next(iter(store._mapped)))  # the mapping closes with its last view
+        store._mapped[ck] = arr
+        return arr
 
     def _read_chunk_into(self, index: int, rows: np.ndarray) -> bool:
         """Fast path: an uncompressed local chunk the read covers whole goes straight into the
@@ -524,7 +458,7 @@ class ArrayReader:
         if self.spec.codec != "none":
             return False
         self._check_meta()
-        path = self.artifact._local_path(chunk_relpath(self.name, index, self._ndim))
+        path = self.artifact._local_path(fmt.chunk_relpath(self.name, index, self._ndim))
         if path is None:
             return False
         view = rows.reshape(-1).view(np.uint8)
@@ -534,7 +468,7 @@ class ArrayReader:
                 crc = f.read(5)
         except FileNotFoundError:
             return False  # _chunk() reports it
-        if got != view.nbytes or len(crc) != 4 or google_crc32c.extend(0, view) != int.from_bytes(crc, "little"):
+        if got != view.nbytes or not fmt.crc_ok(view, crc):
             return False  # _chunk() re-reads it and says exactly what is wrong
         return True
 
@@ -542,7 +476,7 @@ class ArrayReader:
         """Rows [start, stop) in the logical dtype (bf16 as ml_dtypes.bfloat16)."""
         raw = self.read_raw(start, stop)
         if self.dtype == "bfloat16":
-            return raw.view(_np_logical_dtype("bfloat16"))
+            return raw.view(fmt.np_logical_dtype("bfloat16"))
         return raw
 
     def __getitem__(self, item) -> np.ndarray:
@@ -561,25 +495,11 @@ class ArrayReader:
         raise TypeError("arrays are indexed by a row number or a row slice")
 
     def digest_problems(self) -> list[str]:
-        """Re-hash every chunk; return what does not match the manifest."""
-        problems = []
-        digests = []
-        n = self.shape[0]
-        for i in range(self.spec.num_chunks):
-            try:
-                chunk = self._chunk(i)
-            except IntegrityError as e:
-                problems.append(e.message.removesuffix(" " + repair_hint(self.artifact.key)))
-                digests.append("")
-                continue
-            rows = min(self.chunk_rows, n - i * self.chunk_rows)
-            d = _chunk_digest(chunk[:rows])
-            digests.append(d)
-            if i < len(self.spec.chunk_digests) and d != self.spec.chunk_digests[i]:
-                problems.append(f"chunk {i} of array {self.name} does not match its digest")
-        if not problems and _array_digest(digests) != self.spec.digest:
-            problems.append(f"array {self.name} does not match its digest")
-        return problems
+        """Re-hash every chunk; return what does not match the manifest (verify's check)."""
+        art = self.artifact
+        files = {rel: role for rel, role in fmt.expected_files(art.manifest).items()
+                 if role.kind == "chunk" and role.name == self.name}
+        return art._file_problems(files)
 
 
 class Artifact:
@@ -618,47 +538,43 @@ class Artifact:
         spec = self.manifest.blobs.get(name)
         if spec is None:
             raise ArtifactNotFoundError(f"artifact {self.key} has no document {name!r}.")
+        rel = fmt.blob_relpath(name)
         try:
-            data = self._read(f"blobs/{name}.json")
+            data = self._read(rel)
         except FileNotFoundError:
-            raise IntegrityError(f"document {name} of artifact {self.key} is missing. {repair_hint(self.key)}",
-                                 key=self.key) from None
-        if xxhash.xxh3_128_hexdigest(data) != spec.digest:
-            raise IntegrityError(f"document {name} of artifact {self.key} does not match its digest. "
-                                 f"{repair_hint(self.key)}", key=self.key)
+            raise IntegrityError(f"document {name} of artifact {self.key} is missing.", key=self.key,
+                                 fix=repair_hint(self.key)) from None
+        try:
+            fmt.check_file(self.manifest, rel, fmt.FileRole("blob", name), data)
+        except IntegrityError as e:
+            raise e.with_fix(repair_hint(self.key)) from None
         return json.loads(data)
+
+    def _file_problems(self, files: dict[str, fmt.FileRole]) -> list[str]:
+        """Each file checked with the format's one check (the one pulls use); an array whose
+        zarr.json is bad is not judged further (its chunks cannot be, against a manifest that
+        disagrees with it)."""
+        problems = []
+        bad_arrays: set[str] = set()
+        for rel, role in files.items():
+            if role.kind == "chunk" and role.name in bad_arrays:
+                continue
+            try:
+                fmt.check_file(self.manifest, rel, role, self._read(rel))
+            except FileNotFoundError:
+                problems.append(fmt.missing_problem(self.manifest, rel, role))
+            except IntegrityError as e:
+                problems.append(e.problem)
+            else:
+                continue
+            if role.kind == "array_meta":
+                bad_arrays.add(role.name)
+        return problems
 
     def problems(self) -> list[str]:
         """Everything wrong with this artifact's bytes (empty if it verifies)."""
-        problems = []
-        try:
-            self._read("zarr.json")
-        except FileNotFoundError:
-            problems.append("zarr.json of the group is missing")
-        for name in self.array_names:
-            try:
-                meta = json.loads(self._read(f"{name}/zarr.json"))
-                problem = array_meta_problem(meta, self.manifest.arrays[name])
-                if problem:
-                    problems.append(f"array {name}: {problem}")
-                    continue  # its chunks cannot be judged against a manifest that disagrees
-            except FileNotFoundError:
-                problems.append(f"array {name}: zarr.json is missing")
-            except ValueError:
-                problems.append(f"array {name}: zarr.json is not valid JSON")
-            # The metadata is judged (above); the chunks are judged against the manifest alone.
-            self.store._meta_checked.add((self.key, name))
-            try:
-                problems.extend(self.array(name).digest_problems())
-            finally:
-                if problems:  # a read must not take a damaged array's metadata as checked
-                    self.store._meta_checked.discard((self.key, name))
-        for name in sorted(self.manifest.blobs):
-            try:
-                self.json(name)
-            except IntegrityError as e:
-                problems.append(e.message.removesuffix(" " + repair_hint(self.key)))
-        return problems
+        return ([f"manifest of {self.key}: {p}" for p in fmt.manifest_problems(self.manifest)]
+                + self._file_problems(fmt.expected_files(self.manifest)))
 
 
 class Store:
@@ -668,6 +584,7 @@ class Store:
         self.backend = backend
         self.url = backend.url
         self._meta_checked: set[tuple[str, str]] = set()  # (key, array) whose zarr.json agrees
+        self._mapped: dict[tuple[str, str, int], np.ndarray] = {}  # read_raw(mapped=True) chunks
 
     def __repr__(self) -> str:
         return f"Store({self.url!r})"
@@ -683,8 +600,7 @@ class Store:
         try:
             return Manifest.from_json(raw, expect_key=key)
         except UntrustedManifestError as e:
-            detail = getattr(e, "detail", None) or e.message
-            raise UntrustedManifestError(f"{detail} {repair_hint(key)}", key=key) from None
+            raise e.with_fix(repair_hint(key)) from None
 
     def open(self, key: str) -> Artifact:
         return Artifact(self, self.manifest(key))
@@ -751,22 +667,27 @@ class Store:
             problems = segment_problems(self, key)
         return problems
 
+    def local_dir(self, name: str) -> Path | None:
+        """A directory on this machine beside the store's artifacts, for files made from them
+        (report files, generated example models); None when the store is not a local directory.
+
+        ``name`` is one plain name (``reports``, ``example``); the directory may not exist yet."""
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.-]*", name) or name in fmt.RESERVED_DIRS:
+            raise UsageError(f"{name!r} is not a name for a directory beside the store's artifacts.")
+        root = self.backend.local_root
+        return None if root is None else Path(root) / name
+
 
 def open_store(location: str | os.PathLike | None = None, *, create: bool = True,
-               endpoint_url: str | None = None) -> Store:
-    """Open a store by path or URL (``file:///...``, ``s3://bucket/prefix``).
+               endpoint_url: str | None = None, region: str | None = None,
+               offline: bool | None = None) -> Store:
+    """Open a store by path or URL: a directory, ``file:///path``, ``s3://bucket/prefix``.
 
-    ``None`` means ``$DFCACHE_STORE`` or ``./store``. A local store is created if missing.
+    ``None`` means ``$DFCACHE_STORE`` or ``./store``. A local store is created if missing (unless
+    ``create=False``). A ``file://`` store is read without following symbolic links; an
+    ``s3://`` store is refused while offline. See :mod:`dfcache.store._open`.
     """
-    from ..config import default_store_location
+    from ._open import open_backend
 
-    loc = os.fspath(location) if location is not None else default_store_location()
-    if loc.startswith("file://"):
-        loc = loc[len("file://"):]
-    if "://" in loc:
-        from ._remote import open_remote_backend
-
-        return Store(open_remote_backend(loc, endpoint_url=endpoint_url))
-    from ._local import LocalBackend
-
-    return Store(LocalBackend(loc, create=create))
+    return Store(open_backend(location, create=create, endpoint_url=endpoint_url, region=region,
+                              offline=offline))

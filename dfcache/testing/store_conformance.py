@@ -8,7 +8,9 @@ returning a fresh, empty :class:`dfcache.store.Store`::
         def store(self, tmp_path):
             return open_store(tmp_path / "s")
 
-The local directory and the remotes (``file://``, ``s3://``) all run the same tests.
+Every backend runs it: the local directory and ``file://`` (tests/test_store_local.py), ``s3://``
+against a real S3 server (tests/test_store_s3.py). The checks cover what the ``Backend`` interface
+declares, capabilities included (bounded reads, offline refusal, local directories).
 """
 
 from __future__ import annotations
@@ -19,8 +21,10 @@ import threading
 import numpy as np
 import pytest
 
-from dfcache.errors import AmbiguousKeyError, ArtifactNotFoundError, IntegrityError, UsageError
+from dfcache.errors import (AmbiguousKeyError, ArtifactNotFoundError, IntegrityError, OfflineModeIsEnabled,
+                            UsageError)
 from dfcache.keys import compute_key
+from dfcache.store import format as fmt
 
 
 def _key(i) -> str:
@@ -196,15 +200,63 @@ class StoreConformance:
         self.overwrite(store, key, "manifest.json", json.dumps(raw).encode())
         assert store.verify(key)
 
-    # Backends' test classes override these three if their files are not local paths.
+    def test_files_are_the_format_s(self, store):
+        key, _ = write_example(store, rows=200, chunk_rows=50, codec="zstd")
+        m = store.manifest(key)
+        files = store.backend.list_files(key)
+        assert set(files) == set(fmt.expected_files(m)) | {fmt.MANIFEST}
+        assert sum(n for rel, n in files.items() if rel != fmt.MANIFEST) == m.size_bytes
+
+    def test_bounded_read(self, store):
+        key, _ = write_example(store, rows=200, chunk_rows=50)
+        m = store.manifest(key)
+        rel = fmt.chunk_relpath("hidden", 1, 2)
+        limit = fmt.file_limit(m, fmt.expected_files(m)[rel])
+        data = store.backend.read_file_limited(key, rel, limit)
+        assert data == store.backend.read_file(key, rel) and len(data) <= limit
+        with pytest.raises(IntegrityError, match="allows"):
+            store.backend.read_file_limited(key, rel, len(data) - 1)
+        with pytest.raises(FileNotFoundError):
+            store.backend.read_file_limited(key, "hidden/c/99/0", limit)
+
+    def test_offline_refusal_matches_needs_network(self, store):
+        store.backend.check_offline(False)
+        if store.backend.needs_network:
+            with pytest.raises(OfflineModeIsEnabled):
+                store.backend.check_offline(True)
+        else:
+            store.backend.check_offline(True)
+
+    def test_local_dir_only_for_local_roots(self, store):
+        d = store.local_dir("reports")
+        assert (d is None) == (store.backend.local_root is None)
+        if d is not None:
+            assert d.parent == store.backend.local_root
+        with pytest.raises(UsageError):
+            store.local_dir("artifacts")
+
+    def test_untrusted_view_reads_the_same(self, store):
+        key, data = write_example(store, rows=100, chunk_rows=32)
+        from dfcache.store import Store
+
+        view = Store(store.backend.for_untrusted_reads())
+        assert view.backend.needs_network == store.backend.needs_network
+        assert view.open(key).array("hidden")[:].view(np.uint16).tobytes() == data.view(np.uint16).tobytes()
+
+    # Backends whose files are not below a local root override these three.
+    def _path(self, store, key, relpath):
+        root = store.backend.local_root
+        assert root is not None, "override corrupt/remove/overwrite for a backend without a local root"
+        return root / fmt.artifact_prefix(key) / relpath
+
     def corrupt(self, store, key, relpath):
-        path = store.backend.local_file_path(key, relpath)
+        path = self._path(store, key, relpath)
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
 
     def remove(self, store, key, relpath):
-        store.backend.local_file_path(key, relpath).unlink()
+        self._path(store, key, relpath).unlink()
 
     def overwrite(self, store, key, relpath, data: bytes):
-        store.backend.local_file_path(key, relpath).write_bytes(data)
+        self._path(store, key, relpath).write_bytes(data)

@@ -410,17 +410,26 @@ class DFlashLayer(nn.Module):
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Keys/values of ``x`` [..., L, H] -> ([..., kvh, L, hd], [..., kvh, L, hd])."""
+        k, v = self.kv_unrotated(x)
+        return self.rotate(k, cos, sin), v.transpose(-3, -2)
+
+    def kv_unrotated(self, x: torch.Tensor):
+        """Normed keys (before RoPE) and values of ``x`` [..., L, H], each [..., L, kvh, hd]."""
         a = self.self_attn
         shape = x.shape[:-1] + (self.num_kv_heads, self.head_dim)
-        k = a.k_norm(a.k_proj(x).view(shape)).transpose(-3, -2)
-        v = a.v_proj(x).view(shape).transpose(-3, -2)
-        return Rope.apply(k, cos.unsqueeze(-3), sin.unsqueeze(-3)), v
+        return a.k_norm(a.k_proj(x).view(shape)), a.v_proj(x).view(shape)
 
     def q(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self.rotate(self.q_unrotated(x), cos, sin)
+
+    def q_unrotated(self, x: torch.Tensor) -> torch.Tensor:
         a = self.self_attn
-        shape = x.shape[:-1] + (self.num_heads, self.head_dim)
-        q = a.q_norm(a.q_proj(x).view(shape)).transpose(-3, -2)
-        return Rope.apply(q, cos.unsqueeze(-3), sin.unsqueeze(-3))
+        return a.q_norm(a.q_proj(x).view(x.shape[:-1] + (self.num_heads, self.head_dim)))
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[..., L, heads, hd] -> RoPE'd [..., heads, L, hd]."""
+        return Rope.apply(x.transpose(-3, -2), cos.unsqueeze(-3), sin.unsqueeze(-3))
 
 
 class DFlashDrafter(nn.Module):
@@ -551,72 +560,150 @@ class DFlashDrafter(nn.Module):
             emb = emb * self.config.input_embedding_scale
         return emb
 
+    def _first_layer_qkv(self, layer: "DFlashLayer", h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        n, B = h.shape[0], h.shape[1]
+        x = layer.input_layernorm(torch.cat([h[:, 0], h[:1, 1]]))        # [n + 1, H]: roots, MASK
+        q0, (k0, v0) = layer.q_unrotated(x), layer.kv_unrotated(x)
+
+        def spread(t):                                                   # [n + 1, heads, hd] -> [n, B, heads, hd]
+            return torch.cat([t[:n, None], t[n:, None].expand(n, B - 1, *t.shape[1:])], dim=1)
+
+        return (layer.rotate(spread(q0), cos, sin), layer.rotate(spread(k0), cos, sin),
+                spread(v0).transpose(1, 2))
+
     def block_logits(self, ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], roots: torch.Tensor,
                      root_tokens: torch.Tensor, head: TargetHead) -> torch.Tensor:
-        """Draft logits [n, B-1, V] (float32) for blocks rooted at ``roots`` (ascending is fastest).
+        """Draft logits [n, B-1, V] (float32) for blocks rooted at ``roots``.
 
-        All n blocks run in one batched pass; block r attends to context keys t < roots[r] plus
-        its own B tokens. Differentiable (the tiny trainer uses it).
+        All n blocks run through the projections and MLPs as one batch; attention runs per group
+        of roots of similar position (:func:`_block_attention`), block r attending to context keys
+        t < roots[r] plus its own B tokens. Differentiable (the tiny trainer uses it).
         """
         B = self.block_size
         roots = roots.to(self.device)
+        order = torch.argsort(roots, stable=True)
+        sorted_roots = roots[order]
+        groups = _root_groups(sorted_roots.tolist(), B)
         offs = torch.arange(B, device=self.device)
-        qpos = roots[:, None] + offs                                     # [n, B]
+        qpos = sorted_roots[:, None] + offs                              # [n, B]
         cos, sin = self.rope.cos_sin(qpos, self.dtype)                   # [n, B, hd]
-        t_ctx = int(roots.max().item()) if roots.numel() else 0
-        kpos = torch.arange(t_ctx, device=self.device)
-        ctx_mask = kpos[None, None, :] < roots[:, None, None]            # [n, 1, Tc] -> row per query below
-        ctx_mask = ctx_mask.expand(-1, B, -1)
-        h = self._block_inputs(head, root_tokens.to(self.device))
-        for layer, (k_ctx, v_ctx) in zip(self.layers, ctx_kv):
-            w = layer.sliding_window
-            cmask = ctx_mask if w is None else ctx_mask & (qpos[:, :, None] - kpos[None, None, :] < w)
-            bmask = torch.ones(B, B, dtype=torch.bool, device=self.device)
-            if layer.is_causal:
-                bmask = offs[None, :] <= offs[:, None]
-            if w is not None:
-                bmask = bmask & ((offs[:, None] - offs[None, :]).abs() < w)
-            x = layer.input_layernorm(h)
-            q = layer.q(x, cos, sin)                                     # [n, nh, B, hd]
-            k_blk, v_blk = layer.kv(x, cos, sin)                         # [n, kvh, B, hd]
-            attn = _two_part_attention(q, k_ctx[:, :t_ctx], v_ctx[:, :t_ctx], k_blk, v_blk, cmask, bmask)
+        h = self._block_inputs(head, root_tokens.to(self.device)[order])
+        masks: dict = {}
+        last = len(self.layers) - 1
+        for i, (layer, (k_ctx, v_ctx)) in enumerate(zip(self.layers, ctx_kv)):
+            if i == 0:
+                # Every block enters the first layer as [x[p], MASK, ..., MASK]: the B-1 MASK rows are
+                # the same vector in every block until RoPE, so project them once, not n*(B-1) times.
+                q, k_blk, v_blk = self._first_layer_qkv(layer, h, cos, sin)
+            else:
+                x = layer.input_layernorm(h)
+                q = layer.q(x, cos, sin)                                 # [n, nh, B, hd]
+                k_blk, v_blk = layer.kv(x, cos, sin)                     # [n, kvh, B, hd]
+            attn = _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, sorted_roots, groups,
+                                    causal=layer.is_causal, window=layer.sliding_window, masks=masks)
+            if i == last:
+                # Only slots 1..B-1 give logits (§1.7); slot 0's last residual/MLP step is unused.
+                h, attn = h[:, 1:], attn[:, 1:]
             h = h + layer.self_attn.o_proj(attn)
             h = h + layer.mlp_forward(layer.post_attention_layernorm(h))
-        return self.compute_logits(h[:, 1:], head)
+        logits = self.compute_logits(h if last >= 0 else h[:, 1:], head)
+        if bool((order[1:] < order[:-1]).any()) if order.numel() > 1 else False:
+            logits = logits[torch.argsort(order)]
+        return logits
 
 
-def _two_part_attention(q, k_ctx, v_ctx, k_blk, v_blk, ctx_mask, blk_mask):
-    """Softmax attention of block queries over [shared context keys ++ per-block keys].
+def _root_groups(roots: list[int], block: int) -> list[tuple[int, int]]:
+    """Split ascending roots into ``(start, stop)`` slices that share one attention call.
 
-    q [n, nh, B, hd]; k_ctx/v_ctx [kvh, Tc, hd] shared by all blocks; k_blk/v_blk
-    [n, kvh, B, hd]; ctx_mask [n, B, Tc]; blk_mask [B, B]. One softmax over both score parts is
-    exactly attention with the training-style block mask. The context part is one matmul per
-    KV head with all blocks' queries stacked as rows, so the context keys are never copied (or,
-    in training, gradient-summed) per block. Scores and softmax run in float32.
+    A group's blocks share the keys ``ctx[:largest root] ++ every block of the group``, each block
+    masked to its own part, so per query a group computes (largest - own root) + (m - 1) * block
+    scores it throws away. Groups hold about an eighth of their smallest root in block keys
+    (at least 4 blocks, so short contexts don't split into tiny calls; at most 64).
+    """
+    out, start, n = [], 0, len(roots)
+    while start < n:
+        lo = roots[start]
+        m = min(64, max(4, lo // (8 * block)))
+        stop = start + 1
+        while stop < n and stop - start < m and roots[stop] - lo <= max(16, lo // 8):
+            stop += 1
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, roots, groups, *, causal: bool, window: int | None,
+                     masks: dict | None = None):
+    """Attention of block queries over [context keys t < root ++ the block's own keys].
+
+    q [n, nh, B, hd] for blocks sorted by root; k_ctx/v_ctx [kvh, T, hd] shared by all blocks;
+    k_blk/v_blk [n, kvh, B, hd]; ``groups`` from :func:`_root_groups`. Each group of m blocks is
+    one fused ``scaled_dot_product_attention`` call, so no score tensor is materialised: the
+    m*B queries of a KV head's query heads stacked as rows, keys ``ctx[:Tg] ++ the m blocks``,
+    an additive block mask (context t < root, own block under the in-block causal/window rules,
+    other blocks never). Head h uses KV head h // (nh // kvh), HF's repeat_kv grouping.
+
+    Without autograd the keys are a view, not a copy: the context sits in one buffer per layer,
+    and groups run from the largest root down, each writing its blocks' keys right after its
+    context, over context rows that only the groups already done needed. Float32, like the
+    one-at-a-time reference.
     """
     n, nh, B, hd = q.shape
-    kvh, tc = k_ctx.shape[0], k_ctx.shape[1]
+    kvh = k_ctx.shape[0]
     g = nh // kvh
-    # [kvh, n, g, B, hd]: query head h = kv_head * g + i, the grouping HF's repeat_kv uses.
-    qf = (q.float() * (hd ** -0.5)).reshape(n, kvh, g, B, hd).transpose(0, 1)
-    s_ctx = (qf.reshape(kvh, n * g * B, hd) @ k_ctx.float().transpose(-1, -2)).view(kvh, n, g, B, tc)
-    kb = k_blk.float().transpose(0, 1)[:, :, None]                      # [kvh, n, 1, B, hd]
-    vb = v_blk.float().transpose(0, 1)[:, :, None]
-    s_blk = qf @ kb.transpose(-1, -2)                                   # [kvh, n, g, B, B]
-    # Softmax over the two parts without concatenating them (saves copying the score tensor):
-    # shared max, exponentiate each part, normalise after the value products. Every query sees
-    # at least its own block token, so the max is finite.
-    s_ctx = s_ctx.masked_fill_(~ctx_mask[None, :, None], float("-inf"))
-    s_blk = s_blk.masked_fill_(~blk_mask, float("-inf"))
-    m = s_blk.amax(-1, keepdim=True)
-    if tc:
-        m = torch.maximum(m, s_ctx.amax(-1, keepdim=True))
-    e_ctx = (s_ctx - m).exp_()
-    e_blk = (s_blk - m).exp_()
-    denom = e_ctx.sum(-1, keepdim=True) + e_blk.sum(-1, keepdim=True)
-    out = (e_ctx.view(kvh, n * g * B, tc) @ v_ctx.float()).view(kvh, n, g, B, hd) + e_blk @ vb
-    out = out / denom
-    return out.permute(1, 3, 0, 2, 4).reshape(n, B, nh * hd).to(q.dtype)
+    dev = q.device
+    masks = {} if masks is None else masks
+    offs = torch.arange(B, device=dev)
+    bmask = torch.ones(B, B, dtype=torch.bool, device=dev)
+    if causal:
+        bmask = offs[None, :] <= offs[:, None]
+    if window is not None:
+        bmask = bmask & ((offs[:, None] - offs[None, :]).abs() < window)
+    # [kvh, g, n, B, hd]: rows of one KV head
+    qf = q.float().view(n, kvh, g, B, hd).permute(1, 2, 0, 3, 4)
+    kb = k_blk.float().transpose(0, 1)                                  # [kvh, n, B, hd]
+    vb = v_blk.float().transpose(0, 1)
+    tops = [int(roots[stop - 1]) for _, stop in groups]
+    in_place = not torch.is_grad_enabled()
+    if in_place:
+        extra = max(stop - start for start, stop in groups) * B
+        tmax = max(tops)
+        kbuf = k_ctx.new_empty((kvh, tmax + extra, hd), dtype=torch.float32)
+        vbuf = torch.empty_like(kbuf)
+        kbuf[:, :tmax] = k_ctx[:, :tmax]
+        vbuf[:, :tmax] = v_ctx[:, :tmax]
+    out = q.new_empty((n, B, kvh, g, hd), dtype=torch.float32)
+    for (start, stop), tg in sorted(zip(groups, tops), key=lambda x: -x[1]):
+        m = stop - start
+        L = tg + m * B
+        blk_k = kb[:, start:stop].reshape(kvh, m * B, hd)
+        blk_v = vb[:, start:stop].reshape(kvh, m * B, hd)
+        if in_place:
+            kbuf[:, tg:L] = blk_k
+            vbuf[:, tg:L] = blk_v
+            k, v = kbuf[:, :L], vbuf[:, :L]
+        else:
+            k = torch.cat([k_ctx[:, :tg].float(), blk_k], dim=1)
+            v = torch.cat([v_ctx[:, :tg].float(), blk_v], dim=1)
+        # The mask depends on the layer only through (causal, window): layers share it.
+        mkey = (start, stop, causal, window)
+        mask = masks.get(mkey)
+        if mask is None:
+            r = roots[start:stop]
+            kpos = torch.arange(tg, device=dev)
+            cmask = (kpos[None, None, :] < r[:, None, None]).expand(m, B, tg)        # [m, B, tg]
+            if window is not None:
+                cmask = cmask & ((r[:, None] + offs)[:, :, None] - kpos[None, None, :] < window)
+            own = torch.eye(m, dtype=torch.bool, device=dev)[:, None, :, None] & bmask[None, :, None, :]
+            allowed = torch.cat([cmask, own.reshape(m, B, m * B)], dim=-1).reshape(m * B, L)
+            # Additive float mask: SDPA would convert a boolean one on every call (every layer).
+            mask = torch.zeros((m * B, L), dtype=torch.float32, device=dev).masked_fill_(~allowed, float("-inf"))
+            mask = mask.expand(g, m * B, L).reshape(1, 1, g * m * B, L)
+            masks[mkey] = mask
+        qg = qf[:, :, start:stop].reshape(1, kvh, g * m * B, hd)
+        o = F.scaled_dot_product_attention(qg, k[None], v[None], attn_mask=mask)   # [1, kvh, g*m*B, hd]
+        out[start:stop] = o.view(kvh, g, m, B, hd).permute(2, 3, 0, 1, 4)
+    return out.view(n, B, nh * hd).to(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------
@@ -695,8 +782,13 @@ def score_roots(drafter: DFlashDrafter, head: TargetHead, context_features: torc
     for idx, logits in iter_score_roots(drafter, head, context_features, token_ids, roots,
                                         max_batch_roots=max_batch_roots, max_score_elems=max_score_elems):
         if out is None:
+            if len(idx) == len(roots) and idx == sorted(idx):
+                return logits
             out = logits.new_empty((len(roots),) + tuple(logits.shape[1:]))
-        out[torch.tensor(idx, device=logits.device)] = logits
+        if idx == list(range(idx[0], idx[0] + len(idx))):
+            out[idx[0]:idx[0] + len(idx)] = logits      # ascending roots: a plain copy, no scatter
+        else:
+            out[torch.tensor(idx, device=logits.device)] = logits
     if out is None:
         return torch.empty((0, drafter.block_size - 1, head.vocab_size))
     return out

@@ -21,6 +21,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from dfcache.config import hub_cache_dir
 from dfcache.errors import BadInputError, ModelNotFoundError, UsageError
 from dfcache.keys import canonical_encode, fingerprint_path, fingerprint_text, hash_file
 
@@ -31,18 +32,6 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)
 _TOKENIZER_FILES = re.compile(
     r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|vocab\..*|merges\.txt|.*\.model|"
     r"chat_template.*)$")
-
-
-def hub_cache_dir() -> Path:
-    """Where huggingface_hub keeps models, by the same environment variables it reads."""
-    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
-        if os.environ.get(var):
-            return Path(os.environ[var]).expanduser()
-    if os.environ.get("HF_HOME"):
-        return Path(os.environ["HF_HOME"]).expanduser() / "hub"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "huggingface" / "hub"
 
 
 def _hub_snapshot(repo_id: str, revision: str | None) -> tuple[Path | None, list[str]]:
@@ -108,6 +97,55 @@ def require_weights(model_dir: str | os.PathLike, why: str) -> None:
     d = Path(model_dir)
     if not any(f.is_file() and _WEIGHT_FILES.match(f.name) for f in d.iterdir()):
         raise BadInputError(f"model {d} has no weights (no *.safetensors or pytorch_model*.bin file); {why}")
+    check_weight_files(d, f"model {d}", "re-download or re-save the model's weights into that directory.")
+
+
+_SAFETENSORS_HEADER_MAX = 100 << 20  # safetensors itself refuses headers over 100 MB
+
+
+def check_safetensors(path: str | os.PathLike, owner: str, fix: str) -> None:
+    """Read a ``.safetensors`` file's header (8-byte length + JSON) and check that it describes
+    the file: a truncated, overwritten or non-safetensors file is a :class:`BadInputError` naming
+    it, before any stage does work (loading it later died with ``SafetensorError``, exit 1).
+    Reads only the header, never the tensors."""
+    import struct
+
+    f = Path(path)
+    size = f.stat().st_size
+
+    def bad(why: str) -> BadInputError:
+        return BadInputError(f"{owner}: {f} is not a valid safetensors file ({why}); {fix}")
+
+    if size < 8:
+        raise bad(f"{size} bytes, shorter than the 8-byte header length")
+    with open(f, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        if n < 2 or n > min(_SAFETENSORS_HEADER_MAX, size - 8):
+            raise bad(f"the header length field says {n} bytes, the file has {size}")
+        raw = fh.read(n)
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise bad("its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    end = 0
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = t.get("data_offsets") if isinstance(t, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                or not 0 <= offsets[0] <= offsets[1]):
+            raise bad(f"tensor {name!r} has no valid data_offsets")
+        end = max(end, offsets[1])
+    if 8 + n + end > size:
+        raise bad(f"its tensors need {8 + n + end} bytes, the file has {size} (truncated?)")
+
+
+def check_weight_files(model_dir: str | os.PathLike, owner: str, fix: str) -> None:
+    """:func:`check_safetensors` for every ``*.safetensors`` file of a model directory."""
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        check_safetensors(f, owner, fix)
 
 
 def chat_template_text(model_dir: str | os.PathLike) -> str:
@@ -151,6 +189,16 @@ def tokenizer_fingerprint(model_dir: str | os.PathLike) -> str:
     if not any(n.startswith("tokenizer") for n in entries):
         raise BadInputError(f"model {d} has no tokenizer files (tokenizer.json, tokenizer_config.json); "
                             "pass a model directory that includes its tokenizer.")
+    # tokenizer_config.json alone says which tokenizer class to build, not its vocabulary: without
+    # tokenizer.json or the vocabulary files transformers fails (many lines, late, after a stage
+    # has opened its writer). Checked here, at planning.
+    vocab = ("tokenizer.json" in entries or any(n.endswith(".model") for n in entries) or "vocab.txt" in entries
+             or {"vocab.json", "merges.txt"} <= set(entries))
+    if not vocab:
+        raise BadInputError(f"model {d} has {', '.join(sorted(n for n in entries if n.startswith('tokenizer')))} "
+                            "but no tokenizer.json (nor vocab.json + merges.txt, vocab.txt or a "
+                            "sentencepiece *.model), so its tokenizer cannot be built; copy tokenizer.json "
+                            f"from the original model into {d}.")
     return fingerprint_text(canonical_encode(entries).decode())
 
 

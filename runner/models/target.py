@@ -147,7 +147,9 @@ def _torch_build() -> dict:
 
 def cuda_visible() -> tuple[bool, str]:
     """Whether a CUDA GPU is usable here, decided without importing torch; and why not."""
-    cvd = os.environ.get("CUDA_VISIBLE_DEVICES")
+    from dfcache.config import cuda_visible_devices
+
+    cvd = cuda_visible_devices()
     if cvd is not None and cvd.strip() in ("", "-1", "none", "NoDevFiles"):
         return False, f"CUDA_VISIBLE_DEVICES={cvd!r} hides every GPU"
     torch = sys.modules.get("torch")
@@ -428,7 +430,7 @@ def check_layer_ids(layers, num_layers: int) -> list[int]:
         if not 0 <= k < num_layers:
             raise BadInputError(f"layer id {k} is out of range: the target has {num_layers} decoder layers "
                                 f"(ids 0..{num_layers - 1}). Check the drafter's "
-                                "dflash_config.target_layer_ids or --layers, and that --target is the model "
+                                "dflash_config.target_layer_ids or --layer, and that --target is the model "
                                 "the drafter was trained against.")
         out.add(k)
     return sorted(out)
@@ -491,6 +493,12 @@ def load_target(target_dir: str | os.PathLike, backend: BackendClass, *,
     try:
         model = AutoModelForCausalLM.from_pretrained(str(target_dir), **kwargs)
     except (OSError, ValueError, KeyError) as e:
+        if "attention implementation" in str(e) or "attn_implementation" in str(e):
+            others = [a for a in ("eager", "sdpa", "flash_attention_2") if a != backend.attn_implementation]
+            raise BadInputError(f"the target in {target_dir} cannot run attention implementation "
+                                f"{backend.attn_implementation!r} ({str(e).split('.')[0]}); pass "
+                                f"--attn-implementation {others[0]} (or {others[1]}). It is part of the "
+                                "hidden-state key, so states of each implementation are cached apart.") from None
         raise BadInputError(f"cannot load the target from {target_dir} ({type(e).__name__}: {e}); pass a "
                             "local transformers model directory with --target.") from None
     if backend.device != "cuda":

@@ -95,9 +95,9 @@ def build(ctx: RunContext, prompts_node: Node) -> Node:
                          label=f"completions (local, {backend.label})",
                          payload={"target_dir": str(target.dir), "prompts": prompts_node},
                          summary=f"local greedy completions, {opts.max_new_tokens} new tokens max")
-    from dfcache.http import normalize_base_url
+    from ..completion_sources import server_url
 
-    server = normalize_base_url(opts.server)
+    server = server_url(opts.server)
     return Node.make_samples(NAME, VERSION, inputs=inputs, **samples, needs="network",
                      deps=[prompts_node], label=f"completions ({kind} server)", contacts=server,
                      fix=ctx.command_with(drop=("--offline",)),

@@ -7,16 +7,19 @@ Key recipe (per sample)::
                 target_head:  fingerprint of the target (its embeddings and lm_head are used),
                 block_size, target_layer_ids, mask_token_id   (from the drafter's config),
                 tree_budgets: sorted unique budgets, max_blocks, end_rule,
-                dtype:        compute dtype of the drafter, device: cpu|cuda},
+                dtype:        compute dtype of the drafter,
+                device:       cpu|cuda, where the eval runs (--eval-device; not the states' device)},
         upstream={sample: tokens partition,
                   hidden_states: [hidden-state partitions in the drafter's target_layer_ids order]})
     sample    = sample_key(partition, tokens sample key)
 
 The hidden-state partitions are upstream, so the backend class that produced the states (fla or
 torch, device, dtype) is part of this key through them; a response's eval reads the states of
-its own tokens sample in each of them.
+its own tokens sample in each of them. The eval's own numerics (its device and dtype) are keyed
+here, apart from them: states extracted with fla on a GPU are evaluated on any machine
+(``--eval-device auto`` is CUDA where one is usable, else the CPU).
 
-What it computes (``reference/dflash.md`` §2, §3, §6; ``runner/metrics.py``): for each response,
+What it computes (docs/metrics.md, ``runner/metrics.py``): for each response,
 the draft logits of every candidate block root are scored in batched drafter passes
 (``score_roots``: context features of positions < p only), then the greedy walk runs once for the
 chain and once per tree budget. ``--max-blocks N`` scores only the roots the first N blocks can
@@ -72,6 +75,10 @@ def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
         raise BadInputError(f"drafter {path_str} has no config.json; pass a DFlash checkpoint directory.")
     if not any(path.glob("*.safetensors")):
         raise BadInputError(f"drafter {path_str} has no *.safetensors weights; pass a complete checkpoint.")
+    from ..models.resolve import check_weight_files
+
+    check_weight_files(path, f"drafter {path_str}", "re-download or re-save the checkpoint (a copy or "
+                       "download that stopped half-way leaves such a file).")
     try:
         cfg = json.loads(cfg_path.read_text())
     except ValueError as e:
@@ -146,22 +153,42 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
         raise BadInputError(f"--tree-budget {budgets}: budgets are positive numbers of drafted nodes.")
     if opts.max_blocks is not None and opts.max_blocks < 1:
         raise BadInputError(f"--max-blocks {opts.max_blocks}: give a positive number.")
+    device = eval_device(getattr(opts, "eval_device", "auto"))
     inputs = {"drafter": drafter.fingerprint, "target_head": tokens_node.inputs["target"],
               "block_size": drafter.block_size, "target_layer_ids": drafter.target_layer_ids,
               "mask_token_id": drafter.mask_token_id, "tree_budgets": budgets,
               "max_blocks": opts.max_blocks, "end_rule": opts.end_rule, "dtype": opts.dtype,
-              "device": backend["device"]}
+              "device": device}
+    problem = None
+    if device == "cuda":
+        from ..models.target import cuda_visible
+
+        visible, why = cuda_visible()
+        if not visible:
+            # Only responses this run must evaluate need the GPU: resolve() refuses before any work.
+            problem = (f"--eval-device cuda: no CUDA GPU is usable here ({why}); pass --eval-device cpu or auto "
+                       "(stored hidden states of any backend evaluate on the CPU).")
     return Node.make_samples(NAME, VERSION, inputs=inputs, upstream_samples=tokens_node.sample_keys,
                              partition_upstream={"sample": tokens_node.partition.key,
                                                  "hidden_states": [n.partition.key for n in layers]},
-                             ids=tokens_node.ids, needs="gpu" if backend["device"] == "cuda" else "cpu",
-                             deps=[tokens_node, *layers], label=f"drafter_eval {drafter.name}",
+                             ids=tokens_node.ids, needs="gpu" if device == "cuda" else "cpu",
+                             deps=[tokens_node, *layers], label=f"drafter_eval {drafter.name}", problem=problem,
                              payload={"drafter": drafter, "target_dir": tokens_node.payload["target_dir"],
                                       "backend": backend, "tokens": tokens_node, "layers": layers},
                              summary=f"{drafter.name}: budgets {budgets or '-'}, layers {drafter.target_layer_ids}")
 
 
 COMMIT_EVERY = 1024
+
+
+def eval_device(choice: str | None) -> str:
+    """``--eval-device``: ``auto`` (or None) is ``cuda`` where a GPU is usable, else ``cpu``, whatever
+    device made the states (decided without importing torch)."""
+    if choice not in (None, "auto"):
+        return choice
+    from ..models.target import cuda_visible
+
+    return "cuda" if cuda_visible()[0] else "cpu"
 
 
 def _max_root(prompt_len: int, max_blocks: int | None, block_size: int) -> int | None:
@@ -187,7 +214,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         ref: DrafterRef = node.payload["drafter"]
         from ..distributed import current, device_for
 
-        device = device_for(current(), "cuda" if node.payload["backend"]["device"] == "cuda" else "cpu")
+        device = device_for(current(), node.inputs["device"])  # cuda:LOCAL_RANK under torchrun
         drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
         head = load_target_head(node.payload["target_dir"], device=device, dtype=dtype)
         toks = read_tokens(ctx.store, node.payload["tokens"], todo)

@@ -33,7 +33,9 @@ from dfcache.errors import BadInputError, UsageError
 from dfcache.keys import fingerprint_path
 
 from ..graph import Node, RunContext
+from ..summaries import samples_origin
 from ..models.target import BackendClass, backend_problem, check_layer_ids, read_model_info, resolve_backend
+from ..provenance_keys import key_version_inputs
 
 NAME = "hidden_states"
 VERSION = 2
@@ -46,7 +48,7 @@ LAST_STATS = "hidden_states.last_stats"
 
 
 def requested_layers(ctx: RunContext, drafters) -> list[int]:
-    """The union of the drafters' ``target_layer_ids`` and ``--layers``, sorted."""
+    """The union of the drafters' ``target_layer_ids`` and ``--layer`` ids, sorted."""
     layers: set[int] = set()
     for d in drafters:
         ids = getattr(d, "target_layer_ids", None)
@@ -57,8 +59,9 @@ def requested_layers(ctx: RunContext, drafters) -> list[int]:
     if ctx.options.layers:
         layers.update(ctx.options.layers)
     if not layers:
-        raise BadInputError("no hidden-state layers requested: pass --layers (e.g. --layers 1 3) or a "
-                            "drafter (--drafter DIR) whose dflash_config.target_layer_ids name them.")
+        raise BadInputError("no hidden-state layers requested: pass --layer (repeatable, e.g. --layer 1 "
+                            "--layer 3) or a drafter (--drafter DIR) whose dflash_config.target_layer_ids "
+                            "name them.")
     for k in layers:
         if isinstance(k, bool) or not isinstance(k, int):
             raise BadInputError(f"layer id {k!r} is not an integer; pass decoder-layer indices.")
@@ -88,7 +91,8 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
     nodes = {}
     for k in layers:
         nodes[k] = Node.make_samples(
-            NAME, VERSION, inputs={"target": target_fp, "layer": k, "backend": backend.to_key()},
+            NAME, VERSION, inputs={"target": target_fp, "layer": k, "backend": backend.to_key(),
+                                   **key_version_inputs(opts)},
             upstream_samples=tokens_node.sample_keys, partition_upstream={"sample": tokens_node.partition.key},
             ids=tokens_node.ids, needs=needs, deps=[tokens_node],
             label=f"hidden_states[{k}]", group=group,
@@ -96,10 +100,18 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
             # needs the hardware: resolve() says so before any stage does work.
             problem=f"(hidden states for {backend.label}) {problem}" if problem else None,
             fix=(f"{ctx.command_with()} (on a machine with a CUDA GPU)" if needs == "gpu" else None),
-            summary=f"layer {k} of {info.num_layers} ({info.model_type or 'model'})",
+            summary=f"layer {k}/{info.num_layers}",
             payload={"target_dir": str(target_dir), "layer": k, "backend": backend.to_key(),
-                     "note": backend.note, "tokens": tokens_node})
+                     "note": backend.note, "tokens": tokens_node},
+            precheck=lambda: _require_weights(target_dir))
     return nodes
+
+
+def _require_weights(target_dir) -> None:
+    from ..models.resolve import require_weights
+
+    require_weights(target_dir, "extracting hidden states runs the model: pass the directory that holds "
+                                "its weights with --target.")
 
 
 def get_target(ctx: RunContext, target_dir: str, backend: BackendClass):
@@ -193,6 +205,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
     provenance = {**target.provenance, "batching": "equal-length samples per batch, no padding",
                   "batch_tokens": ctx.options.batch_tokens}
     node_of = {n.payload["layer"]: n for n in nodes}
+    origin = samples_origin(ctx.store, (tokens_node.payload or {}).get("completions"))
     total_tokens, segments = 0, 0
     import time
 
@@ -223,7 +236,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
                     w = SegmentWriter(ctx.store, node_of[k].partition, seg_ups, doc=False,
                                       arrays={"hidden": SampleArray((target.hidden_size,), backend.dtype,
                                                                     ctx.options.compression)},
-                                      summary=node_of[k].summary, provenance=provenance, rows={"hidden": b - a})
+                                      summary=f"{node_of[k].summary}: {origin}", provenance=provenance, rows={"hidden": b - a})
                     writers.append(w)
                     rows = _SampleRows(w, [int(x) for x in lengths[start:stop]])
                     sinks.append(LayerSink(layer=k, writer=rows, array=rows))

@@ -17,7 +17,7 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from dfcache.errors import BadInputError
+from dfcache.errors import BadInputError, UsageError
 from dfcache.samples import record_digest
 
 from ..graph import Node, RunContext
@@ -99,8 +99,14 @@ def build(ctx: RunContext) -> Node:
     opts = ctx.options
     records = load_records(opts.prompts)
     if opts.num_prompts is not None:
-        if opts.num_prompts < 1:
-            raise BadInputError(f"--num-prompts {opts.num_prompts}: give a positive number.")
+        # A malformed value is a usage error (2), like --max-new-tokens 0; more prompts than the
+        # set holds is a well-formed value that the content contradicts (6, docs/cli.md).
+        if isinstance(opts.num_prompts, bool) or not isinstance(opts.num_prompts, int) or opts.num_prompts < 1:
+            raise UsageError(f"--num-prompts {opts.num_prompts}: give a positive number.")
+        if opts.num_prompts > len(records):
+            raise BadInputError(f"--num-prompts {opts.num_prompts}, but {opts.prompts} holds only {len(records)} "
+                                f"prompt(s); pass --num-prompts {len(records)} or fewer, or leave it out to "
+                                "use them all.")
         records = records[: opts.num_prompts]
     upstream = [record_digest({"messages": r["messages"]}) for r in records]
     return Node.make_samples(NAME, VERSION, inputs={}, upstream_samples=upstream, ids=[r["id"] for r in records],

@@ -29,7 +29,7 @@ from pathlib import Path
 from ..graph import Node, RunContext
 
 NAME = "report"
-VERSION = 4  # 2: steps, report.html, tau_by_step.png; 3: "latest" is the highest step; 4: per-sample evals
+VERSION = 5  # 2: steps, report.html, tau_by_step.png; 3: "latest" is the highest step; 4: "definitions", the legend; 5: per-sample evals
 
 FILES = {"report.json": "report", "report.md": "markdown", "histogram.png": "png_histogram",
          "acceptance_by_position.png": "png_position", "tau_by_step.png": "png_tau_by_step",
@@ -72,7 +72,23 @@ def make_report(summaries: list[dict], keys: list[str], steps: list | None = Non
         f"{d['trained_on']} to compare like with like."
         for d in drafters if d["backend_mismatch"]]
     rule = summaries[0]["rule"] if summaries else None
-    return {"end_rule": rule, "drafters": drafters, "warnings": warnings}
+    return {"end_rule": rule, "drafters": drafters, "warnings": warnings, "definitions": DEFINITIONS}
+
+
+# What each number is, in the report itself (JSON, markdown, HTML): τ and tokens/block are two
+# different averages, and a small tree budget can be below the chain; readers took both for bugs.
+DEFINITIONS = {
+    "tau_chain": "τ: the mean over responses of each response's mean block value (tokens committed per "
+                 "drafter pass: accepted drafts + the bonus token), chain drafting",
+    "tau_tree": "τ with a DDTree of N drafted nodes (budget N): a path of at most N drafts is verified, so "
+                "a small N can be below the chain, which verifies all block_size - 1 drafts",
+    "tokens_per_block": "all committed tokens / all blocks, pooled over responses (long responses weigh "
+                        "more), so τ can be above or below it",
+    "blocks": "chain blocks over all responses", "responses": "responses with at least one block count toward τ",
+}
+LEGEND = ("τ chain = mean over responses of each response's mean tokens per block (accepted + bonus); "
+          "tokens/block = all tokens / all blocks, pooled, so τ can exceed it; τ tree-N = τ with a DDTree "
+          "of N drafted nodes, which at a small N can be below the chain.")
 
 
 def table(report: dict) -> tuple[list[str], list[list[str]]]:
@@ -99,6 +115,7 @@ def markdown_table(report: dict) -> str:
     text = "\n".join(lines)
     if report["warnings"]:
         text += "\n\n" + "\n".join(f"**{w}**" for w in report["warnings"])
+    text += f"\n\n{LEGEND}"
     text += (f"\n\nEnd rule: {report['end_rule']} (each block capped at the completion tokens left after "
              "its root; see docs/metrics.md).")
     return text
@@ -165,7 +182,7 @@ def html_page(store, report: dict, pngs: dict[str, bytes], target_dir: str | Non
                 "png_position": "acceptance by position"}
     return reporting.page(
         title="dfcache report: " + " vs ".join(d["drafter"] for d in drafters[:4]) + (" …" if len(drafters) > 4 else ""),
-        subtitle=f"end rule {report['end_rule']}; {len(drafters)} drafter(s)",
+        subtitle=f"end rule {report['end_rule']}; {len(drafters)} drafter(s). {LEGEND}",
         table=reporting.table_html(head, list(zip(classes, rows))),
         images=[(captions[k], pngs[k]) for k in captions if k in pngs], sections=[section],
         warnings=report["warnings"])
@@ -196,21 +213,21 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
 def materialize(store, key: str) -> dict[str, Path]:
     """Write the report's files under <store>/reports/<key[:12]>/ (once) and return their paths."""
     art = store.open(key)
-    root = getattr(store.backend, "root", None)
-    if root is None:
+    reports = store.local_dir("reports")
+    if reports is None:
         return {}
-    out = Path(root) / "reports" / key[:12]
-    paths = {}
-    for filename, name in FILES.items():
-        if name not in art.manifest.blobs and name not in art.manifest.arrays:
-            continue  # e.g. no tau_by_step.png without training steps
-        path = out / filename
-        paths[filename] = path
+    out = reports / key[:12]
+    paths = {filename: out / filename for filename, name in FILES.items()
+             if name in art.manifest.blobs or name in art.manifest.arrays}  # e.g. no tau_by_step.png without steps
+    for filename, path in paths.items():
+        name = FILES[filename]
         if path.exists():
             continue
         out.mkdir(parents=True, exist_ok=True)
         if name in art.manifest.blobs:
             doc = art.json(name)
+            if filename == "report.json":  # what `run eval --json` prints, less the run's own figures
+                doc = {**doc, "report_key": key, "files": {k: str(v) for k, v in paths.items()}}
             data = (doc if isinstance(doc, str) else json.dumps(doc, indent=1)).encode() + b"\n"
         else:
             data = art.array(name).read().tobytes()

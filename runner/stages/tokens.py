@@ -19,6 +19,11 @@ drops it).
 
 Output, per sample: array ``ids`` (int32, prompt then completion) and the document
 ``{"finish_reason", "tokens_source", "eos_appended", "prompt_len", "completion_len"}``.
+
+Imported sets (`dfcache import`, runner/imports.py) keep the set-level layout: one tokens
+artifact (``token_ids``, ``offsets``, ``prompt_lens``, ``completion_lens``, document ``samples``),
+with an ``imported`` input (the ids' digest) instead of an upstream, and one more array,
+``loss_mask`` int8 (the peer's own mask).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import numpy as np
 from dfcache.errors import BadInputError
 
 from ..graph import Node, RunContext
+from ..summaries import samples_origin
 from ..models.resolve import eos_token_ids, resolved_target
 
 NAME = "tokens"
@@ -70,7 +76,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         eos = eos_token_ids(target_dir) or ([tok.eos_token_id] if tok.eos_token_id is not None else [])
         enable_thinking = bool(node.inputs["enable_thinking"])
         with SampleSink(ctx.store, node.partition, arrays={"ids": SampleArray((), "int32")},
-                        summary=node.summary, max_samples=COMMIT_EVERY) as sink:
+                        summary=f"ids of {samples_origin(ctx.store, comps_node)}", max_samples=COMMIT_EVERY) as sink:
             for i, msgs, c in zip(todo, messages, comps):
                 p_ids = encode_prompt(tok, msgs, enable_thinking)
                 eos_appended = False

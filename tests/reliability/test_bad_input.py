@@ -23,7 +23,7 @@ from typing import Callable
 
 import pytest
 from rel_helpers import MAX_NEW, NUM_PROMPTS, artifacts_listing, copy_store, has_stage
-from servers import ScriptedServer, SilentListener, free_port
+from servers import ClosedPort, ScriptedServer, SilentListener
 
 from dfcache.errors import (EXIT_BAD_INPUT, EXIT_INTEGRITY, EXIT_NETWORK, EXIT_OFFLINE_MISSING, EXIT_OK,
                             EXIT_USAGE)
@@ -39,6 +39,7 @@ class Ctx:
     target: str
     url: str = DEAD
     files: dict = field(default_factory=dict)
+    keys: dict = field(default_factory=dict)  # the base store's artifacts, by stage
 
     def run(self, stage: str, *extra, target: str | None = None, url: str | None = None, max_new: int = MAX_NEW,
             prompts: int = NUM_PROMPTS) -> list:
@@ -58,6 +59,7 @@ class Case:
     heavy: bool = False  # loads torch (run in the fork server that has it imported)
     env: dict | None = None
     xfail: str | None = None  # a known gap, reported, not fixed here
+    absent: list[str] = field(default_factory=list)  # words the message must not contain
 
 
 def prompt_file(text: str | bytes) -> Callable[[Ctx], None]:
@@ -82,7 +84,8 @@ def model_dir(keep: tuple[str, ...] = (), config: bytes | None = None) -> Callab
     return setup
 
 
-def drafter(edit: Callable[[dict], None]) -> Callable[[Ctx], None]:
+def drafter(edit: Callable[[dict], None] = lambda cfg: None, weights: Callable[[Path], None] | None = None
+            ) -> Callable[[Ctx], None]:
     def setup(ctx: Ctx) -> None:
         from runner.train_tiny import make_untrained_drafter
 
@@ -91,7 +94,25 @@ def drafter(edit: Callable[[dict], None]) -> Callable[[Ctx], None]:
         cfg = json.loads((d / "config.json").read_text())
         edit(cfg)
         (d / "config.json").write_text(json.dumps(cfg))
+        if weights is not None:
+            weights(d / "model.safetensors")
         ctx.files["drafter"] = d
+    return setup
+
+
+def truncate(f: Path) -> None:
+    """A download or copy that stopped half-way."""
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def overwrite(f: Path) -> None:
+    f.write_bytes(b"<html>404 Not Found</html>\n" * 10)
+
+
+def model_with(keep: tuple[str, ...], weights: Callable[[Path], None]) -> Callable[[Ctx], None]:
+    def setup(ctx: Ctx) -> None:
+        model_dir(keep)(ctx)
+        weights(ctx.files["model"] / "model.safetensors")
     return setup
 
 
@@ -106,6 +127,20 @@ def _no_layer_ids(cfg: dict) -> None:
 
 def _other_hidden(cfg: dict) -> None:
     cfg["hidden_size"] = cfg.get("hidden_size", 128) * 2
+
+
+def _layer_past_the_end(cfg: dict) -> None:
+    cfg["dflash_config"]["target_layer_ids"] = [1, 6]
+
+
+def a_file(name: str = "store-file") -> Callable[[Ctx], None]:
+    def setup(ctx: Ctx) -> None:
+        (ctx.tmp / name).write_text("not a store\n")
+    return setup
+
+
+SIX = "".join(f'{{"id": "p{i}", "prompt": "question {i}"}}\n' for i in range(6))
+FILE_STORE = "{tmp}/store-file is a file, not a directory"
 
 
 CASES = [
@@ -133,15 +168,23 @@ CASES = [
          lambda c: ["run", "prompts", "--prompts", c.tmp / "nope.jsonl"]),
     Case("prompts: unknown built-in set", EXIT_BAD_INPUT, ["builtin:nope", "builtin:coding"],
          lambda c: ["run", "prompts", "--prompts", "builtin:nope"]),
-    Case("prompts: --num-prompts 0", EXIT_BAD_INPUT, ["--num-prompts 0"],
+    Case("prompts: --num-prompts 0", EXIT_USAGE, ["--num-prompts 0", "positive number"],
          lambda c: ["run", "prompts", "--num-prompts", "0"]),
+    Case("prompts: --num-prompts past the end of the set", EXIT_BAD_INPUT,
+         ["--num-prompts 99", f"{P} holds only 6 prompt(s)", "--num-prompts 6 or fewer"],
+         lambda c: ["run", "prompts", "--prompts", c.files["prompts"], "--num-prompts", "99"], prompt_file(SIX)),
     # ---- layer ids (exit 6), checked when the graph is built, before any work
-    Case("layers: id past the last layer", EXIT_BAD_INPUT, ["layer id 6 is out of range", "ids 0..5"],
-         lambda c: c.run("hidden-states", "--offline", "--layer", "1", "--layer", "6"), needs="hidden_states"),
+    Case("layers: id past the last layer", EXIT_BAD_INPUT, ["layer id 6 is out of range", "ids 0..5", "--layer,"],
+         lambda c: c.run("hidden-states", "--offline", "--layer", "1", "--layer", "6"), needs="hidden_states",
+         absent=["--layers"]),
+    Case("layers: run hidden-states --drafter takes the drafter's target_layer_ids", EXIT_BAD_INPUT,
+         ["layer id 6 is out of range", "target_layer_ids"],
+         lambda c: c.run("hidden-states", "--offline", "--drafter", c.files["drafter"]), drafter(_layer_past_the_end),
+         needs="hidden_states", absent=["no hidden-state layers requested"]),
     Case("layers: negative id", EXIT_BAD_INPUT, ["layer id -1 is out of range"],
          lambda c: c.run("hidden-states", "--offline", "--layer", "-1"), needs="hidden_states"),
-    Case("layers: none requested", EXIT_BAD_INPUT, ["no hidden-state layers requested"],
-         lambda c: c.run("hidden-states", "--offline"), needs="hidden_states"),
+    Case("layers: none requested", EXIT_BAD_INPUT, ["no hidden-state layers requested", "--layer (repeatable"],
+         lambda c: c.run("hidden-states", "--offline"), needs="hidden_states", absent=["--layers"]),
     Case("layers: not an integer", EXIT_USAGE, ["'--layer'", "valid integer"],
          lambda c: c.run("hidden-states", "--offline", "--layer", "one")),
     # ---- the target model (exit 6)
@@ -160,6 +203,17 @@ CASES = [
     Case("target: no weights, local completions", EXIT_BAD_INPUT, ["{tmp}/model", "has no weights"],
          lambda c: ["run", "completions", "--target", c.files["model"], "--completions", "local",
                     "--num-prompts", "2", "--max-new-tokens", "4"], model_dir(TARGET_FILES)),
+    Case("target: tokenizer_config.json without tokenizer.json", EXIT_BAD_INPUT,
+         ["{tmp}/model has tokenizer_config.json but no tokenizer.json", "copy tokenizer.json"],
+         lambda c: ["run", "completions", "--target", c.files["model"], "--completions", "local",
+                    "--num-prompts", "2", "--max-new-tokens", "4"],
+         model_dir(("config.json", "generation_config.json", "tokenizer_config.json", "chat_template.jinja",
+                    "model.safetensors"))),
+    Case("target: truncated model.safetensors, local completions", EXIT_BAD_INPUT,
+         ["{tmp}/model/model.safetensors is not a valid safetensors file", "truncated", "re-download"],
+         lambda c: ["run", "completions", "--target", c.files["model"], "--completions", "local",
+                    "--num-prompts", "2", "--max-new-tokens", "4"],
+         model_with(TARGET_FILES + ("model.safetensors",), truncate)),
     # ---- drafters (exit 6)
     Case("drafter: config without target_layer_ids", EXIT_BAD_INPUT, ["target_layer_ids"],
          lambda c: c.run("eval", "--offline", "--drafter", c.files["drafter"]), drafter(_no_layer_ids),
@@ -167,6 +221,14 @@ CASES = [
     Case("drafter: hidden size differs from the target's", EXIT_BAD_INPUT, ["hidden"],
          lambda c: c.run("eval", "--offline", "--drafter", c.files["drafter"]), drafter(_other_hidden),
          needs="drafter_eval", heavy=True),
+    Case("drafter: truncated model.safetensors, checked before any stage runs", EXIT_BAD_INPUT,
+         ["{tmp}/drafter/model.safetensors is not a valid safetensors file", "truncated", "re-download"],
+         lambda c: c.run("eval", "--offline", "--drafter", c.files["drafter"]), drafter(weights=truncate),
+         needs="drafter_eval"),
+    Case("drafter: model.safetensors that is not safetensors", EXIT_BAD_INPUT,
+         ["{tmp}/drafter/model.safetensors is not a valid safetensors file", "header length"],
+         lambda c: c.run("eval", "--offline", "--drafter", c.files["drafter"]), drafter(weights=overwrite),
+         needs="drafter_eval"),
     Case("drafter: directory does not exist", EXIT_BAD_INPUT, ["{tmp}/no-drafter"],
          lambda c: c.run("eval", "--offline", "--drafter", c.tmp / "no-drafter"), needs="drafter_eval"),
     # ---- the completions server (exit 4): one check up front, no retry loop, nothing cached
@@ -210,6 +272,31 @@ CASES = [
          lambda c: ["verify", "0123"]),
     Case("usage: unknown run target", EXIT_USAGE, ["unknown target 'everything'"], lambda c: ["run", "everything"]),
     Case("usage: --max-new-tokens 0", EXIT_USAGE, ["--max-new-tokens 0"], lambda c: c.run("tokens", max_new=0)),
+    Case("gc: --key of an artifact that others depend on", EXIT_USAGE,
+         ["that others depend on", "{key_completions} is needed by {key_tokens}", "--force"],
+         lambda c: ["gc", "--yes", "--key", c.keys["completions"][:12]]),
+    Case("gc: --stage whose artifacts others depend on (dry run says so too)", EXIT_USAGE,
+         ["that others depend on", "{key_prompts} is needed by {key_completions}", "--force"],
+         lambda c: ["gc", "--dry-run", "--stage", "prompts"]),
+    Case("usage: --end-rule continuation (not wired: refused before any key)", EXIT_USAGE,
+         ["--end-rule continuation is not available yet", "--end-rule within"],
+         lambda c: c.run("eval", "--offline", "--end-rule", "continuation")),
+    Case("usage: --tree-budget 0", EXIT_USAGE, ["--tree-budget 0"], lambda c: c.run("eval", "--tree-budget", "0")),
+    # ---- a store path that is a file (exit 2), whatever the command and wherever --store stands
+    Case("store: a file (ls)", EXIT_USAGE, [FILE_STORE], lambda c: ["--store", c.tmp / "store-file", "ls"], a_file()),
+    Case("store: a file (ls --store after the command)", EXIT_USAGE, [FILE_STORE],
+         lambda c: ["ls", "--store", c.tmp / "store-file"], a_file()),
+    Case("store: a file (verify)", EXIT_USAGE, [FILE_STORE], lambda c: ["verify", "--store", c.tmp / "store-file"],
+         a_file()),
+    Case("store: a file (gc)", EXIT_USAGE, [FILE_STORE],
+         lambda c: ["--store", c.tmp / "store-file", "gc", "--dry-run"], a_file()),
+    Case("store: a file (run)", EXIT_USAGE, [FILE_STORE],
+         lambda c: ["--store", c.tmp / "store-file", *c.run("tokens", "--offline")], a_file()),
+    # ---- ls filters that can never match (exit 2, with the valid choices)
+    Case("ls: --stage that is no stage", EXIT_USAGE, ["--stage 'nonsense'", "hidden_states", "tokens"],
+         lambda c: ["ls", "--stage", "nonsense"]),
+    Case("ls: --backend that is a device, not a kernel", EXIT_USAGE, ["--backend 'cuda'", "fla, torch"],
+         lambda c: ["ls", "--backend", "cuda"]),
 ]
 
 
@@ -217,12 +304,16 @@ def _server(kind: str | None):
     if kind is None:
         return None
     if kind == "closed":
-        return None
+        return ClosedPort()
     if kind == "silent":
         return SilentListener()
     if kind == "loading":
         return ScriptedServer(chat="ok", health="loading").start()
     return ScriptedServer(chat=kind).start()
+
+
+def staging_listing(store: Path) -> list[str]:
+    return sorted(p.name for p in (Path(store) / "staging").iterdir()) if (Path(store) / "staging").is_dir() else []
 
 
 def check_one_message(r, code: int) -> str:
@@ -239,22 +330,20 @@ def check_one_message(r, code: int) -> str:
     return err
 
 
-@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(reason=c.xfail, strict=False)]
-                                                 if c.xfail else []) for c in CASES])
-def test_bad_input(case: Case, zygote, heavy_zygote, base_store, tiny_target, tmp_path, figures):
+def _run_case(case: Case, zygote, heavy_zygote, base_store, tiny_target, tmp_path, extra: tuple = ()):
+    """Set the case up, run it (with ``extra`` arguments at the end) and return what it gave."""
     if case.needs and not has_stage(case.needs):
         pytest.skip(f"needs runner/stages/{case.needs}.py (the {case.needs.replace('_', ' ')} stage), not there yet")
     store = copy_store(base_store, tmp_path / "store")
-    ctx = Ctx(store=store, tmp=tmp_path, target=str(tiny_target))
+    ctx = Ctx(store=store, tmp=tmp_path, target=str(tiny_target), keys=dict(base_store["keys"]))
     if case.setup:
         case.setup(ctx)
     server = _server(case.server)
-    if case.server == "closed":
-        ctx.url = f"http://127.0.0.1:{free_port()}"
-    elif server is not None:
+    if server is not None:
         ctx.url = server.url
     before = artifacts_listing(store)
-    argv = [str(a) for a in case.argv(ctx)]
+    staging_before = staging_listing(store)
+    argv = [str(a) for a in case.argv(ctx)] + list(extra)
     if argv[0] != "--store":
         argv = ["--store", str(store), *argv]
     try:
@@ -267,12 +356,47 @@ def test_bad_input(case: Case, zygote, heavy_zygote, base_store, tiny_target, tm
             (server.stop if hasattr(server, "stop") else server.close)()
     assert r.code == case.code, f"{case.id}: exit {r.code}, want {case.code}\n{r.err[-3000:]}"
     err = check_one_message(r, case.code)
-    fmt = {"tmp": str(tmp_path), "prompts": str(ctx.files.get("prompts")), "url": ctx.url}
+    fmt = {"tmp": str(tmp_path), "prompts": str(ctx.files.get("prompts")), "url": ctx.url,
+           **{f"key_{stage}": key[:12] for stage, key in ctx.keys.items()}}
     for w in case.words:
         w = w.format(**fmt)
         assert w in err, f"{case.id}: {w!r} not in the message:\n{err}"
+    for w in case.absent:
+        assert w.format(**fmt) not in err, f"{case.id}: {w!r} should not be in the message:\n{err}"
     assert artifacts_listing(store) == before, f"{case.id}: the store changed"
+    if case.server is None:  # (a failed generation request may keep resumable progress)
+        assert staging_listing(store) == staging_before, f"{case.id}: left {staging_listing(store)} in staging"
+    if case.code != EXIT_OK:
+        ok = zygote.cli("--store", store, "verify", timeout=120)
+        assert ok.code == 0, f"{case.id}: the store does not verify afterwards:\n{ok.err[-2000:]}"
+    return r, seconds
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id, marks=[pytest.mark.xfail(reason=c.xfail, strict=False)]
+                                                 if c.xfail else []) for c in CASES])
+def test_bad_input(case: Case, zygote, heavy_zygote, base_store, tiny_target, tmp_path, figures):
+    r, seconds = _run_case(case, zygote, heavy_zygote, base_store, tiny_target, tmp_path)
     figures.record("bad_input_cases", **{case.id: {"exit": r.code, "seconds": round(seconds, 2)}})
+
+
+# One case of every exit code and kind of failure (a stage's error, click's own usage error, the
+# store, the network, offline, integrity), run again with --json at the end of the line.
+JSON_CASES = ["prompts: malformed JSON line", "layers: not an integer", "usage: unknown run target",
+              "store: a file (ls --store after the command)", "server: missing completions while offline",
+              "remote: S3 endpoint unreachable (ls --remote)", "store: damaged store marker"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id in JSON_CASES], ids=lambda c: c.id)
+def test_bad_input_under_json_is_one_object_on_stdout(case: Case, zygote, heavy_zygote, base_store, tiny_target,
+                                                      tmp_path):
+    r, _ = _run_case(case, zygote, heavy_zygote, base_store, tiny_target, tmp_path, extra=("--json",))
+    lines = r.out.splitlines()
+    assert len(lines) == 1, f"{case.id}: stdout is not one JSON line:\n{r.out}"
+    obj = json.loads(lines[0])
+    assert obj["exit_code"] == case.code and obj["error"], obj
+    assert obj["error"].splitlines()[0] in r.err  # the same message as the human line
+    if case.code == EXIT_OFFLINE_MISSING:
+        assert obj["missing"] and obj["missing"][0]["stage"] == "completions", obj
 
 
 def test_same_answers_through_python_m_dfcache(base_store, env, tmp_path):

@@ -47,7 +47,6 @@ def network_events(log: Path) -> list[dict]:
 OFFLINE_WAYS = {
     "--offline": (["--offline"], {}),
     "DFCACHE_OFFLINE=1": ([], {"DFCACHE_OFFLINE": "1"}),
-    "HF_HUB_OFFLINE=1": ([], {"HF_HUB_OFFLINE": "1"}),
     "--offline with a default S3 remote configured": (["--offline"], {"DFCACHE_CONFIG": "{cfg}"}),
 }
 

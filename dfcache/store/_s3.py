@@ -1,17 +1,11 @@
-"""Remote stores: S3 object stores, and ``file://`` directories read without following symlinks.
+"""``s3://bucket/prefix`` stores: :class:`ObjectStoreBackend`, on zarr's ``zarr.storage.ObjectStore``
+over an obstore ``S3Store``.
 
-``open_remote_backend(url)`` gives the backend for a remote URL:
-
-- ``s3://bucket/prefix``: :class:`ObjectStoreBackend`, built on zarr's own
-  ``zarr.storage.ObjectStore`` over an obstore ``S3Store``. Endpoint, region and credentials come
-  from the usual AWS variables (``AWS_ENDPOINT_URL``/``AWS_ENDPOINT_URL_S3``,
-  ``AWS_REGION``/``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
-  ``AWS_SESSION_TOKEN``), overridden by the ``endpoint_url``/``region`` arguments (``--endpoint-url``,
-  ``[remote.NAME] endpoint_url/region`` in the config).
-- ``file:///path``: :class:`FileRemoteBackend`, the local directory backend (a shared
-  filesystem is a fine remote) whose reads refuse symbolic links anywhere below the store root.
-  A remote is someone else's directory: a symlink in it could make a pull copy any file this user
-  can read (``~/.ssh/id_rsa`` as a "chunk") into the store, so no path is ever followed through one.
+Endpoint, region and credentials come from the usual AWS variables, read in
+:func:`dfcache.config.aws_settings`, overridden by the ``endpoint_url``/``region`` arguments
+(``--endpoint-url``, ``[remote.NAME] endpoint_url/region`` in the config). Every request goes
+through :meth:`ObjectStoreBackend._run`, which maps transport failures to dfcache errors; offline
+mode refuses the backend before it is built (:meth:`Backend.check_offline`).
 
 Why obstore (``zarr.storage.ObjectStore``) and not s3fs (``zarr.storage.FsspecStore``):
 
@@ -34,7 +28,7 @@ create-if-absent (``If-None-Match: *``), is what makes an artifact exist: reader
 partial artifact. Uploading straight under ``artifacts/<key[:2]>/<key>/`` would be safe only if
 every writer of a key wrote the same bytes, and it does not: one key covers sampled completions
 and GPU kernels with non-deterministic reductions, so two writers' chunk objects of the same names
-would interleave and the winning manifest would describe a mix. Hence the lease, an object taken
+would interleave and the winning manifest would describe a mix. Hence the lease (``_s3_lease.py``), an object taken
 with create-if-absent and rewritten every ``LEASE_REFRESH_S`` by its holder's heartbeat:
 
 - Direct mode (the usual case): the writer takes the key's lease when it opens, deletes whatever
@@ -64,32 +58,22 @@ import asyncio
 import atexit
 import contextlib
 import datetime as _dt
-import errno
 import json
-import os
 import re
-import socket
-import stat
 import threading
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from urllib.parse import urlsplit
 
-from ..config import offline_from_env
-from ..errors import (ConnectionRefused, DfcacheError, IntegrityError, NetworkError,
-                      OfflineModeIsEnabled, ServerHTTPError, ServerTimeout, ServerUnreachable,
-                      UsageError)
+from ..config import aws_settings
+from ..errors import (ConnectionRefused, DfcacheError, IntegrityError, NetworkError, ServerHTTPError,
+                      ServerTimeout, ServerUnreachable, UsageError)
 from ..keys import KEY_PATTERN
-from ._backend import MANIFEST, Backend, Staging, Temporary
-from ._local import STORE_MARKER, LocalBackend
+from ._backend import Backend, Staging, Temporary
+from ._s3_lease import LEASE_STALE_S, LEASE_WAIT_S, _Lease
+from .format import FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES, STORE_MARKER, check_relpath, store_marker_bytes
 
-MANIFEST_MAX_BYTES = 64 << 20  # a manifest beyond this is hostile or broken; never download more
-LEASE_STALE_S = 120.0
-LEASE_REFRESH_S = 20.0
-LEASE_MARGIN_S = 40.0  # how late a write may land after it started (request timeouts, retries)
-LEASE_WAIT_S = 600.0  # how long a publisher waits for another live writer of the same key
 IO_CONCURRENCY = 32
 
 # Bounded retries: transient 5xx and dropped connections are retried for a few seconds; a dead
@@ -118,27 +102,6 @@ def _settle_at_exit() -> None:
 
 
 atexit.register(_settle_at_exit)
-
-
-def open_remote_backend(url: str, *, endpoint_url: str | None = None, region: str | None = None,
-                        create: bool = True, offline: bool | None = None) -> Backend:
-    """The backend for a remote URL (``s3://bucket/prefix`` or ``file:///path``).
-
-    Nothing is contacted here; the first operation does. While offline (``offline`` or
-    ``DFCACHE_OFFLINE``/``HF_HUB_OFFLINE``) a URL that needs the network is refused with
-    :class:`OfflineModeIsEnabled` before any socket is opened.
-    """
-    if url.startswith("file://"):
-        return FileRemoteBackend(url[len("file://"):], create=create)
-    offline = offline_from_env() if offline is None else offline
-    if offline:
-        raise OfflineModeIsEnabled(f"cannot reach {url}: offline mode is on (--offline, DFCACHE_OFFLINE or "
-                                   "HF_HUB_OFFLINE); use a file:// remote or turn offline mode off.", url=url)
-    scheme = url.split("://", 1)[0].lower()
-    if scheme == "s3":
-        return ObjectStoreBackend(url, endpoint_url=endpoint_url, region=region)
-    raise UsageError(f"remote {url}: the {scheme}:// scheme is not supported; use s3://bucket/prefix "
-                     "(any S3-compatible server with --endpoint-url) or file:///path.")
 
 
 # ----------------------------------------------------------------------------------- errors
@@ -187,100 +150,6 @@ def _map_error(exc: BaseException, backend: "ObjectStoreBackend", what: str) -> 
 # ------------------------------------------------------------------------------- S3 backend
 
 
-class _Lease:
-    """``locks/<key>.lease``: the right to write under ``artifacts/<key[:2]>/<key>/``.
-
-    A holder rewrites it every ``LEASE_REFRESH_S`` from a heartbeat thread, so waiters see it is
-    live. A waiter takes a lease over only after seeing the same body for ``LEASE_STALE_S`` on
-    its own clock, which starts after our last write landed; so until ``safe_until`` (last write
-    started + stale period - margin for a slow request) nobody else can hold it. Past that, the
-    holder checks with a GET before writing again.
-    """
-
-    def __init__(self, backend: "ObjectStoreBackend", key: str, writer: str) -> None:
-        self.backend = backend
-        self.key = key
-        self.path = f"locks/{key}.lease"
-        self.writer = writer
-        self.n = 0
-        self.body = self._make_body()
-        self.safe_until = 0.0
-        self.lost = False
-        self.released = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._alock: asyncio.Lock | None = None  # heartbeat and writer refresh on one event loop
-
-    def _make_body(self) -> bytes:
-        return json.dumps({"writer": self.writer, "host": socket.gethostname(), "pid": os.getpid(),
-                           "n": self.n}).encode()
-
-    async def try_create(self) -> bool:
-        started = time.monotonic()
-        if await self.backend._create(self.path, self.body):
-            self.safe_until = started + LEASE_STALE_S - LEASE_MARGIN_S
-            return True
-        return False
-
-    async def refresh(self) -> None:
-        if self._alock is None:
-            self._alock = asyncio.Lock()
-        async with self._alock:
-            if self.lost or self.released:
-                return
-            started = time.monotonic()
-            if started >= self.safe_until and await self.backend._get(self.path, limit=1 << 16) != self.body:
-                self.lost = True
-                return
-            self.n += 1
-            body = self._make_body()
-            await self.backend._set(self.path, body)
-            self.body = body
-            self.safe_until = started + LEASE_STALE_S - LEASE_MARGIN_S
-
-    def ensure_held(self) -> None:
-        """Before writing under the artifact's prefix: raise if another writer may own it now."""
-        if self.lost or time.monotonic() >= self.safe_until:
-            self.backend._run(self.check(), f"refreshing the write lease of {self.key[:12]} on")
-
-    async def check(self) -> None:
-        if not self.lost and time.monotonic() >= self.safe_until:
-            await self.refresh()
-        if self.lost:
-            raise NetworkError(f"lost the write lease of {self.key} on {self.backend.url} (no contact with the "
-                               f"server for over {LEASE_STALE_S:.0f} s, and another writer took over). Nothing "
-                               "of ours was published; run the command again.", url=self.backend.url)
-
-    def start_heartbeat(self) -> None:
-        self._thread = threading.Thread(target=self._beat, name=f"dfcache-lease-{self.key[:8]}", daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        while not self._stop.wait(LEASE_REFRESH_S) and not self.lost:
-            try:
-                self.backend._run(self.refresh(), "refreshing a write lease on")
-            except DfcacheError:
-                pass  # try again next period; ensure_held stops writes if it stays unreachable
-
-    def release(self) -> None:
-        """Stop the heartbeat and delete the lease if it is still ours (best effort, idempotent)."""
-        self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
-        if self.lost or self.released:
-            return
-        self.released = True
-
-        async def go():
-            if time.monotonic() < self.safe_until or await self.backend._get(self.path, limit=1 << 16) == self.body:
-                await self.backend.zstore.delete(self.path)
-
-        try:
-            self.backend._run(go(), "releasing a write lease on")
-        except DfcacheError:
-            pass  # a lease we cannot delete goes stale and is taken over, or removed by gc
-
-
 class _ObjectStaging(Staging):
     """One writer's artifact on an object store; see the module docstring.
 
@@ -326,7 +195,7 @@ class _ObjectStaging(Staging):
         return True
 
     def put(self, relpath: str, data) -> int:
-        _check_relpath(relpath)
+        check_relpath(relpath)
         parts = data if isinstance(data, (list, tuple)) else [data]
         blob = b"".join(parts) if len(parts) != 1 else bytes(parts[0])
         if self._already_published:
@@ -339,7 +208,7 @@ class _ObjectStaging(Staging):
         return len(blob)
 
     def get(self, relpath: str) -> bytes | None:
-        _check_relpath(relpath)
+        check_relpath(relpath)
         with self._lock:
             if relpath not in self._staged:
                 return None
@@ -431,7 +300,6 @@ class _ObjectStaging(Staging):
 class ObjectStoreBackend(Backend):
     """An S3 (or S3-compatible) store at ``s3://bucket/prefix`` through ``zarr.storage.ObjectStore``."""
 
-    is_local = False
     needs_network = True
 
     def __init__(self, url: str, *, endpoint_url: str | None = None, region: str | None = None) -> None:
@@ -446,10 +314,9 @@ class ObjectStoreBackend(Backend):
         if any(p in ("", ".", "..") for p in self.prefix.split("/")) and self.prefix:
             raise UsageError(f"{url!r}: the prefix must not contain empty, '.' or '..' parts.")
         self.url = f"s3://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "")
-        env = os.environ
-        self.endpoint = (endpoint_url or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
-                         or env.get("AWS_ENDPOINT") or None)
-        self.region = region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None
+        aws = aws_settings()
+        self.endpoint = endpoint_url or aws.endpoint_url
+        self.region = region or aws.region
         kwargs: dict = {}
         if self.endpoint:
             kwargs["endpoint"] = self.endpoint
@@ -480,7 +347,11 @@ class ObjectStoreBackend(Backend):
             raise
         except FileNotFoundError:
             raise
-        except Exception as e:
+        except (KeyboardInterrupt, SystemExit, GeneratorExit):
+            raise
+        except BaseException as e:
+            # Whatever else the object store raises is a failure of the transport: exit 4, always,
+            # including classes that are not Exceptions (pyo3's PanicException, CancelledError).
             raise _map_error(e, self, what) from None
 
     @staticmethod
@@ -515,8 +386,8 @@ class ObjectStoreBackend(Backend):
         data = buf.to_bytes()
         if limit is not None and len(data) > limit:
             raise IntegrityError(f"{self.url}/{path} is larger than {limit} bytes, more than its manifest "
-                                 "allows; the remote copy is damaged or hostile. Delete it there and push "
-                                 "a good copy.")
+                                 "allows; the remote copy is damaged or hostile.",
+                                 fix="Delete it there and push a good copy.")
         return data
 
     async def _create(self, path: str, data: bytes) -> bool:
@@ -585,15 +456,14 @@ class ObjectStoreBackend(Backend):
                 fmt = json.loads(raw).get("format_version")
             except (ValueError, AttributeError):
                 fmt = None
-            if fmt != 1:
-                raise UsageError(f"{self.url} has store format {fmt!r}; this dfcache reads format 1. "
+            if fmt != FORMAT_VERSION:
+                raise UsageError(f"{self.url} has store format {fmt!r}; this dfcache reads format {FORMAT_VERSION}. "
                                  "Upgrade dfcache or use another prefix.")
         self._format_checked = True
 
     async def _ensure_marker(self) -> None:
         if not self._marker_written:
-            body = json.dumps({"format_version": 1, "kind": "dfcache-store"}).encode() + b"\n"
-            await self._create(STORE_MARKER, body)
+            await self._create(STORE_MARKER, store_marker_bytes())
             self._marker_written = True
 
     async def _acquire_lease(self, key: str, writer: str) -> _Lease | None:
@@ -637,7 +507,7 @@ class ObjectStoreBackend(Backend):
 
         async def go():
             await self._check_format()
-            return await self._get(self._art(key, MANIFEST), limit=MANIFEST_MAX_BYTES)
+            return await self._get(self._art(key, MANIFEST), limit=MAX_MANIFEST_BYTES)
 
         return self._run(go(), f"reading manifest {key[:12]} from")
 
@@ -647,7 +517,7 @@ class ObjectStoreBackend(Backend):
             shards = [s for s in await self._list_dir("artifacts") if re.fullmatch(r"[0-9a-f]{2}", s)]
             per_shard = await self._gather(self._list_dir(f"artifacts/{s}") for s in shards)
             keys = sorted(k for names in per_shard for k in names if KEY_PATTERN.match(k))
-            raws = await self._gather(self._get(self._art(k, MANIFEST), limit=MANIFEST_MAX_BYTES) for k in keys)
+            raws = await self._gather(self._get(self._art(k, MANIFEST), limit=MAX_MANIFEST_BYTES) for k in keys)
             return [(k, raw) for k, raw in zip(keys, raws) if raw is not None]
 
         yield from self._run(go(), "listing")
@@ -657,7 +527,7 @@ class ObjectStoreBackend(Backend):
 
     def read_file_limited(self, key: str, relpath: str, limit: int | None) -> bytes:
         """Like ``read_file`` but downloads at most ``limit`` bytes (IntegrityError if larger)."""
-        _check_relpath(relpath)
+        check_relpath(relpath)
         data = self._run(self._get(self._art(key, relpath), limit=limit), f"reading {relpath} of {key[:12]} from")
         if data is None:
             raise FileNotFoundError(f"{self.url}/{self._art(key, relpath)}")
@@ -756,129 +626,3 @@ class ObjectStoreBackend(Backend):
 
         return self._run(go(), "removing temporaries in")
 
-
-def _check_relpath(relpath: str) -> None:
-    """Relative names inside an artifact: no absolute paths, no empty, '.' or '..' parts."""
-    if (not relpath or relpath.startswith("/") or "\\" in relpath or "\x00" in relpath
-            or any(p in ("", ".", "..") for p in relpath.split("/"))):
-        raise IntegrityError(f"file name {relpath!r} inside an artifact is not allowed (absolute, empty or "
-                             "'..' parts); the manifest or the caller is wrong.")
-
-
-# ------------------------------------------------------------------------ file:// remotes
-
-
-class FileRemoteBackend(LocalBackend):
-    """A store directory used as a remote: written like a local store, read without symlinks.
-
-    Every read opens each path component below the root with ``O_NOFOLLOW`` relative to its
-    parent's descriptor, so no symlink is followed at any depth and nothing can swap one in
-    between a check and the open. The root itself is the user's choice and may be a link.
-    """
-
-    needs_network = False
-
-    def __init__(self, root: str | os.PathLike, create: bool = True) -> None:
-        path = Path(root).expanduser().absolute()
-        if not (path / STORE_MARKER).is_file():
-            if not create:
-                raise UsageError(f"no dfcache store at file://{path}; check the URL or push to it first.")
-            if path.exists() and any(p.name not in {"README.md", ".gitignore", ".gitkeep"} for p in path.iterdir()):
-                raise UsageError(f"file://{path} exists and is not a dfcache store; push to a new or empty "
-                                 "directory, or to an existing store.")
-        super().__init__(path, create=create)
-        self.url = f"file://{self.root}"
-
-    def _refuse_link(self, rel: str) -> IntegrityError:
-        return IntegrityError(f"file://{self.root}/{rel} is a symbolic link; dfcache never follows links in a "
-                              "remote store. Replace it with the real file (or remove the artifact there) "
-                              "and pull again.")
-
-    def _open_nofollow(self, parts: list[str]) -> int:
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        done: list[str] = []
-        try:
-            for i, part in enumerate(parts):
-                last = i == len(parts) - 1
-                # O_NONBLOCK: opening a FIFO planted as a "file" must not hang the pull.
-                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_NONBLOCK if last else os.O_DIRECTORY)
-                try:
-                    nfd = os.open(part, flags, dir_fd=fd)
-                except OSError as e:
-                    rel = "/".join(done + [part])
-                    try:
-                        st = os.stat(part, dir_fd=fd, follow_symlinks=False)
-                    except OSError:
-                        st = None
-                    if st is not None and stat.S_ISLNK(st.st_mode):
-                        raise self._refuse_link(rel) from None
-                    if e.errno in (errno.ENOENT, errno.ENOTDIR):
-                        raise FileNotFoundError(f"file://{self.root}/{rel}") from None
-                    raise
-                os.close(fd)
-                fd = nfd
-                done.append(part)
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise IntegrityError(f"file://{self.root}/{'/'.join(parts)} is not a regular file; remove it "
-                                     "from the remote and push the artifact again.")
-            return fd
-        except BaseException:
-            os.close(fd)
-            raise
-
-    def _read_rel(self, parts: list[str], limit: int | None) -> bytes:
-        fd = self._open_nofollow(parts)
-        try:
-            size = os.fstat(fd).st_size
-            if limit is not None and size > limit:
-                raise IntegrityError(f"file://{self.root}/{'/'.join(parts)} has {size} bytes, more than its "
-                                     f"manifest allows ({limit}); the remote copy is damaged. Delete it there "
-                                     "and push a good copy.")
-            chunks = []
-            while True:
-                b = os.read(fd, 1 << 22)
-                if not b:
-                    break
-                chunks.append(b)
-            return b"".join(chunks)
-        finally:
-            os.close(fd)
-
-    def _parts(self, key: str, relpath: str) -> list[str]:
-        _check_relpath(relpath)
-        return ["artifacts", key[:2], key] + relpath.split("/")
-
-    def read_manifest(self, key: str) -> bytes | None:
-        if not KEY_PATTERN.match(key):
-            return None
-        try:
-            return self._read_rel(self._parts(key, MANIFEST), MANIFEST_MAX_BYTES)
-        except FileNotFoundError:
-            return None
-
-    def iter_manifests(self) -> Iterator[tuple[str, bytes]]:
-        base = self.root / "artifacts"
-        try:
-            shards = sorted(e.name for e in os.scandir(base) if e.is_dir(follow_symlinks=False))
-        except FileNotFoundError:
-            return
-        for shard in shards:
-            for entry in sorted(os.scandir(base / shard), key=lambda e: e.name):
-                if not entry.is_dir(follow_symlinks=False) or not KEY_PATTERN.match(entry.name):
-                    continue  # links and strays are not artifacts of this remote
-                try:
-                    raw = self.read_manifest(entry.name)
-                except IntegrityError:
-                    continue
-                if raw is not None:
-                    yield entry.name, raw
-
-    def read_file(self, key: str, relpath: str) -> bytes:
-        return self._read_rel(self._parts(key, relpath), None)
-
-    def read_file_limited(self, key: str, relpath: str, limit: int | None) -> bytes:
-        return self._read_rel(self._parts(key, relpath), limit)
-
-    def local_file_path(self, key: str, relpath: str):
-        return None  # force reads through the no-follow path

@@ -1,0 +1,237 @@
+"""`training`: DataLoader throughput of dfcache's HiddenStateDataset vs SpecForge's and
+speculators' own per-sample loading of the same samples, and bytes on disk of the three layouts.
+
+Data: bf16 N(0,1) states of 4 layers x 1024 (4096 per token, as storage-probe.md), cut into
+samples of 128-1024 tokens, written once (not timed) as the eval pipeline stores them (one
+tokens artifact, one artifact per layer) and exported from there with ``dfcache export``'s code
+to SpecForge's ``rows_*/data_{i}.ckpt`` and speculators' ``hidden_states/hs_{i}.safetensors``
+(+ its prepared dataset). Loaders, each yielding one sample per step:
+
+* dfcache: ``HiddenStateDataset`` over ``runner.samples.ArtifactSamples`` (copies the sample's rows
+  of each layer from its memory-mapped chunks, crc32c checked when first mapped, into the
+  layers' columns of the item);
+* SpecForge: ``load_feature_file`` (``torch.load(mmap=True)``) + ``normalize_offline_sample``,
+  SpecForge's own functions when the package is installed;
+* speculators: ``speculators.train.data.ArrowDataset`` (``safetensors.load_file`` through
+  ``hs_connectors.FileTransfer``, loss mask from its prepared dataset), when installed.
+
+Each epoch visits every sample once in a seeded random order through ``DataLoader(batch_size=None)``
+and clones the hidden states (so that the lazily mapped SpecForge tensors are really read, as a
+training step would), with 0 workers and with 2. Warm: the files were just read. Cold: every file
+of the contender evicted (POSIX_FADV_DONTNEED) before its epoch. Contenders alternate, order
+rotating each repetition, medians kept. Sizes (INFO): the three layouts as written, dfcache
+with zstd, SpecForge with ``--compress`` (gzip level 6), on these random states and on real
+states of the tiny target (which compress better).
+"""
+
+from __future__ import annotations
+
+import gc
+import gzip
+import shutil
+
+import numpy as np
+
+from ._common import Ctx, Result, Row, alternate, evict, files_under, med, ms, rmtree, skipped, summary, tree_bytes
+from ._data import make_hidden
+
+NAME = "training"
+BASE_BYTES = 192 * 10**6
+LAYERS = 4
+HIDDEN = 1024
+
+
+def _write_store(root, states: np.ndarray, lengths: list[int], hidden: int, codec: str = "none"):
+    """The set-level layout (an import's): a tokens artifact and one hidden_states artifact per layer."""
+    from dfcache.keys import compute_key
+    from dfcache.store import open_store
+
+    n_layers = states.shape[1] // hidden
+    store = open_store(root)
+    rng = np.random.default_rng(0)
+    total = int(sum(lengths))
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    prompt = np.array([n // 4 for n in lengths], dtype=np.int32)
+    tkey = compute_key("tokens", 1, {"bench": "training", "tokens": total})
+    with store.writer(tkey, stage="tokens", stage_version=1, inputs={"bench": "training"}) as w:
+        w.write_array("token_ids", rng.integers(0, 150_000, total).astype(np.int32))
+        w.write_array("offsets", offsets)
+        w.write_array("prompt_lens", prompt)
+        w.write_array("completion_lens", (np.asarray(lengths) - prompt).astype(np.int32))
+        w.put_json("samples", [{"id": str(i)} for i in range(len(lengths))])
+    keys = []
+    for k in range(n_layers):
+        key = compute_key("hidden_states", 1, {"bench": "training", "layer": k, "codec": codec}, {"tokens": tkey})
+        with store.writer(key, stage="hidden_states", stage_version=1, inputs={"layer": k},
+                          upstream={"tokens": tkey}) as w:
+            a = w.create_array("hidden", (total, hidden), "bfloat16", codec=codec)
+            step = 8192
+            for i in range(0, total, step):
+                a.append(np.ascontiguousarray(states[i:i + step, k * hidden:(k + 1) * hidden]))
+        keys.append(key)
+    return store, tkey, keys
+
+
+def _selection(store, tkey, keys, hidden):
+    from runner.options import EvalOptions
+    from runner.samples import Selection
+
+    return Selection(store=store, options=EvalOptions(), layers=list(range(len(keys))), tokens_key=tkey,
+                     layer_keys=keys, target_dir="", num_layers=len(keys), hidden_size=hidden,
+                     backend={"kernel": "torch", "device": "cpu", "dtype": "bfloat16", "attn_implementation": "sdpa"})
+
+
+class _SpecForge:
+    """SpecForge's DFlash offline loading of one file (its own functions when installed)."""
+
+    def __init__(self, files, ours: bool):
+        self.files = files
+        self.ours = ours
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, i):
+        if self.ours:
+            from specforge.algorithms.common.dflash_family_data import normalize_offline_sample
+            from specforge.runtime.data_plane.feature_store import load_feature_file
+
+            return normalize_offline_sample(load_feature_file(self.files[i]), max_len=1 << 20)
+        import torch
+
+        # Faithful reimplementation, used only without the package: feature_store.load_feature_file
+        # and dflash_family_data.normalize_offline_sample of specforge 0.2.0.
+        raw = torch.load(self.files[i], weights_only=False, mmap=True)
+        return {"input_ids": raw["input_ids"].unsqueeze(0), "loss_mask": raw["loss_mask"].unsqueeze(0),
+                "hidden_states": raw["hidden_states"][0].unsqueeze(0)}
+
+
+def _epoch(ds, workers: int, seed: int) -> float:
+    import time
+
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, shuffle=True, generator=g, num_workers=workers,
+                                         multiprocessing_context="fork" if workers else None)
+    t = time.perf_counter()
+    n = 0
+    for item in loader:
+        item["hidden_states"].clone()
+        n += 1
+    dt = time.perf_counter() - t
+    assert n == len(ds)
+    return dt
+
+
+def run(ctx: Ctx) -> Result:
+    import torch
+
+    from dfcache.training import HiddenStateDataset
+    from runner.export import export, specforge_relpath
+
+    torch.set_num_threads(1)
+    res = Result()
+    h = make_hidden(int(BASE_BYTES * ctx.factor), width=LAYERS * HIDDEN, lengths=(128, 1024), seed=5)
+    nbytes = h.nbytes
+    root = ctx.tmpdir("training")
+    store, tkey, keys = _write_store(root / "store", h.states, h.lengths, HIDDEN)
+    sel = _selection(store, tkey, keys, HIDDEN)
+    ctx.log(f"{len(h.lengths)} samples, {h.tokens} tokens, {nbytes / 1e6:.0f} MB of states; exporting")
+    export(sel, "specforge", root / "specforge")
+    ours_sd = ours_sp = True
+    try:
+        import specforge.runtime.data_plane.feature_store  # noqa: F401
+    except ImportError:
+        ours_sd = False
+    try:
+        import datasets  # noqa: F401
+        from speculators.train.data import ArrowDataset
+    except ImportError:
+        ours_sp = False
+    from runner.samples import ArtifactSamples
+
+    def make_ours():
+        return HiddenStateDataset(ArtifactSamples(str(root / "store"), tkey, keys))
+
+    contenders = {"dfcache": make_ours(),
+                  "specforge": _SpecForge([str(root / "specforge" / specforge_relpath(i))
+                                           for i in range(len(h.lengths))], ours_sd)}
+    files = {"dfcache": files_under(root / "store"), "specforge": files_under(root / "specforge")}
+    if ours_sp:
+        export(sel, "speculators", root / "speculators")  # the last of the four layers is the "verifier" one
+        contenders["speculators"] = ArrowDataset(max_len=1 << 20, datapath=str(root / "speculators"),
+                                                 on_missing="raise")
+        files["speculators"] = files_under(root / "speculators")
+    else:
+        res.rows.append(skipped(NAME, "DataLoader vs speculators", "speculators (and datasets) not installed: "
+                                "pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets"))
+    # Same bytes from every loader (the three layouts hold the same samples).
+    for name, ds in contenders.items():
+        hs = ds[1]["hidden_states"]
+        want = contenders["dfcache"][1]["hidden_states"]
+        if name == "speculators":  # speculators splits its last layer off as the verifier's
+            hs = torch.cat([hs, ds[1]["verifier_last_hidden_states"]], dim=-1)
+        assert torch.equal(hs.reshape(-1).view(torch.int16), want.reshape(-1).view(torch.int16)), name
+
+    reps = ctx.reps_or(3)
+    details: dict = {"samples": len(h.lengths), "tokens": h.tokens, "state_bytes": nbytes,
+                     "specforge_own_code": ours_sd, "speculators_own_code": ours_sp}
+    for label, workers, cold in (("warm, 0 workers", 0, False), ("warm, 2 workers", 2, False),
+                                 ("cold, 0 workers", 0, True)):
+        def contender(name, ds, workers=workers, cold=cold):
+            def go():
+                if not cold:
+                    return _epoch(ds, workers, seed=1)
+                # A fresh reader: the warm one keeps its chunks mapped, and mapped pages cannot be
+                # evicted (its mappings are dropped first, so the eviction really empties the cache).
+                fresh = make_ours() if name == "dfcache" else ds
+                gc.collect()
+                evict(files[name])
+                t = _epoch(fresh, workers, seed=1)
+                del fresh
+                return t
+            return go
+
+        for name, ds in contenders.items():  # one untimed epoch each: page cache and imports warm
+            _epoch(ds, workers, seed=0)
+        if cold:
+            contenders["dfcache"].source._handles = None  # unmap (see above)
+            gc.collect()
+        times = alternate({n: contender(n, ds) for n, ds in contenders.items()}, reps, log=ctx.log)
+        details[label] = {n: summary(t) for n, t in times.items()}
+        ours = med(times["dfcache"])
+        for other in [n for n in contenders if n != "dfcache"]:
+            theirs = med(times[other])
+            res.rows.append(Row(NAME, f"DataLoader epoch, {label}: dfcache vs {other} "
+                                f"({len(h.lengths)} samples, {nbytes / 1e6:.0f} MB)",
+                                dfcache=f"{ms(ours)} ({len(h.lengths) / ours:.0f} samples/s)",
+                                competitor=f"{ms(theirs)} ({len(h.lengths) / theirs:.0f} samples/s)",
+                                ratio=theirs / ours, target=1.0,
+                                note="" if (other == "specforge" and ours_sd) or other == "speculators" else
+                                "SpecForge not installed: its loader reimplemented faithfully").judge())
+
+    # Bytes on disk, as written and compressed.
+    sizes = {"dfcache": tree_bytes(root / "store"), "specforge .ckpt": tree_bytes(root / "specforge")}
+    if ours_sp:
+        sizes["speculators"] = tree_bytes(root / "speculators")
+    _write_store(root / "store-zstd", h.states, h.lengths, HIDDEN, codec="zstd")
+    sizes["dfcache zstd"] = tree_bytes(root / "store-zstd")
+    gz = root / "specforge-gz"
+    gz.mkdir()
+    for p in files_under(root / "specforge"):
+        if p.endswith(".ckpt"):  # what SpecForge's --compress writes: the torch.save bytes, gzip level 6
+            with open(p, "rb") as src, gzip.open(gz / (p.rsplit("/", 1)[1] + ".gz"), "wb", compresslevel=6) as dst:
+                shutil.copyfileobj(src, dst)
+    sizes["specforge .ckpt.gz"] = tree_bytes(gz)
+    details["bytes_on_disk"] = sizes
+    for name, n in sizes.items():
+        if name == "dfcache":
+            continue
+        res.rows.append(Row(NAME, f"bytes on disk (random bf16): {name} / dfcache",
+                            dfcache=f"{sizes['dfcache'] / 1e6:.1f} MB", competitor=f"{n / 1e6:.1f} MB",
+                            ratio=n / sizes["dfcache"]).judge())
+    rmtree(root)
+    res.details = details
+    ctx.log(", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sizes.items()))
+    return res

@@ -1,0 +1,139 @@
+"""``file:///path`` stores: a directory used as a remote, read without following symlinks.
+
+A remote is someone else's directory: a symlink in it could make a pull copy any file this user
+can read (``~/.ssh/id_rsa`` as a "chunk") into the store, so no path is ever followed through one.
+It is written like a local store (:class:`dfcache.store._local.LocalBackend`); a shared filesystem
+is a fine remote.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from collections.abc import Iterator
+from pathlib import Path
+
+from ..errors import IntegrityError, UsageError
+from ..keys import KEY_PATTERN
+from ._backend import Backend
+from ._local import LocalBackend
+from .format import MANIFEST, MAX_MANIFEST_BYTES, STORE_MARKER, check_relpath
+
+
+class FileRemoteBackend(LocalBackend):
+    """A store directory used as a remote: written like a local store, read without symlinks.
+
+    Every read opens each path component below the root with ``O_NOFOLLOW`` relative to its
+    parent's descriptor, so no symlink is followed at any depth and nothing can swap one in
+    between a check and the open. The root itself is the user's choice and may be a link.
+    """
+
+    def __init__(self, root: str | os.PathLike, create: bool = True) -> None:
+        path = Path(root).expanduser().absolute()
+        if not (path / STORE_MARKER).is_file():
+            if not create:
+                raise UsageError(f"no dfcache store at file://{path}; check the URL or push to it first.")
+            if path.exists() and any(p.name not in {"README.md", ".gitignore", ".gitkeep"} for p in path.iterdir()):
+                raise UsageError(f"file://{path} exists and is not a dfcache store; push to a new or empty "
+                                 "directory, or to an existing store.")
+        super().__init__(path, create=create)
+        self.url = f"file://{self.root}"
+
+    def _refuse_link(self, rel: str) -> IntegrityError:
+        return IntegrityError(f"file://{self.root}/{rel} is a symbolic link; dfcache never follows links in a "
+                              "remote store. Replace it with the real file (or remove the artifact there) "
+                              "and pull again.")
+
+    def _open_nofollow(self, parts: list[str]) -> int:
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        done: list[str] = []
+        try:
+            for i, part in enumerate(parts):
+                last = i == len(parts) - 1
+                # O_NONBLOCK: opening a FIFO planted as a "file" must not hang the pull.
+                flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_NONBLOCK if last else os.O_DIRECTORY)
+                try:
+                    nfd = os.open(part, flags, dir_fd=fd)
+                except OSError as e:
+                    rel = "/".join(done + [part])
+                    try:
+                        st = os.stat(part, dir_fd=fd, follow_symlinks=False)
+                    except OSError:
+                        st = None
+                    if st is not None and stat.S_ISLNK(st.st_mode):
+                        raise self._refuse_link(rel) from None
+                    if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                        raise FileNotFoundError(f"file://{self.root}/{rel}") from None
+                    raise
+                os.close(fd)
+                fd = nfd
+                done.append(part)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise IntegrityError(f"file://{self.root}/{'/'.join(parts)} is not a regular file; remove it "
+                                     "from the remote and push the artifact again.")
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _read_rel(self, parts: list[str], limit: int | None) -> bytes:
+        fd = self._open_nofollow(parts)
+        try:
+            size = os.fstat(fd).st_size
+            if limit is not None and size > limit:
+                raise IntegrityError(f"file://{self.root}/{'/'.join(parts)} has {size} bytes, more than its "
+                                     f"manifest allows ({limit}); the remote copy is damaged.",
+                                     fix="Delete it there and push a good copy.")
+            chunks = []
+            while True:
+                b = os.read(fd, 1 << 22)
+                if not b:
+                    break
+                chunks.append(b)
+            return b"".join(chunks)
+        finally:
+            os.close(fd)
+
+    def _parts(self, key: str, relpath: str) -> list[str]:
+        check_relpath(relpath)
+        return ["artifacts", key[:2], key] + relpath.split("/")
+
+    def read_manifest(self, key: str) -> bytes | None:
+        if not KEY_PATTERN.match(key):
+            return None
+        try:
+            return self._read_rel(self._parts(key, MANIFEST), MAX_MANIFEST_BYTES)
+        except FileNotFoundError:
+            return None
+
+    def iter_manifests(self) -> Iterator[tuple[str, bytes]]:
+        base = self.root / "artifacts"
+        try:
+            shards = sorted(e.name for e in os.scandir(base) if e.is_dir(follow_symlinks=False))
+        except FileNotFoundError:
+            return
+        for shard in shards:
+            for entry in sorted(os.scandir(base / shard), key=lambda e: e.name):
+                if not entry.is_dir(follow_symlinks=False) or not KEY_PATTERN.match(entry.name):
+                    continue  # links and strays are not artifacts of this remote
+                try:
+                    raw = self.read_manifest(entry.name)
+                except IntegrityError:
+                    continue
+                if raw is not None:
+                    yield entry.name, raw
+
+    def read_file(self, key: str, relpath: str) -> bytes:
+        return self._read_rel(self._parts(key, relpath), None)
+
+    def read_file_limited(self, key: str, relpath: str, limit: int | None) -> bytes:
+        return self._read_rel(self._parts(key, relpath), limit)
+
+    def local_file_path(self, key: str, relpath: str):
+        return None  # force reads through the no-follow path
+
+    def for_untrusted_reads(self) -> Backend:
+        return self
+

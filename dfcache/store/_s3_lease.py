@@ -1,0 +1,116 @@
+"""The write lease of an S3 store: ``locks/<key>.lease``, see :mod:`dfcache.store._s3`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from ..errors import DfcacheError, NetworkError
+
+if TYPE_CHECKING:
+    from ._s3 import ObjectStoreBackend
+
+LEASE_STALE_S = 120.0
+LEASE_REFRESH_S = 20.0
+LEASE_MARGIN_S = 40.0  # how late a write may land after it started (request timeouts, retries)
+LEASE_WAIT_S = 600.0  # how long a publisher waits for another live writer of the same key
+
+
+class _Lease:
+    """``locks/<key>.lease``: the right to write under ``artifacts/<key[:2]>/<key>/``.
+
+    A holder rewrites it every ``LEASE_REFRESH_S`` from a heartbeat thread, so waiters see it is
+    live. A waiter takes a lease over only after seeing the same body for ``LEASE_STALE_S`` on
+    its own clock, which starts after our last write landed; so until ``safe_until`` (last write
+    started + stale period - margin for a slow request) nobody else can hold it. Past that, the
+    holder checks with a GET before writing again.
+    """
+
+    def __init__(self, backend: "ObjectStoreBackend", key: str, writer: str) -> None:
+        self.backend = backend
+        self.key = key
+        self.path = f"locks/{key}.lease"
+        self.writer = writer
+        self.n = 0
+        self.body = self._make_body()
+        self.safe_until = 0.0
+        self.lost = False
+        self.released = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._alock: asyncio.Lock | None = None  # heartbeat and writer refresh on one event loop
+
+    def _make_body(self) -> bytes:
+        return json.dumps({"writer": self.writer, "host": socket.gethostname(), "pid": os.getpid(),
+                           "n": self.n}).encode()
+
+    async def try_create(self) -> bool:
+        started = time.monotonic()
+        if await self.backend._create(self.path, self.body):
+            self.safe_until = started + LEASE_STALE_S - LEASE_MARGIN_S
+            return True
+        return False
+
+    async def refresh(self) -> None:
+        if self._alock is None:
+            self._alock = asyncio.Lock()
+        async with self._alock:
+            if self.lost or self.released:
+                return
+            started = time.monotonic()
+            if started >= self.safe_until and await self.backend._get(self.path, limit=1 << 16) != self.body:
+                self.lost = True
+                return
+            self.n += 1
+            body = self._make_body()
+            await self.backend._set(self.path, body)
+            self.body = body
+            self.safe_until = started + LEASE_STALE_S - LEASE_MARGIN_S
+
+    def ensure_held(self) -> None:
+        """Before writing under the artifact's prefix: raise if another writer may own it now."""
+        if self.lost or time.monotonic() >= self.safe_until:
+            self.backend._run(self.check(), f"refreshing the write lease of {self.key[:12]} on")
+
+    async def check(self) -> None:
+        if not self.lost and time.monotonic() >= self.safe_until:
+            await self.refresh()
+        if self.lost:
+            raise NetworkError(f"lost the write lease of {self.key} on {self.backend.url} (no contact with the "
+                               f"server for over {LEASE_STALE_S:.0f} s, and another writer took over). Nothing "
+                               "of ours was published; run the command again.", url=self.backend.url)
+
+    def start_heartbeat(self) -> None:
+        self._thread = threading.Thread(target=self._beat, name=f"dfcache-lease-{self.key[:8]}", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(LEASE_REFRESH_S) and not self.lost:
+            try:
+                self.backend._run(self.refresh(), "refreshing a write lease on")
+            except DfcacheError:
+                pass  # try again next period; ensure_held stops writes if it stays unreachable
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the lease if it is still ours (best effort, idempotent)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        if self.lost or self.released:
+            return
+        self.released = True
+
+        async def go():
+            if time.monotonic() < self.safe_until or await self.backend._get(self.path, limit=1 << 16) == self.body:
+                await self.backend.zstore.delete(self.path)
+
+        try:
+            self.backend._run(go(), "releasing a write lease on")
+        except DfcacheError:
+            pass  # a lease we cannot delete goes stale and is taken over, or removed by gc
+

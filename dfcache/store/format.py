@@ -1,0 +1,365 @@
+"""The store format, version 1: names, encodings, digests and checks of an artifact's files.
+
+Public: this is what a store *is* on disk, shared by every backend and by everything that reads
+or moves artifacts (``Store`` reads, ``verify``, ``push``/``pull``), so they cannot disagree.
+docs/format.md describes the same thing in prose.
+
+A store (a directory, a ``file://`` remote, an ``s3://`` prefix)::
+
+    dfcache-store.json                     {"format_version": 1, "kind": "dfcache-store"}
+    artifacts/<key[:2]>/<key>/             one committed artifact, see artifact_prefix()
+
+An artifact is one zarr v3 group::
+
+    manifest.json                 written last; its presence is what makes the artifact exist
+    zarr.json                     the group (attributes {"dfcache": {"key", "stage"}})
+    <array>/zarr.json             array metadata, produced by zarr itself
+    <array>/c/<i>/0[/0...]        chunk i: rows [i*chunk_rows, (i+1)*chunk_rows), see chunk_relpath()
+    blobs/<name>.json             small JSON documents
+
+Each array is chunked along its first axis only. Chunks are encoded here, without going through
+zarr's per-call codec pipeline (which runs at about a third of disk speed, see
+shared/reference/storage-probe.md), with exactly the codecs zarr.json declares: ``bytes``
+(little endian), optionally ``zstd``, then ``crc32c``. Any zarr v3 reader opens the result.
+
+Digests: a chunk's digest is xxh3-128 over its logical rows (no padding) in the storage dtype; an
+array's digest is xxh3-128 over its chunk digests joined by ``,``; a blob's is xxh3-128 of its
+bytes.
+
+Checks raise :class:`dfcache.errors.IntegrityError` whose message names the file and says what is
+wrong, with no fix: the caller knows the fix (a local read says "delete and recompute", a pull
+"push a good copy") and adds it with ``err.with_fix(...)``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import xxhash
+
+from ..errors import IntegrityError, UntrustedManifestError, UsageError
+from ..manifest import STORAGE_DTYPE, ArraySpec, Manifest
+
+FORMAT_VERSION = 1
+STORE_MARKER = "dfcache-store.json"
+MANIFEST = "manifest.json"
+GROUP_META = "zarr.json"
+PROGRESS = "progress.json"  # a resumable writer's checkpoint, in its staging area only
+
+TARGET_CHUNK_BYTES = 1 << 20  # 128 tokens at 4096 x bf16: little over-read at sample edges
+ZSTD_LEVEL = 1
+MAX_META_BYTES = 1 << 20  # a zarr.json is a few hundred bytes
+MAX_CHUNK_BYTES = 4 << 30  # dfcache writes ~1 MiB chunks; a manifest asking for more is refused
+MAX_MANIFEST_BYTES = 64 << 20  # a manifest beyond this is hostile or broken; never download more
+RESERVED_NAMES = ("blobs", "c", GROUP_META, MANIFEST)  # array names that would collide with the layout
+RESERVED_DIRS = ("artifacts", "staging", "locks")  # a store's own directories below its root
+
+
+def store_marker_bytes() -> bytes:
+    return json.dumps({"format_version": FORMAT_VERSION, "kind": "dfcache-store"}).encode() + b"\n"
+
+
+def artifact_prefix(key: str) -> str:
+    """Where an artifact lives below a store's root, with a trailing slash."""
+    return f"artifacts/{key[:2]}/{key}/"
+
+
+def check_relpath(relpath: str) -> None:
+    """Names inside an artifact are relative: no absolute paths, no empty, '.' or '..' parts."""
+    if (not relpath or relpath.startswith("/") or "\\" in relpath or "\x00" in relpath
+            or any(p in ("", ".", "..") for p in relpath.split("/"))):
+        raise IntegrityError(f"file name {relpath!r} inside an artifact is not allowed (absolute, empty or "
+                             "'..' parts); the manifest or the caller is wrong.")
+
+
+# ------------------------------------------------------------------------------------ dtypes
+
+
+def logical_dtype_of(arr: np.ndarray) -> str:
+    if arr.dtype.name == "bfloat16":
+        return "bfloat16"
+    name = arr.dtype.name
+    if name not in STORAGE_DTYPE:
+        raise UsageError(f"dtype {name} cannot be stored; use one of {', '.join(STORAGE_DTYPE)}.")
+    return name
+
+
+def np_logical_dtype(dtype: str) -> np.dtype:
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
+def default_chunk_rows(shape: tuple[int, ...], dtype: str) -> int:
+    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(STORAGE_DTYPE[dtype]).itemsize
+    rows = max(1, TARGET_CHUNK_BYTES // max(1, row_bytes))
+    rows = 1 << (rows.bit_length() - 1)  # a power of two keeps block reads aligned
+    return int(min(max(rows, 16), 1 << 20))
+
+
+def chunk_raw_bytes(spec: ArraySpec) -> int:
+    """Bytes of one decoded chunk (chunk_rows full rows)."""
+    row = int(np.prod(spec.shape[1:], dtype=np.int64)) if len(spec.shape) > 1 else 1
+    return spec.chunk_rows * row * np.dtype(spec.storage_dtype).itemsize
+
+
+# ------------------------------------------------------------------------------------ names
+
+
+def chunk_relpath(name: str, index: int, ndim: int) -> str:
+    return f"{name}/c/{index}" + "/0" * (ndim - 1)
+
+
+def array_meta_relpath(name: str) -> str:
+    return f"{name}/{GROUP_META}"
+
+
+def blob_relpath(name: str) -> str:
+    return f"blobs/{name}.json"
+
+
+@dataclass(frozen=True)
+class FileRole:
+    """What one file of an artifact is: ``kind`` is group, array_meta, chunk or blob."""
+
+    kind: str
+    name: str | None = None  # the array or blob
+    index: int | None = None  # the chunk
+
+
+def expected_files(m: Manifest) -> dict[str, FileRole]:
+    """Relative path → role of every file the manifest implies, and nothing else (group first,
+    then each array's metadata and chunks, then blobs)."""
+    files: dict[str, FileRole] = {GROUP_META: FileRole("group")}
+    for name, spec in sorted(m.arrays.items()):
+        files[array_meta_relpath(name)] = FileRole("array_meta", name)
+        for i in range(spec.num_chunks):
+            files[chunk_relpath(name, i, len(spec.shape))] = FileRole("chunk", name, i)
+    for name in sorted(m.blobs):
+        files[blob_relpath(name)] = FileRole("blob", name)
+    for rel in files:  # names come from validated patterns; this states the invariant
+        if rel.startswith("/") or any(p in ("", ".", "..") for p in rel.split("/")):
+            raise UntrustedManifestError(f"manifest of {m.key} refused: it implies the file name {rel!r}.",
+                                         key=m.key)
+    return files
+
+
+def file_limit(m: Manifest, role: FileRole) -> int:
+    """The most bytes the file may have: a reader of an untrusted copy never downloads more."""
+    if role.kind in ("group", "array_meta"):
+        return MAX_META_BYTES
+    if role.kind == "blob":
+        return m.blobs[role.name].nbytes
+    spec = m.arrays[role.name]
+    raw = chunk_raw_bytes(spec)
+    if spec.codec == "zstd":
+        raw += raw // 128 + (1 << 16)  # above zstd's worst-case expansion of incompressible data
+    return raw + 4  # crc32c
+
+
+# ------------------------------------------------------------------------------------ encoding
+
+
+@functools.lru_cache(maxsize=256)
+def array_zarr_json(shape: tuple, storage_dtype: str, chunk_rows: int, codec: str, dtype: str) -> bytes:
+    """zarr.json of an array, produced by zarr itself so the metadata is always what zarr reads."""
+    import zarr
+    from zarr.codecs import Crc32cCodec, ZstdCodec
+    from zarr.storage import MemoryStore
+
+    compressors: list = [ZstdCodec(level=ZSTD_LEVEL)] if codec == "zstd" else []
+    compressors.append(Crc32cCodec())
+    store = MemoryStore()
+    zarr.create_array(store=store, name="a", shape=shape, dtype=storage_dtype,
+                      chunks=(chunk_rows,) + tuple(shape[1:]) if shape else (1,),
+                      compressors=compressors, filters=None, fill_value=0,
+                      attributes={"dfcache_dtype": dtype})
+    buf = store._store_dict["a/zarr.json"]
+    return buf.to_bytes()
+
+
+def group_zarr_json(key: str, stage: str) -> bytes:
+    return json.dumps({"zarr_format": 3, "node_type": "group",
+                       "attributes": {"dfcache": {"key": key, "stage": stage}}}, indent=1).encode()
+
+
+def encode_chunk(full: np.ndarray, codec: str) -> list:
+    """A full (padded) chunk as the buffers of its file: body, then crc32c."""
+    raw = np.ascontiguousarray(full).view(np.uint8).reshape(-1)
+    if codec == "zstd":
+        import numcodecs
+
+        raw = np.frombuffer(numcodecs.Zstd(level=ZSTD_LEVEL).encode(raw), dtype=np.uint8)
+    crc = google_crc32c.extend(0, raw).to_bytes(4, "little")
+    return [raw, crc]
+
+
+def decode_chunk(data: bytes, codec: str, shape: tuple, storage_dtype: str, where: str,
+                 key: str | None = None) -> np.ndarray:
+    """The chunk's rows (padding included); IntegrityError if its crc32c, codec or size is wrong."""
+    if len(data) < 4:
+        raise IntegrityError(f"{where} is truncated ({len(data)} bytes).", key=key)
+    body = np.frombuffer(data, dtype=np.uint8)[:-4]
+    if google_crc32c.extend(0, body) != int.from_bytes(data[-4:], "little"):
+        raise IntegrityError(f"{where} fails its crc32c checksum (corrupt or truncated).", key=key)
+    if codec == "zstd":
+        import numcodecs
+
+        try:
+            body = np.frombuffer(numcodecs.Zstd().decode(body), dtype=np.uint8)
+        except Exception:
+            raise IntegrityError(f"{where} does not decompress.", key=key) from None
+    dt = np.dtype(storage_dtype).newbyteorder("<")
+    expect = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+    if body.nbytes != expect:
+        raise IntegrityError(f"{where} holds {body.nbytes} bytes, expected {expect}.", key=key)
+    return np.frombuffer(body, dtype=dt).reshape(shape)
+
+
+def crc_ok(body, crc: bytes) -> bool:
+    return len(crc) == 4 and google_crc32c.extend(0, body) == int.from_bytes(crc, "little")
+
+
+def zstd_content_size(body) -> int | None:
+    """Decompressed size declared in a zstd frame header (RFC 8878 §3.1.1.1), None if absent."""
+    b = bytes(memoryview(body)[:18])
+    if len(b) < 6 or b[:4] != b"\x28\xb5\x2f\xfd":
+        return None
+    fhd = b[4]
+    fcs_flag, single, dict_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
+    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[dict_flag]
+    size = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    if size == 0 or len(b) < pos + size:
+        return None
+    value = int.from_bytes(b[pos:pos + size], "little")
+    return value + 256 if size == 2 else value
+
+
+# ------------------------------------------------------------------------------------ digests
+
+
+def chunk_digest(rows: np.ndarray) -> str:
+    return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(rows).view(np.uint8).reshape(-1))
+
+
+def array_digest(chunk_digests: list[str]) -> str:
+    return xxhash.xxh3_128_hexdigest(",".join(chunk_digests).encode())
+
+
+def blob_digest(data: bytes) -> str:
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+# ------------------------------------------------------------------------------------ checks
+
+
+def array_meta_problem(meta: Any, spec: ArraySpec) -> str | None:
+    """What is wrong with an array's zarr.json given its manifest entry (None if they agree).
+
+    A manifest edited by hand (a shape, a dtype) passes its own validation and the chunk
+    checksums; only this disagreement gives it away."""
+    if not isinstance(meta, dict) or meta.get("zarr_format") != 3 or meta.get("node_type") != "array":
+        return "zarr.json is not zarr v3 array metadata"
+    grid = ((meta.get("chunk_grid") or {}).get("configuration") or {}).get("chunk_shape")
+    if (meta.get("shape") != spec.shape or meta.get("data_type") != spec.storage_dtype
+            or not isinstance(grid, list) or not grid or grid[0] != spec.chunk_rows):
+        return (f"zarr.json says shape {meta.get('shape')} {meta.get('data_type')} in chunks of "
+                f"{grid[0] if isinstance(grid, list) and grid else '?'} rows, the manifest {spec.shape} "
+                f"{spec.storage_dtype} in chunks of {spec.chunk_rows}")
+    attrs = meta.get("attributes")
+    if isinstance(attrs, dict) and "dfcache_dtype" in attrs and attrs["dfcache_dtype"] != spec.dtype:
+        return f"zarr.json says dtype {attrs['dfcache_dtype']}, the manifest {spec.dtype}"
+    return None
+
+
+def manifest_problems(m: Manifest) -> list[str]:
+    """What :func:`dfcache.manifest.validate_manifest` leaves to the format: array names that
+    collide with the group layout, array digests that disagree with their chunk digests, chunks
+    larger than anyone should download."""
+    out = []
+    for name, spec in m.arrays.items():
+        if name in RESERVED_NAMES:
+            out.append(f"array name {name!r} collides with the artifact layout")
+        elif array_digest(spec.chunk_digests) != spec.digest:
+            out.append(f"array {name}'s digest does not match its chunk digests")
+        elif chunk_raw_bytes(spec) > MAX_CHUNK_BYTES:
+            out.append(f"array {name} has chunks of {chunk_raw_bytes(spec)} bytes (at most {MAX_CHUNK_BYTES})")
+    return out
+
+
+def check_manifest(m: Manifest) -> None:
+    """Raise UntrustedManifestError (no fix) if :func:`manifest_problems` finds anything."""
+    problems = manifest_problems(m)
+    if problems:
+        raise UntrustedManifestError(f"manifest of {m.key} refused: {problems[0]}.", key=m.key)
+
+
+def missing_problem(m: Manifest, rel: str, role: FileRole) -> str:
+    if role.kind == "group":
+        return f"zarr.json of the group of artifact {m.key} is missing"
+    if role.kind == "array_meta":
+        return f"array {role.name}: zarr.json is missing"
+    if role.kind == "blob":
+        return f"document {role.name} of artifact {m.key} is missing"
+    return f"chunk {role.index} of array {role.name} in artifact {m.key} is missing; the artifact is incomplete"
+
+
+def check_chunk(spec: ArraySpec, name: str, index: int, data: bytes, key: str) -> np.ndarray:
+    """Decode chunk ``index`` of array ``name`` and check it against its digest; its logical rows."""
+    where = f"chunk {index} of array {name} in artifact {key}"
+    if spec.codec == "zstd" and len(data) >= 4:
+        declared = zstd_content_size(memoryview(data)[:-4])
+        if declared is None or declared != chunk_raw_bytes(spec):
+            # Checked before decompressing, so a hostile frame cannot claim terabytes.
+            raise IntegrityError(f"{where} declares {declared} decompressed bytes, expected "
+                                 f"{chunk_raw_bytes(spec)}.", key=key)
+    chunk = decode_chunk(data, spec.codec, (spec.chunk_rows,) + tuple(spec.shape[1:]), spec.storage_dtype,
+                         where, key)
+    rows = np.asarray(chunk[:min(spec.chunk_rows, spec.shape[0] - index * spec.chunk_rows)])
+    if chunk_digest(rows) != spec.chunk_digests[index]:
+        raise IntegrityError(f"{where} does not match its digest.", key=key)
+    return rows
+
+
+def parse_array_meta(data: bytes, spec: ArraySpec, name: str, key: str) -> dict:
+    """An array's zarr.json, checked against its manifest entry."""
+    try:
+        meta = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        raise IntegrityError(f"array {name}: zarr.json is not valid JSON.", key=key) from None
+    problem = array_meta_problem(meta, spec)
+    if problem:
+        raise IntegrityError(f"array {name}: zarr.json of artifact {key} disagrees with the manifest "
+                             f"({problem}).", key=key)
+    return meta
+
+
+def check_file(m: Manifest, rel: str, role: FileRole, data: bytes) -> None:
+    """Raise IntegrityError (no fix) unless ``data`` is exactly what the manifest says ``rel`` holds.
+
+    The one check of a file's bytes: ``verify`` and ``push``/``pull`` both use it."""
+    key = m.key
+    if role.kind == "blob":
+        spec = m.blobs[role.name]
+        if len(data) != spec.nbytes or blob_digest(data) != spec.digest:
+            raise IntegrityError(f"document {role.name} of artifact {key} does not match its digest.", key=key)
+    elif role.kind == "group":
+        try:
+            meta = json.loads(data)
+        except (ValueError, UnicodeDecodeError):
+            meta = None
+        if not isinstance(meta, dict) or meta.get("zarr_format") != 3:
+            raise IntegrityError(f"{rel} of artifact {key} is not zarr v3 metadata.", key=key)
+        if meta.get("node_type") != "group":
+            raise IntegrityError(f"zarr.json of artifact {key} is not a group.", key=key)
+    elif role.kind == "array_meta":
+        parse_array_meta(data, m.arrays[role.name], role.name, key)
+    else:
+        check_chunk(m.arrays[role.name], role.name, role.index, data, key)

@@ -1,0 +1,340 @@
+"""`dfcache import`: hidden states made by SpecForge, speculators or ModelOpt, into the store.
+
+What is read (the peers' layouts, docs/cli.md):
+
+* ``specforge``: every ``*.ckpt`` / ``*.ckpt.gz`` under DIR (``rows_*/data_{i}.ckpt``), a
+  ``torch.save`` dict with ``input_ids`` [n], ``loss_mask`` [n] and ``hidden_states``
+  [1, n, layers x hidden] (the DFlash capture layout), ordered by ``i``;
+* ``speculators``: ``hs_{i}.safetensors`` in DIR/hidden_states (or DIR) with ``token_ids`` [n] and
+  ``hidden_states`` [n, layers, hidden]; loss masks from the prepared dataset in DIR when there is
+  one (``state.json``, read with ``datasets``), else every token counts;
+* ``modelopt``: ``*.pt`` in DIR (ModelOpt's ``compute_hidden_states_*.py``): ``input_ids`` [n] and
+  ``aux_hidden_states`` [n, layers x hidden] (its ``hidden_states``, the final normed output, is
+  not a decoder layer's and is not imported); no loss mask, so every token counts.
+
+Nothing in the files says which layers, model or kernels made them: the user declares the
+target (``--target``), the layer ids in file order (``--layer``, dfcache numbering: output of
+decoder layer k) and the backend class (``--backend``, ``--device``). The files are loaded with
+``torch.load(weights_only=True)`` (no arbitrary unpickling). Token ids are taken from the files
+and become a new ``tokens`` artifact (keyed by the target's tokenizer and the ids' digest); each
+layer becomes a ``hidden_states`` artifact keyed exactly as the extraction stage keys it over
+those tokens. Both are marked ``imported (declared, not verified)`` in their provenance and
+summary, which `dfcache ls` shows.
+
+A sample that cannot be read whole, holds NaN or Inf, or whose lengths or width disagree with
+its input ids and the declared layers is refused with its reason; the others are imported, and
+the command then exits 6 with the list. Each artifact is committed atomically (all its samples
+or nothing).
+
+Set-level on purpose for now: one tokens artifact and one artifact per layer per imported set
+(the store's per-sample segments, once on main, make each sample reusable on its own).
+"""
+
+from __future__ import annotations
+
+import gzip
+import io
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from dfcache.errors import BadInputError, UsageError
+
+from .graph import RunContext
+from .options import EvalOptions
+
+FORMATS = ("specforge", "speculators", "modelopt")
+PROVENANCE = "imported (declared, not verified)"
+_INDEX = re.compile(r"(\d+)")
+
+
+@dataclass
+class Refused:
+    file: str
+    reason: str
+
+
+@dataclass
+class ImportResult:
+    format: str
+    samples: int
+    refused: list[Refused]
+    tokens_key: str | None
+    layer_keys: dict[int, str]
+    already: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"format": self.format, "samples": self.samples, "tokens_key": self.tokens_key,
+                "layer_keys": {str(k): v for k, v in self.layer_keys.items()}, "already_imported": self.already,
+                "refused": [{"file": r.file, "reason": r.reason} for r in self.refused],
+                "provenance": PROVENANCE, "notes": self.notes}
+
+
+def _files(fmt: str, root: Path) -> list[Path]:
+    def index(p: Path) -> tuple:
+        m = _INDEX.findall(p.name)
+        return (int(m[-1]) if m else -1, p.name)
+
+    if fmt == "specforge":
+        found = [p for p in root.rglob("*") if p.is_file() and p.name.endswith((".ckpt", ".ckpt.gz"))
+                 and not p.name.startswith(".")]
+    elif fmt == "speculators":
+        base = root / "hidden_states" if (root / "hidden_states").is_dir() else root
+        found = [p for p in base.glob("hs_*.safetensors")]
+    else:
+        found = [p for p in root.glob("*.pt") if not p.name.startswith(".")]
+    return sorted(found, key=index)
+
+
+def _torch_load(path: Path) -> dict:
+    import torch
+
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "rb") as f:
+            return torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=True)
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def _prepared_masks(root: Path) -> list | None:
+    if not (root / "state.json").exists():
+        return None
+    try:
+        import datasets
+    except ImportError:
+        return None
+    ds = datasets.load_from_disk(str(root)).with_format(None)
+    return list(ds["loss_mask"]) if "loss_mask" in ds.column_names else None
+
+
+def _read(fmt: str, path: Path, masks: list | None) -> tuple:
+    """(input_ids, loss_mask or None, hidden [n, layers, hidden] as a torch tensor); raises ValueError."""
+    import torch
+
+    if fmt == "speculators":
+        from safetensors.torch import load_file
+
+        raw = load_file(str(path))
+        need = ("token_ids", "hidden_states")
+    else:
+        raw = _torch_load(path)
+        need = ("input_ids", "hidden_states") if fmt == "specforge" else ("input_ids", "aux_hidden_states")
+    if not isinstance(raw, dict):
+        raise ValueError(f"holds a {type(raw).__name__}, not a dict of tensors")
+    missing = [k for k in need if k not in raw]
+    if missing:
+        raise ValueError(f"lacks {', '.join(missing)} (it has {', '.join(map(str, raw))})")
+    ids, hidden = raw[need[0]], raw[need[1]]
+    mask = raw.get("loss_mask") if fmt == "specforge" else None
+    if fmt == "speculators" and masks is not None:
+        index = int(path.stem[len("hs_"):])  # hs_{i} goes with row i of the prepared dataset
+        if index >= len(masks):
+            raise ValueError("has no row in the prepared dataset beside it")
+        mask = torch.tensor(masks[index])
+    if not isinstance(ids, torch.Tensor) or not isinstance(hidden, torch.Tensor):
+        raise ValueError("input ids or hidden states are not tensors")
+    return ids, mask, hidden
+
+
+def _check(fmt, ids, mask, hidden, n_layers: int, width: int, vocab: int | None):
+    """The sample as (int64 ids, int8 mask, hidden [n, n_layers * width]); raises ValueError."""
+    import torch
+
+    ids = ids.reshape(-1) if ids.dim() == 2 and ids.shape[0] == 1 else ids
+    if ids.dim() != 1 or ids.dtype.is_floating_point:
+        raise ValueError(f"input ids have shape {tuple(ids.shape)} {ids.dtype}, not [n] integers")
+    n = int(ids.shape[0])
+    if n == 0:
+        raise ValueError("has no tokens")
+    if vocab is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(f"holds token id {int(ids.max())}, outside the target's vocabulary of {vocab}")
+    if fmt == "speculators":
+        if hidden.dim() != 3 or hidden.shape[1] != n_layers or hidden.shape[2] != width:
+            raise ValueError(f"hidden states are {tuple(hidden.shape)}, expected [n, {n_layers} layers, {width}]")
+        hidden = hidden.reshape(hidden.shape[0], n_layers * width)
+    else:
+        if hidden.dim() == 3 and hidden.shape[0] == 1:
+            hidden = hidden[0]
+        if hidden.dim() != 2 or hidden.shape[1] != n_layers * width:
+            raise ValueError(f"hidden states are {tuple(hidden.shape)}, expected [n, {n_layers} layers x "
+                             f"{width} = {n_layers * width}] (declare the layers it holds with --layer)")
+    if hidden.shape[0] != n:
+        raise ValueError(f"holds {hidden.shape[0]} rows of hidden states for {n} input ids")
+    if hidden.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"hidden states are {hidden.dtype}; bfloat16 or float32 can be imported")
+    if not bool(torch.isfinite(hidden).all()):
+        bad = int((~torch.isfinite(hidden)).sum())
+        raise ValueError(f"hidden states hold {bad} NaN/Inf value(s)")
+    if mask is None:
+        mask = torch.ones(n, dtype=torch.int8)
+    mask = mask.reshape(-1)
+    if mask.shape[0] != n:
+        raise ValueError(f"loss mask has {mask.shape[0]} entries for {n} input ids")
+    return ids.to(torch.int64), mask.to(torch.int8), hidden.contiguous()
+
+
+def _storage(hidden) -> np.ndarray:
+    import torch
+
+    if hidden.dtype == torch.bfloat16:
+        return hidden.view(torch.int16).numpy().view(np.uint16)
+    return hidden.numpy()
+
+
+def import_dir(fmt: str, root: str | Path, opts: EvalOptions, store, *, layers: list[int],
+               progress=None) -> ImportResult:
+    """Import the samples under ``root``; see the module docstring. Raises BadInputError (exit 6)
+    after committing the good samples when any were refused."""
+    from .models.resolve import resolved_target
+    from .models.target import check_layer_ids, read_model_info, resolve_backend
+    from .stages import hidden_states as hs_stage
+    from .stages import tokens as tokens_stage
+
+    if fmt not in FORMATS:
+        raise UsageError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}.")
+    root = Path(root)
+    if not root.is_dir():
+        raise BadInputError(f"{root} is not a directory; give the directory the {fmt} files are in.")
+    if not layers:
+        raise UsageError("declare the layer ids the files hold, in file order: --layer K (repeatable; "
+                         "dfcache numbering, the output of decoder layer k).")
+    if opts.backend == "auto" or opts.device == "auto":
+        raise UsageError("declare the backend class that made the states: --backend fla|torch and "
+                         "--device cuda|cpu (they are key material, never guessed for imports).")
+    ctx = RunContext(store, opts, argv=["import"])
+    target = resolved_target(ctx)
+    info = read_model_info(target.dir)
+    check_layer_ids(list(layers), info.num_layers)
+    if len(set(layers)) != len(layers):
+        raise UsageError(f"--layer {layers}: each layer once, in the order the files hold them.")
+    files = _files(fmt, root)
+    if not files:
+        raise BadInputError(f"no {fmt} sample files under {root} (looked for "
+                            f"{ {'specforge': 'rows_*/data_*.ckpt', 'speculators': 'hidden_states/hs_*.safetensors', 'modelopt': '*.pt'}[fmt] }).")
+    masks = _prepared_masks(root) if fmt == "speculators" else None
+    notes = []
+    if fmt == "speculators" and masks is None:
+        notes.append("no prepared dataset beside the files: every token counts in loss_mask.")
+    if fmt == "modelopt":
+        notes.append("ModelOpt files carry no loss mask: every token counts in loss_mask.")
+    n_layers, width = len(layers), info.hidden_size
+
+    # Pass 1: every file read whole and checked; ids and masks kept (small), states dropped.
+    good: list[tuple[Path, np.ndarray, np.ndarray]] = []
+    refused: list[Refused] = []
+    dtype = None
+    bar = progress(len(files), "check") if progress else None
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        try:
+            ids, mask, hidden = _check(fmt, *_read(fmt, path, masks), n_layers, width, info.vocab_size)
+            dt = "bfloat16" if str(hidden.dtype) == "torch.bfloat16" else "float32"
+            if dtype not in (None, dt):
+                raise ValueError(f"hidden states are {dt}, the samples before it {dtype}")
+            dtype = dt
+            good.append((path, ids.numpy(), mask.numpy()))
+        except Exception as e:  # a broken file of any kind is that file's refusal, not the import's
+            refused.append(Refused(rel, _reason(e)))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    result = ImportResult(format=fmt, samples=len(good), refused=refused, tokens_key=None, layer_keys={},
+                          notes=notes)
+    if good:
+        backend = resolve_backend(opts.backend, opts.device, dtype, opts.attn_implementation,
+                                  has_linear_attention=info.has_linear_attention, check=False)
+        _commit(fmt, root, good, layers, width, backend, target, store, result, masks, progress,
+                tokens_stage, hs_stage)
+    if refused:
+        lines = [f"refused {len(refused)} of {len(files)} {fmt} sample(s) under {root}"
+                 + (f" ({len(good)} imported)" if good else " (nothing imported)") + ":"]
+        lines += [f"  - {r.file}: {r.reason}" for r in refused[:50]]
+        if len(refused) > 50:
+            lines.append(f"  ... {len(refused) - 50} more")
+        lines.append("Regenerate those samples with the tool that made them, then import the directory again.")
+        err = BadInputError("\n".join(lines))
+        err.result = result  # the CLI prints what was imported before the error
+        raise err
+    return result
+
+
+def _reason(e: Exception) -> str:
+    if isinstance(e, ValueError):
+        return str(e)
+    text = str(e).splitlines()[0] if str(e) else ""
+    return f"unreadable (truncated or corrupt): {type(e).__name__}{': ' + text[:160] if text else ''}"
+
+
+def _commit(fmt, root, good, layers, width, backend, target, store, result, masks, progress,
+            tokens_stage, hs_stage) -> None:
+    from .graph import Node
+
+    ids = np.concatenate([g[1] for g in good]).astype(np.int32)
+    loss = np.concatenate([g[2] for g in good]).astype(np.int8)
+    lens = np.array([len(g[1]) for g in good], dtype=np.int64)
+    offsets = np.zeros(len(good) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum(lens)
+    prompt_lens = np.array([int(np.argmax(g[2] != 0)) if g[2].any() else len(g[2]) for g in good], dtype=np.int32)
+    digest = xxhash.xxh3_128()
+    for a in (ids, offsets, loss):
+        digest.update(np.ascontiguousarray(a).view(np.uint8).reshape(-1))
+    inputs = {"target": target.fingerprint, "tokenizer": target.tokenizer_fingerprint,
+              "chat_template": target.chat_template_hash, "enable_thinking": False,
+              "imported": {"samples": digest.hexdigest()}}  # not the format: same ids, same key
+    provenance = {"imported": PROVENANCE, "format": fmt, "source": str(root.resolve()), "files": len(good)}
+    tok = Node.make(tokens_stage.NAME, tokens_stage.VERSION, inputs=inputs, needs="cpu")
+    result.tokens_key = tok.key
+    if not store.has(tok.key):
+        with store.writer(tok.key, stage=tokens_stage.NAME, stage_version=tokens_stage.VERSION, inputs=inputs,
+                          provenance=provenance,
+                          summary=f"{PROVENANCE} from {fmt}: {len(good)} samples") as w:
+            w.write_array("token_ids", ids)
+            w.write_array("offsets", offsets)
+            w.write_array("prompt_lens", prompt_lens)
+            w.write_array("completion_lens", (lens - prompt_lens).astype(np.int32))
+            w.write_array("loss_mask", loss)
+            w.put_json("samples", [{"id": f"{fmt}:{g[0].relative_to(root).as_posix()}", "finish_reason": None,
+                                    "tokens_source": f"imported from {fmt}", "eos_appended": False,
+                                    "prompt_len": int(p), "completion_len": int(n - p)}
+                                   for g, p, n in zip(good, prompt_lens, lens)])
+    nodes = {k: Node.make(hs_stage.NAME, hs_stage.VERSION,
+                          inputs={"target": target.fingerprint, "layer": k, "backend": backend.to_key()},
+                          upstream={"tokens": tok.key}, needs="cpu") for k in layers}
+    result.layer_keys = {k: n.key for k, n in nodes.items()}
+    todo = [k for k in layers if not store.has(nodes[k].key)]
+    if not todo:
+        result.already = True
+        return
+    total = int(offsets[-1])
+    dtype = backend.dtype
+    writers = {}
+    try:
+        for k in todo:
+            n = nodes[k]
+            w = store.writer(n.key, stage=hs_stage.NAME, stage_version=hs_stage.VERSION, inputs=n.inputs,
+                             upstream=n.upstream, provenance={**provenance, "declared_backend": backend.to_key()},
+                             summary=f"{PROVENANCE} from {fmt}: layer {k}")
+            writers[k] = (w, w.create_array("hidden", (total, width), dtype))
+        bar = progress(len(good), "import") if progress else None
+        for path, _, _ in good:
+            _, _, hidden = _check(fmt, *_read(fmt, path, masks), len(layers), width, None)
+            rows = _storage(hidden)
+            for j, k in enumerate(layers):
+                if k in writers:
+                    writers[k][1].append(rows[:, j * width:(j + 1) * width])
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
+        for w, _ in writers.values():
+            w.commit()
+    except BaseException:
+        for w, _ in writers.values():
+            if w.manifest is None:
+                w.abort()
+        raise
+
