@@ -185,9 +185,10 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
     args = b.args
     from dfcache import fingerprint_path, open_store
     from dfcache.diff import diff_artifacts
-    from runner.extract import plan_windows
-    from runner.graph import Node, RunContext, execute, resolve
-    from runner.models.target import resolve_backend
+    from runner.stages.hidden_states.extract import plan_windows
+    from runner.graph import Node, RunCache, RunContext, resolve
+    from runner.pipeline import execute
+    from runner.models.target import resolve_kernel
     from runner.options import EvalOptions
     from runner.stages import hidden_states as hs
 
@@ -254,7 +255,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
     def ctx_for(kernel: str) -> RunContext:
         opts = EvalOptions(target=str(model_dir), layers=layers, backend=kernel, device=DEV,
                            dtype="bfloat16", batch_tokens=args.batch_tokens, progress=False)
-        return RunContext(store, opts, argv=["run", "hidden-states", "--backend", kernel])
+        return RunContext(store, opts, argv=["run", "hidden-states", "--backend", kernel], cache=caches[kernel])
 
     def batches_of(tok: Node):
         offsets, ids = tok.payload["offsets"], tok.payload["ids"]
@@ -300,13 +301,12 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
 
     def extraction(kernel: str, tok: Node, label: str, bare_rate: float | None) -> None:
         ctx = ctx_for(kernel)
-        ctx.shared = shared[kernel]
         nodes = hs.build(ctx, tok, layers)
         resolve(ctx, list(nodes.values()))
         t = time.perf_counter()
         execute(ctx, list(nodes.values()))
         dt = time.perf_counter() - t
-        st = ctx.shared.get(hs.LAST_STATS)
+        st = ctx.last_extract_stats
         row(f"dfcache extract ({label})", kernel, st.tokens if st else 0, dt, bare_rate)
         if st:
             b.res.setdefault("extract_stats", {})[f"{kernel}/{label}"] = {
@@ -314,15 +314,14 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
                 "compute_loop_s": st.forward_s, "writer_wait_s": st.writer_wait_s}
         keys.setdefault(f"{kernel}/{label}", {}).update({k: n.key for k, n in nodes.items()})
 
-    shared: dict[str, dict] = {"fla": {}, "torch": {}}
+    caches = {"fla": RunCache(), "torch": RunCache()}  # one loaded target per kernel, reused by every run
     targets: dict = {}
 
     def load(kernel: str):
         def go():
-            backend = resolve_backend(kernel, DEV, "bfloat16", "sdpa")
+            backend = resolve_kernel(kernel, DEV, "bfloat16", "sdpa")
             t = time.perf_counter()
             ctx = ctx_for(kernel)
-            ctx.shared = shared[kernel]
             targets[kernel] = hs.get_target(ctx, str(model_dir), backend)
             b.res["env"].setdefault("bound", {})[kernel] = targets[kernel].bound
             log(f"{kernel}: loaded in {time.perf_counter() - t:.1f} s; bound {targets[kernel].bound}")
@@ -417,7 +416,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
     def store_only():
         """The extraction pipeline (copies, window buffers, writer threads, store) with the
         forward replaced by ready-made GPU tensors: what the store path alone sustains."""
-        from runner.extract import LayerSink, extract
+        from runner.stages.hidden_states.extract import LayerSink, extract
         from dfcache import compute_key
 
         class Fake:
@@ -462,13 +461,13 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         """Mixed-length set packed into varlen forwards; stored under its own keys (another
         kernel class unless the exactness phase shows it bitwise equal)."""
         def go():
-            from runner.extract import LayerSink, extract
+            from runner.stages.hidden_states.extract import LayerSink, extract
             from dfcache import compute_key
 
             target = targets[kernel]
             offsets, ids = mixed.payload["offsets"], mixed.payload["ids"]
             # warm the packed shapes (fla autotunes per shape) outside the clock
-            from runner.extract import plan_windows
+            from runner.stages.hidden_states.extract import plan_windows
             from runner.models.packed import forward_layers_packed
             for w in plan_windows(offsets, 0, args.batch_tokens, pack=True)[0]:
                 for bt in w.batches:

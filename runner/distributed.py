@@ -512,13 +512,16 @@ def run_worker(upto: str, opts, store, *, worker: Worker, argv=None, log=None) -
     from dataclasses import replace
 
     from . import api
-    from .graph import check_offline, execute
+    from .graph import check_offline
+    from .pipeline import execute
 
     _CURRENT = worker
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     if not worker.distributed:
         ctx, nodes = api._run(upto, opts, store, argv=argv, log=log)
         return WorkerRun(worker, ctx, nodes)
+    if opts.device == "cuda":
+        device_for(worker, "cuda")  # a LOCAL_RANK with no GPU fails first, before anything else runs
     tagged = _Tagged(sys.stderr, worker.tag)
     wlog = (lambda m: (tagged.write(f"{m}\n"), tagged.flush()))
     show = opts.progress

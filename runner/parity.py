@@ -124,6 +124,19 @@ def _completion(out, P: int, start: int, max_length: int, stop_ids) -> list[int]
     return completion
 
 
+def _prefill(model, drafter, prompt: list[int], max_new_tokens: int, rebind):
+    """The target's pass over the prompt both decoders start with: (out, P, max_length, feats),
+    ``out`` the prompt, the committed prefill token, then MASK up to a last full block."""
+    B, mask_id = drafter.block_size, drafter.mask_token_id
+    P = len(prompt)
+    out = list(prompt) + [mask_id] * (max_new_tokens + B)
+    if rebind:
+        rebind()
+    post, feats = target_pass(model, prompt, drafter.target_layer_ids)
+    out[P] = int(post[-1])  # prefill token: committed, not a block
+    return out, P, P + max_new_tokens, feats
+
+
 def online_dflash(model, drafter, head, prompt: list[int], max_new_tokens: int, stop_ids, *, rebind=None):
     """Greedy DFlash decoding (z-lab/dflash HEAD 44947fb rules).
 
@@ -131,18 +144,12 @@ def online_dflash(model, drafter, head, prompt: list[int], max_new_tokens: int, 
     """
     import torch
 
-    B, mask_id, layer_ids = drafter.block_size, drafter.mask_token_id, drafter.target_layer_ids
-    P = len(prompt)
-    max_length = P + max_new_tokens
-    out = list(prompt) + [mask_id] * (max_new_tokens + B)
+    B, layer_ids = drafter.block_size, drafter.target_layer_ids
     with torch.no_grad():
-        if rebind:
-            rebind()
-        post, feats = target_pass(model, prompt, layer_ids)
-        out[P] = int(post[-1])                       # prefill token: committed, not a block
+        out, P, max_length, feats = _prefill(model, drafter, prompt, max_new_tokens, rebind)
         ctx = feats                                  # features of positions < start
         start, blocks, draft_logits = P, [], {}
-        from .metrics import chain_accept
+        from .stages.drafter_eval.metrics import chain_accept
 
         while start < max_length:
             block = out[start:start + B]
@@ -168,17 +175,11 @@ def online_ddtree(model, drafter, head, prompt: list[int], max_new_tokens: int, 
     """Greedy DDTree decoding with budget ``budget``: (completion, [(root, value)] per block)."""
     import torch
 
-    from .metrics import build_ddtree, topk_log_probs
+    from .stages.drafter_eval.metrics import build_ddtree, topk_log_probs
 
-    B, mask_id, layer_ids = drafter.block_size, drafter.mask_token_id, drafter.target_layer_ids
-    P = len(prompt)
-    max_length = P + max_new_tokens
-    out = list(prompt) + [mask_id] * (max_new_tokens + B)
+    B, layer_ids = drafter.block_size, drafter.target_layer_ids
     with torch.no_grad():
-        if rebind:
-            rebind()
-        post, feats = target_pass(model, prompt, layer_ids)
-        out[P] = int(post[-1])
+        out, P, max_length, feats = _prefill(model, drafter, prompt, max_new_tokens, rebind)
         ctx, start, blocks = feats, P, []
         while start < max_length:
             logits = reference_draft(drafter, head, ctx, torch.tensor(out[start:start + B]), start)
@@ -333,9 +334,9 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
     if any(b < 1 for b in budgets):
         raise UsageError(f"--tree-budget {budgets}: budgets are positive numbers of drafted nodes.")
 
-    from .graph import RunContext, check_offline, execute, resolve
+    from .graph import RunContext, check_offline, resolve
     from .options import EvalOptions
-    from .pipeline import build_graph
+    from .pipeline import build_graph, execute
 
     eopts = EvalOptions(target=opts.target, drafters=[opts.drafter], prompts=opts.prompts,
                         num_prompts=opts.num_prompts, completions="local", max_new_tokens=opts.max_new_tokens,
@@ -359,13 +360,13 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
 
     from .models.dflash import DFlashDrafter, load_target_head
     from .models.resolve import eos_token_ids
-    from .models.target import BackendClass, load_target
+    from .models.target import KernelSpec
+    from .stages.hidden_states import get_target
     from .stages.tokens import read_tokens
 
-    backend = BackendClass(**hs[0].inputs["backend"])
+    backend = KernelSpec(**hs[0].inputs["backend"])
     target_dir = tokens_node.payload["target_dir"]
-    key = ("hidden_states.target", str(target_dir), backend.label)
-    target = ctx.shared.get(key) or load_target(target_dir, backend)
+    target = get_target(ctx, target_dir, backend)
     dtype = torch.float32 if opts.dtype == "float32" else torch.bfloat16
     dev = target.device
     drafter = DFlashDrafter.from_pretrained(Path(opts.drafter).expanduser(), device=dev, dtype=dtype)

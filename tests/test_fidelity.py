@@ -7,7 +7,7 @@ runs on users' models), written the way z-lab/dflash HEAD's ``dflash_generate`` 
 draft a block from the context features committed so far, verify it with a target forward,
 accept the matching prefix plus the bonus token, append the accepted positions' target features
 to the context, repeat. The offline side instead takes one full target forward over prompt +
-completion and scores every candidate root with ``score_roots``; ``runner.metrics`` walks them.
+completion and scores every candidate root with ``score_roots``; ``runner.stages.drafter_eval.metrics`` walks them.
 
 The target here has gated-DeltaNet layers whose recurrent state cannot be cropped back after a
 rejected draft, so the loop re-runs the target over the whole prefix each round instead of
@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from runner import metrics
+from runner.stages.drafter_eval import metrics
 from runner.models.dflash import DFlashDrafter, load_target_head, score_roots
 from runner.parity import greedy_continuation, online_dflash
 from runner.tiny import build_tiny_target
@@ -216,7 +216,7 @@ def test_parity_cli_json_reuses_the_store(tiny, parity_store, capsys):
     import dataclasses
 
     from dfcache.cli import main
-    from dfcache.cli._common import state
+    from dfcache.cli.common import state
 
     path, _ = parity_store
     saved = dataclasses.replace(state)

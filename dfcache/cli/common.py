@@ -1,4 +1,10 @@
-"""State shared by CLI commands: global options, the store, output helpers."""
+"""What every command of the `dfcache` command line shares: the global options, the store they
+name, and output helpers.
+
+Public: command modules outside this package (the runner's ``run``/``plan``) use it too, so that
+``--store``, ``--json``, ``--debug`` and ``--offline`` mean the same everywhere and JSON output
+has one shape.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +34,9 @@ class GlobalState:
     # command plugins (dfcache itself knows no stage names).
     known_stages: set = field(default_factory=set)
     known_kernels: set = field(default_factory=set)
+    # `verify --recompute N`: stage -> fn(store, keys, n, *, target, progress, log) -> {"sets", "lines",
+    # "disagree", "fix"}, registered by the plugin that knows how to remake that stage's artifacts.
+    recomputers: dict = field(default_factory=dict)
 
 
 state = GlobalState()
