@@ -225,7 +225,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         if not todo:
             continue
         ref: DrafterRef = node.payload["drafter"]
-        from ..distributed import current, device_for
+        from ...distributed import current, device_for
 
         device = device_for(current(), node.inputs["device"])  # cuda:LOCAL_RANK under torchrun
         drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
