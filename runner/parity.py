@@ -324,25 +324,19 @@ def _tau(walks: list[list[tuple[int, int]]]) -> float | None:
 def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
     """Run the eval graph and the online loops on the same prompts; compare them block by block."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    if opts.dtype not in ("float32", "bfloat16"):
-        raise UsageError(f"--dtype {opts.dtype!r} is not one of float32, bfloat16.")
-    if opts.device not in ("cpu", "cuda"):
-        raise UsageError(f"--device {opts.device!r} is not one of cpu, cuda.")
-    if opts.num_prompts < 1 or opts.max_new_tokens < 1:
-        raise UsageError("--num-prompts and --max-new-tokens must be positive.")
-    budgets = sorted({int(b) for b in opts.tree_budgets})
-    if any(b < 1 for b in budgets):
-        raise UsageError(f"--tree-budget {budgets}: budgets are positive numbers of drafted nodes.")
-
     from .graph import RunContext, check_offline, resolve
     from .options import EvalOptions
     from .pipeline import build_graph, execute
 
+    # The online side runs where the states are: an explicit device (the eval options also take auto).
+    if opts.device not in ("cpu", "cuda"):
+        raise UsageError(f"--device {opts.device!r} is not one of cpu, cuda.")
+    budgets = sorted({int(b) for b in opts.tree_budgets})
     eopts = EvalOptions(target=opts.target, drafters=[opts.drafter], prompts=opts.prompts,
                         num_prompts=opts.num_prompts, completions="local", max_new_tokens=opts.max_new_tokens,
                         backend=opts.backend, device=opts.device, dtype=opts.dtype, tree_budgets=budgets,
-                        enable_thinking=opts.enable_thinking, progress=opts.progress)
-    eopts.attn_implementation = opts.attn_implementation
+                        enable_thinking=opts.enable_thinking, progress=opts.progress,
+                        attn_implementation=opts.attn_implementation).validate()
     ctx = RunContext(store, eopts, argv=["run", "eval", "--target", opts.target, "--drafter", opts.drafter])
     nodes = resolve(ctx, build_graph(ctx, "eval"))
     check_offline(ctx, nodes)

@@ -190,6 +190,20 @@ def test_compare_blocks_counts_roots_and_values():
                             {"response": "r", "block": 2, "root": 12, "online": 2, "offline": None}]
 
 
+def test_parity_options_are_the_eval_options_checks(tmp_path):
+    """Refused before any store or model is touched, with the messages `dfcache run` gives."""
+    from dfcache import open_store
+    from dfcache.errors import UsageError
+    from runner.parity import ParityOptions, run_parity
+
+    store = open_store(tmp_path / "store")
+    for bad, says in (({"tree_budgets": [4, 0]}, "--tree-budget 0"), ({"num_prompts": 0}, "--num-prompts 0"),
+                      ({"dtype": "fp8"}, "--dtype 'fp8'"), ({"device": "auto"}, "--device 'auto'")):
+        with pytest.raises(UsageError, match=says):
+            run_parity(store, ParityOptions(target=str(tmp_path / "absent"), drafter=str(tmp_path / "absent"), **bad))
+    assert store.keys() == []
+
+
 @pytest.fixture(scope="module")
 def parity_store(tmp_path_factory):
     from dfcache import open_store
