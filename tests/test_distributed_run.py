@@ -22,7 +22,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
 
-from s3server import S3Server  # noqa: E402
+from s3server import s3_in_env  # noqa: E402
 from servers import ScriptedServer  # noqa: E402
 
 N = 6  # prompts: 3 a rank of 2, 2 a rank of 3
@@ -33,6 +33,12 @@ pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="torchrun worker
 def server():
     with ScriptedServer(chat="slow") as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def s3():
+    with s3_in_env() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -172,14 +178,9 @@ def test_killed_rank_then_three_ranks_finish_exactly_the_missing(tmp_path, env, 
     assert after == reference
 
 
-def test_killed_rank_into_s3_then_one_process_finishes(env, args, reference, monkeypatch):
-    with S3Server() as s3:
-        for k in ("DFCACHE_OFFLINE", "HF_HUB_OFFLINE"):
-            monkeypatch.delenv(k, raising=False)
-        for k, v in s3.env.items():
-            monkeypatch.setenv(k, v)
-        store = f"s3://{s3.create_bucket()}/dfcache"
-        after = _killed_then_rerun(store, env, args, [sys.executable, *_dfcache(store, *args)], s3=s3)
+def test_killed_rank_into_s3_then_one_process_finishes(s3, env, args, reference):
+    store = f"s3://{s3.create_bucket()}/dfcache"
+    after = _killed_then_rerun(store, env, args, [sys.executable, *_dfcache(store, *args)], s3=s3)
     assert after == reference
 
 
