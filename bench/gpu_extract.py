@@ -118,6 +118,8 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--label", default="", help="model label in the rows (e.g. 8B-shaped)")
     ap.add_argument("--budget-s", type=float, default=480.0)
+    ap.add_argument("--probe", action="store_true",
+                    help="also sweep batch sizes (speed, bits) and take the pipeline apart (contention, variants)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="check this script on a CPU machine: tiny sizes, torch backend only, no GPU figures")
     args = ap.parse_args()
@@ -311,7 +313,9 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         if st:
             b.res.setdefault("extract_stats", {})[f"{kernel}/{label}"] = {
                 "tokens": st.tokens, "batches": st.batches, "windows": st.windows, "wall_s": st.wall_s,
-                "compute_loop_s": st.forward_s, "writer_wait_s": st.writer_wait_s}
+                "compute_loop_s": st.forward_s, "forward_gpu_s": st.forward_gpu_s, "writer_wait_s": st.writer_wait_s,
+                "shape_checks": st.checks, **st.extra}
+            log(f"extract stats {kernel}/{label}: {b.res['extract_stats'][f'{kernel}/{label}']}")
         keys.setdefault(f"{kernel}/{label}", {}).update({k: n.key for k, n in nodes.items()})
 
     shared: dict[str, dict] = {"fla": {}, "torch": {}}
@@ -339,6 +343,14 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
                     seen.add(shape)
                     target = targets[kernel]
                     target.forward_layers(x.to(DEV), layers)
+                    if tok is equal:
+                        # the batch-shape check may fall back to halves down to one sample: warm those too
+                        n = x.shape[0] // 2
+                        while n >= 1:
+                            if (n, x.shape[1]) not in seen:
+                                seen.add((n, x.shape[1]))
+                                target.forward_layers(x[:n].to(DEV), layers)
+                            n //= 2
             sync()
             b.res["timings"][f"warmup_{kernel}"] = round(time.perf_counter() - t, 3)
             log(f"{kernel}: warm-up {time.perf_counter() - t:.1f} s over shapes {sorted(seen)[:4]}")
@@ -414,45 +426,131 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         log(f"disk: dd {dd_rate or 0:.2f} GB/s, numpy.save+fsync {np_rate:.2f} GB/s -> "
             f"{rate * 1e9 / bytes_per_token:,.0f} tok/s at {bytes_per_token} B/token")
 
-    def store_only():
-        """The extraction pipeline (copies, window buffers, writer threads, store) with the
-        forward replaced by ready-made GPU tensors: what the store path alone sustains."""
+    class Fake:
+        """Ready-made GPU tensors in place of the forward (same rows whatever the batch)."""
+        device = torch.device(DEV)
+        hidden_size = args.hidden
+        torch_dtype = torch.bfloat16
+
+        def __init__(self):
+            g = torch.Generator(device=DEV).manual_seed(0)
+            self.t = torch.randn((max(1, args.batch_tokens // args.seq_len), args.seq_len, args.hidden),
+                                 device=DEV, generator=g).to(torch.bfloat16)
+
+        def forward_layers(self, ids, want):
+            return {k: self.t[: ids.shape[0], : ids.shape[1]] for k in want}
+
+    def direct_extract(model, offsets, ids, tag: str, stage: str = "bench_direct", keep: bool = False):
+        """runner.extract.extract into fresh artifacts of ``layers`` (deleted after, unless ``keep``)."""
         from runner.extract import LayerSink, extract
         from dfcache import compute_key
 
-        class Fake:
-            device = torch.device(DEV)
-            hidden_size = args.hidden
-            torch_dtype = torch.bfloat16
-
-            def __init__(self):
-                g = torch.Generator(device=DEV).manual_seed(0)
-                self.t = torch.randn((args.batch_tokens // args.seq_len, args.seq_len, args.hidden),
-                                     device=DEV, generator=g).to(torch.bfloat16)
-
-            def forward_layers(self, ids, want):
-                return {k: self.t[: ids.shape[0], : ids.shape[1]] for k in want}
-
-        offsets, ids = equal.payload["offsets"], equal.payload["ids"]
-        fake = Fake()
         writers, sinks = [], []
         for k in layers:
-            key = compute_key("bench_store_only", 1, {"layer": k, "run": time.time()})
-            w = store.writer(key, stage="bench_store_only", stage_version=1, inputs={"layer": k}, resumable=True)
+            key = compute_key(stage, 1, {"layer": k, "tag": tag, "run": time.time()})
+            w = store.writer(key, stage=stage, stage_version=1, inputs={"layer": k, "tag": tag}, resumable=True)
             writers.append(w)
             sinks.append(LayerSink(layer=k, writer=w, array=w.create_array("hidden", (int(offsets[-1]), args.hidden),
                                                                             "bfloat16")))
         sync()
         t = time.perf_counter()
-        st = extract(fake, ids, offsets, sinks, batch_tokens=args.batch_tokens)
+        st = extract(model, ids, offsets, sinks, batch_tokens=args.batch_tokens)
         for w in writers:
             w.commit()
         dt = time.perf_counter() - t
+        if not keep:
+            for w in writers:
+                store.delete(w.key)
+        return st, dt, [w.key for w in writers]
+
+    def store_only():
+        """The extraction pipeline (copies, window buffers, writer threads, store) with the
+        forward replaced by ready-made GPU tensors: what the store path alone sustains."""
+        offsets, ids = equal.payload["offsets"], equal.payload["ids"]
+        st, dt, _ = direct_extract(Fake(), offsets, ids, "store-only", stage="bench_store_only")
         r = row("store path only (no forward)", "none", st.tokens, dt)
         b.res["store_only"] = {"tok_per_s": r["tok_per_s"], "gbps": st.tokens * bytes_per_token / dt / 1e9,
                                "writer_wait_s": st.writer_wait_s, "compute_loop_s": st.forward_s}
-        for w in writers:
-            store.delete(w.key) if hasattr(store, "delete") else None
+
+    def batch_sweep():
+        """Bare forwards of the same samples in batches of 1, 2, 4, ... and whether each size gives
+        sample 0 a one-sample forward's bits: what runner.extract's batch-shape check decides on."""
+        target = targets["fla" if "fla" in targets else "torch"]
+        ids = equal.payload["ids"]
+        L = args.seq_len
+        per = max(1, args.batch_tokens // L)
+        n = min(args.samples, 2 * per)
+        x_all = torch.from_numpy(ids[: n * L].reshape(n, L).astype(np.int64))
+        one = target.forward_layers(x_all[:1].to(DEV), layers)
+        out = {}
+        bsz = 1
+        while bsz <= per:
+            target.forward_layers(x_all[:bsz].to(DEV), layers)  # warm (autotune) outside the clock
+            sync()
+            t = time.perf_counter()
+            for i in range(0, n - bsz + 1, bsz):
+                target.forward_layers(x_all[i:i + bsz].to(DEV), layers)
+            sync()
+            dt = time.perf_counter() - t
+            got = target.forward_layers(x_all[:bsz].to(DEV), layers)
+            eq = {str(k): (got[k][0].view(torch.int16) == one[k][0].view(torch.int16)).float().mean().item()
+                  for k in layers}
+            out[str(bsz)] = {"tok_per_s": round((n // bsz) * bsz * L / dt, 1), "bitwise_equal_to_one_sample": eq,
+                             "min_equal": min(eq.values())}
+            log(f"batch {bsz} x {L}: {out[str(bsz)]['tok_per_s']:,.0f} tok/s bare; sample 0 bitwise-equal to "
+                f"a one-sample forward: min {min(eq.values()):.4f} over layers")
+            del got
+            bsz *= 2
+        b.res["batch_sweep"] = out
+
+    def pipeline_probe():
+        """Where the extraction's time goes beside the bare forward, on the first 64 samples:
+        the bare forward alone and beside the store path (ready tensors, in a thread), then the
+        extraction with its defaults, with 2 writer threads, with a 0.5 ms GIL switch interval,
+        and batched without the batch-shape check (not exact where the check refuses)."""
+        import threading
+
+        import runner.extract as rx
+
+        target = targets["fla" if "fla" in targets else "torch"]
+        m = min(args.samples, 64)
+        offsets = equal.payload["offsets"][: m + 1]
+        ids = equal.payload["ids"][: int(offsets[-1])]
+        eb = batches_of(equal)[: max(1, (m * args.seq_len) // args.batch_tokens)]
+        out = {}
+        n, alone = bare_forward(target, eb)
+        big = np.concatenate([offsets, offsets[1:] + offsets[-1]])
+        box = {}
+        th = threading.Thread(target=lambda: box.update(r=direct_extract(Fake(), big, np.concatenate([ids, ids]), "bg")))
+        th.start()
+        n2, beside = bare_forward(target, eb)
+        th.join()
+        out["bare"] = {"tokens": n, "alone_s": alone, "beside_store_path_s": beside,
+                       "store_path_s": box["r"][1] if "r" in box else None}
+        log(f"probe: bare forward {alone:.3f} s alone, {beside:.3f} s beside the store path "
+            f"({beside / alone:.3f}x)")
+        variants = (("default", {}), ("2 writer threads", {"threads": 2}), ("switchinterval 0.5 ms", {"switch": 5e-4}),
+                    ("batched, no shape check", {"trust": True}))
+        for name, v in variants:
+            old_t, old_sw = rx.WRITER_THREADS, sys.getswitchinterval()
+            old_verdicts = dict(rx._verdicts(target))
+            rx.WRITER_THREADS = v.get("threads", old_t)
+            if v.get("switch"):
+                sys.setswitchinterval(v["switch"])
+            if v.get("trust"):
+                rx._verdicts(target).update({(len(bt.samples), bt.length): True for bt, _ in eb})
+            try:
+                st, dt, _ = direct_extract(target, offsets, ids, name)
+            finally:
+                rx.WRITER_THREADS = old_t
+                sys.setswitchinterval(old_sw)
+                rx._verdicts(target).clear()
+                rx._verdicts(target).update(old_verdicts)
+            out[name] = {"tok_per_s": round(st.tokens / dt, 1), "wall_s": round(dt, 3), "compute_loop_s": st.forward_s,
+                         "forward_gpu_s": st.forward_gpu_s, "writer_wait_s": st.writer_wait_s,
+                         "vs_bare": round(alone / dt, 3), **st.extra}
+            log(f"probe {name}: {out[name]}")
+        b.res["pipeline_probe"] = out
 
     if args.disk_gb:
         b.phase("disk", disk)
@@ -516,6 +614,9 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
     if DEV == "cuda":
         b.phase("load_fla", load("fla"))
         bare_fla = b.phase("measure_fla", measure("fla")) if "fla" in targets else None
+        if "fla" in targets and args.probe:
+            b.phase("batch_sweep", batch_sweep, optional=True)
+            b.phase("pipeline_probe", pipeline_probe, optional=True)
         if "fla" in targets and mixed is not None and not args.skip_packed:
             eq_rate = next((r["tok_per_s"] for r in b.res["throughput"]
                             if r["what"] == "dfcache extract (equal)" and r["backend"] == "fla"), None)
@@ -530,6 +631,9 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         b.phase("load_torch", load("torch"))
         if "torch" in targets:
             bare_torch = b.phase("measure_torch", measure("torch"))
+            if DEV == "cpu" and args.probe:
+                b.phase("batch_sweep", batch_sweep, optional=True)
+                b.phase("pipeline_probe", pipeline_probe, optional=True)
             if DEV == "cpu":  # smoke: exercise the naive loop, packing and diff on the only backend there is
                 b.phase("naive_torch", naive("torch", bare_torch), optional=True)
                 if mixed is not None and not args.skip_packed:

@@ -406,7 +406,12 @@ class DFlashLayer(nn.Module):
 
     def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.mlp
-        return m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+        if torch.is_grad_enabled():
+            return m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
+        # Same operations in the same order, in place: two [rows, intermediate] buffers fewer
+        # (a fifth of the batched scorer's MLP time on the CPU).
+        g = m.gate_proj(x)
+        return m.down_proj(F.silu(g, inplace=True).mul_(m.up_proj(x)))
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Keys/values of ``x`` [..., L, H] -> ([..., kvh, L, hd], [..., kvh, L, hd])."""
