@@ -10,6 +10,7 @@ BENCHMARKS = {
     "size": "bench.size",
     "noop-eval": "bench.noop_eval",
     "ls": "bench.ls",
+    "samples": "bench.samples",
     "fingerprint": "bench.fingerprint",
     "eval-batching": "bench.eval_batching",
     "training": "bench.training",

@@ -7,7 +7,7 @@ tokens artifact, one artifact per layer) and exported from there with ``dfcache 
 to SpecForge's ``rows_*/data_{i}.ckpt`` and speculators' ``hidden_states/hs_{i}.safetensors``
 (+ its prepared dataset). Loaders, each yielding one sample per step:
 
-* dfcache: ``HiddenStateDataset`` over ``runner.samples.StoredSamples`` (copies the sample's rows
+* dfcache: ``HiddenStateDataset`` over ``runner.samples.ArtifactSamples`` (copies the sample's rows
   of each layer from its memory-mapped chunks, crc32c checked when first mapped, into the
   layers' columns of the item);
 * SpecForge: ``load_feature_file`` (``torch.load(mmap=True)``) + ``normalize_offline_sample``,
@@ -42,7 +42,7 @@ HIDDEN = 1024
 
 
 def _write_store(root, states: np.ndarray, lengths: list[int], hidden: int, codec: str = "none"):
-    """The pipeline's layout: a tokens artifact and one hidden_states artifact per layer."""
+    """The set-level layout (an import's): a tokens artifact and one hidden_states artifact per layer."""
     from dfcache.keys import compute_key
     from dfcache.store import open_store
 
@@ -149,10 +149,10 @@ def run(ctx: Ctx) -> Result:
         from speculators.train.data import ArrowDataset
     except ImportError:
         ours_sp = False
-    from runner.samples import StoredSamples
+    from runner.samples import ArtifactSamples
 
     def make_ours():
-        return HiddenStateDataset(StoredSamples(str(root / "store"), tkey, keys))
+        return HiddenStateDataset(ArtifactSamples(str(root / "store"), tkey, keys))
 
     contenders = {"dfcache": make_ours(),
                   "specforge": _SpecForge([str(root / "specforge" / specforge_relpath(i))

@@ -89,6 +89,23 @@ def default_store_location() -> str:
     return os.environ.get("DFCACHE_STORE") or "store"
 
 
+def segment_bytes() -> int:
+    """Bytes of one per-sample segment of a layer before it is committed ($DFCACHE_SEGMENT_BYTES,
+    default 256 MiB): what an interrupted extraction can lose at most, per layer."""
+    raw = os.environ.get("DFCACHE_SEGMENT_BYTES", "").strip()
+    if raw:
+        try:
+            value = int(float(raw))
+        except ValueError:
+            value = 0
+        if value < 1:
+            from .errors import UsageError
+
+            raise UsageError(f"DFCACHE_SEGMENT_BYTES={raw!r}: give a positive number of bytes (e.g. 268435456).")
+        return value
+    return 256 << 20
+
+
 def dfcache_home() -> Path:
     return Path(os.environ.get("DFCACHE_HOME") or Path.home() / ".cache" / "dfcache")
 

@@ -180,6 +180,14 @@ def diff_artifacts(store, key_a: str, key_b: str, *, arrays: list[str] | None = 
     art_a, art_b = store.open(key_a), store.open(key_b)
     ma, mb = art_a.manifest, art_b.manifest
     _check_same_rows(ma, mb)
+    if ma.samples and mb.samples:
+        from .samples import Segment
+
+        ua, ub = Segment(store, key_a).upstream, Segment(store, key_b).upstream
+        if ua != ub:  # same upstream samples in the same (key) order: the same rows
+            raise BadInputError(f"segments {key_a[:12]} and {key_b[:12]} hold different samples ({len(ua)} and "
+                                f"{len(ub)}, {len(set(ua) & set(ub))} in common), so their rows are different data; "
+                                "diff two segments made from the same samples.")
     names_a, names_b = set(ma.arrays), set(mb.arrays)
     if arrays:
         missing = [(n, k) for n in arrays for k, names in ((key_a, names_a), (key_b, names_b))

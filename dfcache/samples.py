@@ -60,7 +60,7 @@ __all__ = ["DOC", "Partition", "SampleArray", "SampleSet", "SampleSink", "Sample
 DOC = "doc"  # the array of per-sample JSON documents
 INDEX = "samples"  # the document with per-sample upstream keys, row offsets and digests
 DOC_CHUNK_ROWS = 1 << 16  # 64 KiB of JSON a chunk: one completion's text reads one or two chunks
-SAMPLE_CHUNK_BYTES = 1 << 18  # small-row arrays (token ids): 256 KiB chunks, little over-read
+MAX_SAMPLE_CHUNK_ROWS = 1 << 14  # token ids: 64 KiB chunks, a few samples each
 
 
 # ------------------------------------------------------------------------------------- keys
@@ -143,10 +143,9 @@ def _chunk_rows_for(spec: SampleArray) -> int:
         return int(spec.chunk_rows)
     from .store import default_chunk_rows
 
-    rows = default_chunk_rows((0,) + tuple(spec.row_shape), spec.dtype)
-    row_bytes = max(1, int(np.prod(spec.row_shape, dtype=np.int64)) * np.dtype(STORAGE_DTYPE[spec.dtype]).itemsize)
-    small = max(16, 1 << max(0, (SAMPLE_CHUNK_BYTES // row_bytes).bit_length() - 1))
-    return min(rows, small)
+    # ~1 MiB chunks for wide rows (hidden states: 128 tokens at 4096 x bf16), at most
+    # MAX_SAMPLE_CHUNK_ROWS rows for narrow ones so one sample's read stays small.
+    return min(default_chunk_rows((0,) + tuple(spec.row_shape), spec.dtype), MAX_SAMPLE_CHUNK_ROWS)
 
 
 def _doc_bytes(doc: Any) -> np.ndarray:
@@ -182,7 +181,8 @@ class SegmentWriter:
     """
 
     def __init__(self, store, partition: Partition, upstream: list[str], *, arrays: dict[str, SampleArray] | None = None,
-                 doc: bool = True, summary: str = "", provenance: dict | None = None) -> None:
+                 doc: bool = True, summary: str = "", provenance: dict | None = None,
+                 rows: dict[str, int] | None = None) -> None:
         upstream = list(upstream)
         if not upstream:
             raise UsageError("a segment holds at least one sample.")
@@ -208,8 +208,12 @@ class SegmentWriter:
                                summary=f"{len(upstream)} samples" + (f": {summary}" if summary else ""),
                                samples={"partition": partition.key, "partition_upstream": partition.upstream,
                                         "keys": self.keys})
+        # ``rows``: each array's total rows when the writer knows them; a small segment's array is
+        # then one chunk of its size, not one padded to a full chunk (zarr's grid is regular).
+        rows = rows or {}
         self._aw = {name: self._w.create_array(name, (0,) + tuple(s.row_shape), s.dtype, codec=s.codec,
-                                               chunk_rows=_chunk_rows_for(s), unknown_rows=True)
+                                               chunk_rows=_chunk_rows_for(s) if name not in rows
+                                               else max(1, min(_chunk_rows_for(s), rows[name])), unknown_rows=True)
                     for name, s in self.specs.items()}
 
     @property
@@ -311,11 +315,21 @@ class SampleSink:
         if not buf:
             return None
         order = sorted(buf)
-        with SegmentWriter(self.store, self.partition, order, arrays=self.arrays, doc=self.doc, summary=self.summary,
-                           provenance=self.provenance) as w:
+        docs = {}
+        if self.doc:
             for u in order:
                 arrays, doc = buf[u]
-                w.add(arrays, doc)
+                docs[u] = arrays[DOC] if DOC in arrays else _doc_bytes(doc)
+        rows = {name: sum(len(buf[u][0][name]) for u in order) for name in self.arrays}
+        if self.doc:
+            rows[DOC] = sum(len(d) for d in docs.values())
+        with SegmentWriter(self.store, self.partition, order, arrays=self.arrays, doc=self.doc, summary=self.summary,
+                           provenance=self.provenance, rows=rows) as w:
+            for u in order:
+                arrays, _doc = buf[u]
+                if self.doc:
+                    arrays = {**arrays, DOC: docs[u]}
+                w.add(arrays)
         self.committed.append(w.manifest)
         self.samples_committed += len(order)
         return w.manifest
@@ -392,8 +406,9 @@ class SampleIndex:
             try:
                 m = Manifest.from_json(data, expect_key=key)
             except UntrustedManifestError as e:
-                self.errors.append((key, e.message))
-                continue
+                # A segment of the very partition asked for that cannot be trusted: say so (its
+                # samples would silently count as missing and be made again beside it).
+                raise UntrustedManifestError(f"{e.message} (in {self.store.url})", key=key) from None
             if not m.samples or m.samples["partition"] != partition:
                 continue
             segs[key] = m
@@ -425,8 +440,9 @@ class SampleIndex:
             return
         p = m.samples["partition"]
         with self._lock:
-            if p not in self._parts:
-                return  # not loaded yet: the next load lists it from the store
+            if p not in self._parts and self._raw is None:
+                return  # nothing listed yet: the first load lists it from the store
+            self._load(p)  # the listing may predate this commit: add it to what was listed
             segs = self._segments[p]
             if m.key in segs:
                 return
@@ -614,8 +630,31 @@ class SampleSet:
         seg, pos = self.segment(i)
         return seg.doc(pos)
 
-    def docs(self) -> list[Any]:
-        return [self.doc(i) for i in range(len(self))]
+    def read_many(self, name: str, positions: Iterable[int] | None = None, *, raw: bool = False) -> list[np.ndarray]:
+        """Rows of many samples at once: each segment's rows are read in one span where the
+        samples asked for fill most of it (a bulk read), else sample by sample."""
+        positions = list(range(len(self))) if positions is None else list(positions)
+        out: dict[int, np.ndarray] = {}
+        by_seg: dict[str, list[tuple[int, int]]] = {}
+        for i in positions:
+            seg, pos = self.segment(i)
+            by_seg.setdefault(seg.key, []).append((i, pos))
+        for key, items in by_seg.items():
+            seg = self._segments[key]
+            spans = [seg.rows(pos, name) for _, pos in items]
+            lo, hi = min(a for a, _ in spans), max(b for _, b in spans)
+            reader = seg.reader(name)
+            if sum(b - a for a, b in spans) * 2 >= hi - lo:
+                block = reader.read_raw(lo, hi) if raw else reader.read(lo, hi)
+                for (i, _), (a, b) in zip(items, spans):
+                    out[i] = block[a - lo:b - lo]
+            else:
+                for (i, _), (a, b) in zip(items, spans):
+                    out[i] = reader.read_raw(a, b) if raw else reader.read(a, b)
+        return [out[i] for i in positions]
+
+    def docs(self, positions: Iterable[int] | None = None) -> list[Any]:
+        return [json.loads(b.tobytes()) for b in self.read_many(DOC, positions, raw=True)]
 
     def upstream(self, i: int) -> str:
         seg, pos = self.segment(i)

@@ -36,10 +36,28 @@ class NodeResult:
     contacts: str | None = None
     fix: str | None = None
     outcome: str | None = None  # after a run: computed | pulled | cached
+    # Per-sample nodes: the partition and {total, cached, remote, missing, to_pull, to_produce,
+    # pulled, produced} (runner/sampling.py); None for set-level nodes (the report).
+    partition: str | None = None
+    samples: dict | None = None
 
     def to_dict(self) -> dict:
-        return {"stage": self.stage, "key": self.key, "status": self.status, "needs": self.needs,
-                "label": self.label, "upstream": self.upstream, "contacts": self.contacts, "fix": self.fix}
+        d = {"stage": self.stage, "key": self.key, "status": self.status, "needs": self.needs,
+             "label": self.label, "upstream": self.upstream, "contacts": self.contacts, "fix": self.fix}
+        if self.samples is not None:
+            d["partition"] = self.partition
+            d["samples"] = self.samples
+        return d
+
+    def stage_row(self) -> dict:
+        """What `run --json` says per node: how many samples were reused, pulled and computed."""
+        row = {"stage": self.stage, "label": self.label, "key": self.key, "status": self.status}
+        if self.samples is not None:
+            c = self.samples
+            row["samples"] = {"total": c["total"], "reused": c["cached"], "pulled": c["pulled"],
+                              "computed": c["produced"],
+                              "not_needed": c["total"] - c["cached"] - c["to_pull"] - c["to_produce"]}
+        return row
 
 
 @dataclass
@@ -151,7 +169,8 @@ def resolve_graph(upto: str, opts: EvalOptions, store=None, *, argv: list[str] |
 
 def _node_result(n, outcome: str | None = None) -> NodeResult:
     return NodeResult(stage=n.stage, key=n.key, label=n.label or n.stage, status=n.status, needs=n.needs,
-                      upstream=n.upstream, contacts=n.contacts, fix=n.fix, outcome=outcome)
+                      upstream=n.upstream, contacts=n.contacts, fix=n.fix, outcome=outcome,
+                      partition=n.partition.key if n.partition is not None else None, samples=n.samples_dict())
 
 
 def plan(upto: str = "eval", *, store=None, options: EvalOptions | None = None,

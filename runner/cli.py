@@ -267,7 +267,8 @@ def print_run(result, opts: EvalOptions) -> None:
         if opts.json:
             emit_json({**result.report, "report_key": result.report_key,
                        "files": {k: str(v) for k, v in result.files.items()},
-                       "computed": result.computed, "seconds": round(result.seconds, 3)})
+                       "computed": result.computed, "stages": [n.stage_row() for n in result.nodes],
+                       "seconds": round(result.seconds, 3)})
             return
         for w in result.report["warnings"]:
             print(f"\n!!! {w}\n")
@@ -275,25 +276,44 @@ def print_run(result, opts: EvalOptions) -> None:
         print()
         for name, path in result.files.items():
             print(f"{name:<28} {path}")
-        print(f"\n{len(result.computed)} artifact(s) computed, the rest from the cache; {result.seconds:.1f} s.")
+        print()
+        for n in result.nodes:
+            if n.samples is not None and n.status != "cached":
+                print(f"{n.label:<28} {_sample_outcome(n)}")
+        print(f"\n{len(result.computed)} node(s) did work, the rest from the cache; {result.seconds:.1f} s.")
         return
     if opts.json:
-        emit_json({"nodes": [n.to_dict() for n in result.nodes], "computed": result.computed,
-                   "seconds": round(result.seconds, 3)})
+        emit_json({"nodes": [n.to_dict() for n in result.nodes], "stages": [n.stage_row() for n in result.nodes],
+                   "computed": result.computed, "seconds": round(result.seconds, 3)})
         return
     for n in result.nodes:
-        print(f"{n.label:<28} {n.key[:12]}  {n.outcome}")
-    print(f"{len(result.computed)} computed, {len(result.nodes) - len(result.computed)} reused in "
+        print(f"{n.label:<28} {n.key[:12]}  {_sample_outcome(n) if n.samples is not None else n.outcome}")
+    print(f"{len(result.computed)} node(s) did work, {len(result.nodes) - len(result.computed)} reused in "
           f"{result.seconds:.1f} s")
+
+
+def _sample_outcome(n) -> str:
+    s = n.stage_row()["samples"]
+    return f"{s['reused']} reused, {s['pulled']} pulled, {s['computed']} computed of {s['total']} samples"
 
 
 def _print_plan(nodes, opts: EvalOptions) -> None:
     if opts.json:
         emit_json([n.to_plan_dict() for n in nodes])
         return
-    print(f"{'STAGE':<28} {'KEY':<12}  {'STATUS':<14} NEEDS")
+    print(f"{'STAGE':<28} {'KEY':<12}  {'STATUS':<14} {'NEEDS':<8} SAMPLES")
     for n in nodes:
         extra = f"  ({n.contacts})" if n.status == "network" and n.contacts else ""
-        print(f"{n.label or n.stage:<28} {n.key[:12]}  {n.status:<14} {n.needs}{extra}")
-    todo = sum(1 for n in nodes if n.status != "cached")
-    print(f"{len(nodes)} node(s), {len(nodes) - todo} cached, {todo} to produce")
+        samples = "-"
+        if n.partition is not None:
+            c = n.samples_dict()
+            samples = f"{c['cached']}/{c['total']} cached"
+            if c["remote"]:
+                samples += f", {c['remote']} in a remote"
+            if c["missing"]:
+                samples += f", {c['missing']} missing"
+            if c["to_produce"] != c["missing"] or c["to_pull"] != c["remote"]:
+                samples += f" ({c['to_pull']} to pull, {c['to_produce']} to produce)"
+        print(f"{n.label or n.stage:<28} {n.key[:12]}  {n.status:<14} {n.needs:<8} {samples}{extra}")
+    todo = sum(1 for n in nodes if n.status not in ("cached", "not needed"))
+    print(f"{len(nodes)} node(s), {len(nodes) - todo} cached or not needed, {todo} to produce")

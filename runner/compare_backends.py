@@ -78,7 +78,7 @@ def run_compare(store, opts: EvalOptions, backends: list[str], *, completions_ba
 
 
 def summarize(store, tokens_key: str, plans, drafters, layers) -> dict:
-    from dfcache.diff import diff_artifacts
+    from dfcache.diff import diff_arrays
 
     from .stages.drafter_eval import read_summary
 
@@ -88,7 +88,7 @@ def summarize(store, tokens_key: str, plans, drafters, layers) -> dict:
         label = _label(hs)
         labels.append(label)
         for d, e in zip(drafters, evals):
-            s = read_summary(store, e.key)
+            s = read_summary(store, e)
             rows[d.name]["evals"][label] = {"key": e.key, "tau_chain": s["chain"]["tau"],
                                             "tau_tree": {k: t["tau"] for k, t in s["tree"].items()},
                                             "blocks": s["chain"]["num_blocks"]}
@@ -96,7 +96,7 @@ def summarize(store, tokens_key: str, plans, drafters, layers) -> dict:
     diffs = []
     for (b, _ctx, hs, _e), label in zip(plans[1:], labels[1:]):
         for k in layers:
-            a = diff_artifacts(store, ref_hs[k].key, hs[k].key).arrays[0]
+            a = diff_arrays(_Rows(store, ref_hs[k]), _Rows(store, hs[k]), "hidden")
             diffs.append({"layer": k, "a": ref_label, "b": label, "key_a": ref_hs[k].key, "key_b": hs[k].key,
                           "rel_l2": a.rel_l2, "max_abs": a.max_abs, "cos_mean": a.cos_mean, "cos_min": a.cos_min,
                           "equal": a.equal})
@@ -107,6 +107,26 @@ def summarize(store, tokens_key: str, plans, drafters, layers) -> dict:
             r.setdefault("delta_tau_chain", {})[label] = None if ref is None or other is None else other - ref
     return {"tokens": tokens_key, "backends": labels, "reference": ref_label, "drafters": list(rows.values()),
             "layers": diffs}
+
+
+class _Rows:
+    """A layer node's states of the whole set, laid end to end in set order, as the row reader
+    ``dfcache.diff.diff_arrays`` walks (both sides hold the same tokens, so the same rows)."""
+
+    def __init__(self, store, node) -> None:
+        import numpy as np
+
+        from dfcache.samples import SampleSet
+
+        ss = SampleSet(store, node.partition.key, node.sample_keys)
+        parts = ss.read_many("hidden", raw=True)
+        self._raw = np.concatenate(parts) if parts else np.zeros((0, 0), np.uint16)
+        self.dtype = ss.segment(0)[0].artifact.manifest.arrays["hidden"].dtype if len(ss) else "float32"
+        self.shape = self._raw.shape
+        self.chunk_rows = max(1, len(self._raw))
+
+    def read_raw(self, start: int, stop: int):
+        return self._raw[start:stop]
 
 
 def _label(hs: dict) -> str:

@@ -473,10 +473,16 @@ def _check_completions(rep: DoctorReport, store, key: str, tdir: Path) -> None:
                 "template ignores enable_thinking", "check the served model's template")
     texts = []
     try:
-        art = store.open(m.key)
-        for i in range(min(int(art.json("index").get("n", 0)), 64)):
-            texts.append(str(art.json(f"c{i}").get("text") or ""))
-    except Exception:  # older layouts: the texts are only a hint here
+        if m.samples:  # a segment of per-sample completions
+            from dfcache.samples import Segment
+
+            seg = Segment(store, m.key)
+            texts = [str(seg.doc(i).get("text") or "") for i in range(min(len(seg.keys), 64))]
+        else:
+            art = store.open(m.key)
+            for i in range(min(int(art.json("index").get("n", 0)), 64)):
+                texts.append(str(art.json(f"c{i}").get("text") or ""))
+    except Exception:  # other layouts: the texts are only a hint here
         texts = []
     with_think = sum(1 for t in texts if _has_thoughts(t))
     if not thinking and with_think:

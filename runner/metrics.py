@@ -39,7 +39,6 @@ from dataclasses import asdict, dataclass, field
 from typing import Mapping, Sequence
 
 import numpy as np
-import torch
 
 __all__ = [
     "WITHIN_OUTPUT", "HEAD", "RULES", "RootScores", "DDTree", "ResponseWalk", "ResponseEval", "Summary",
@@ -73,6 +72,8 @@ def topk_log_probs(logits: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray
     Log-probs are ``top_logit - logsumexp(logits)`` in float32 so tree scores (and their ties)
     round exactly like ``build_ddtree_tree``.
     """
+    import torch  # here: aggregating stored block values (the report) must not import torch
+
     lf = logits.float()
     k = min(int(k), lf.shape[-1])
     top, ids = torch.topk(lf, k=k, dim=-1)
@@ -294,7 +295,7 @@ def evaluate_response(scores: RootScores | torch.Tensor, tokens: Sequence[int], 
     prompt + greedy completion. ``rule="head"`` needs ``continuation``: the target's greedy tokens
     after the completion (EOS ignored), at least B-1 of them.
     """
-    if isinstance(scores, torch.Tensor):
+    if not isinstance(scores, RootScores):  # raw logits (a torch tensor)
         if roots is None:
             raise ValueError("pass roots= with raw logits")
         scores = RootScores.from_logits(roots, scores, k=max(budgets, default=0))

@@ -345,11 +345,14 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
     ctx = RunContext(store, eopts, argv=["run", "eval", "--target", opts.target, "--drafter", opts.drafter])
     nodes = resolve(ctx, build_graph(ctx, "eval"))
     check_offline(ctx, nodes)
-    log(f"parity: offline side: {sum(1 for n in nodes if n.status != 'cached')} of {len(nodes)} artifacts to produce")
+    log(f"parity: offline side: {sum(1 for n in nodes if n.status not in ('cached', 'not needed'))} of "
+        f"{len(nodes)} stages to produce")
     execute(ctx, nodes)
     ev = next(n for n in nodes if n.stage == "drafter_eval")
     tokens_node = next(n for n in nodes if n.stage == "tokens")
-    responses = store.open(ev.key).json("responses")
+    from .stages.drafter_eval import read_responses
+
+    responses = read_responses(store, ev)
     hs = [n for n in nodes if n.stage == "hidden_states"]
 
     import torch
@@ -367,7 +370,7 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
     dev = target.device
     drafter = DFlashDrafter.from_pretrained(Path(opts.drafter).expanduser(), device=dev, dtype=dtype)
     head = load_target_head(target_dir, device=dev, dtype=dtype)
-    toks = read_tokens(store, tokens_node.key)
+    toks = read_tokens(store, tokens_node)
     stops = eos_token_ids(target_dir)
     methods = [MethodParity("chain")] + [MethodParity(f"tree-{b}") for b in budgets]
     completions_equal, comp_mismatch = 0, []

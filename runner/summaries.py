@@ -44,3 +44,28 @@ def completions_origin(store, completions_key: str) -> str:
         model = comp.provenance.get("served_model") or comp.inputs.get("served_model")
         source = f"{endpoint} server" + (f" {model}" if model else "")
     return f"{prompts}, {source}"
+
+
+def samples_origin(store, completions_node) -> str:
+    """:func:`completions_origin` of a per-sample completions node: the prompt set from its prompts
+    node, the served model from a stored completion's provenance (what the server said it was)."""
+    if completions_node is None:
+        return "?"
+    prompts = completions_node.payload.get("prompts") if isinstance(completions_node.payload, dict) else None
+    text = getattr(prompts, "summary", "") or ""
+    n, _, spec = text.partition(" prompts from ")
+    name = (spec if spec.startswith("builtin:") else PurePath(spec).name) if spec else (text or "?")
+    set_name = f"{name}×{n}" if spec else name
+    endpoint = completions_node.inputs.get("endpoint")
+    if endpoint == "local":
+        return f"{set_name}, local greedy"
+    model = None
+    try:
+        from dfcache.samples import SampleSet
+
+        seg, _ = SampleSet(store, completions_node.partition.key, completions_node.sample_keys[:1]).segment(0)
+        model = seg.artifact.manifest.provenance.get("served_model")
+    except Exception:  # not stored yet, or pulled without it: say less, never fail a commit
+        pass
+    model = model or completions_node.inputs.get("served_model")
+    return f"{set_name}, {endpoint} server" + (f" {model}" if model else "")

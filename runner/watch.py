@@ -27,7 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import typer
 
@@ -98,6 +98,7 @@ class Evaluated:
     computed: bool
     summary: dict
     snapshot: tuple = ()
+    node: Any = None  # the drafter_eval node (its samples: the per-prompt views read them)
 
     def to_dict(self) -> dict:
         s = self.summary
@@ -139,6 +140,7 @@ class Watch:
         self.reference: Evaluated | None = None
         self.reference_ref = None
         self.tokens_key: str | None = None
+        self.tokens_node = None
         self.target_dir: str | None = None
         self.budgets = sorted({int(b) for b in opts.tree_budgets})
         self.started = time.perf_counter()
@@ -222,7 +224,7 @@ class Watch:
             return []
         ctx = RunContext(self.store, self.opts, remotes=self.remotes, argv=self.argv)
         tok = tokens.build(ctx, completions.build(ctx, prompts.build(ctx)))
-        self.tokens_key, self.target_dir = tok.key, tok.payload["target_dir"]
+        self.tokens_key, self.tokens_node, self.target_dir = tok.key, tok, tok.payload["target_dir"]
         hs = hidden_states.build(ctx, tok, hidden_states.requested_layers(ctx, todo))
         evals = []
         for ref in todo:
@@ -259,8 +261,8 @@ class Watch:
             if node.key in ctx.work_done:
                 self.computed_keys.add(node.key)
             rec = Evaluated(ref.step, str(ref.path), ref.name, node.key, node.key in self.computed_keys,
-                            drafter_eval.read_summary(self.store, node.key),
-                            () if is_reference else self.readiness.seen.get(ref.path, ((), 0))[0])
+                            drafter_eval.read_summary(self.store, node),
+                            () if is_reference else self.readiness.seen.get(ref.path, ((), 0))[0], node)
             if is_reference:
                 self.reference = rec
             else:
@@ -362,6 +364,7 @@ class Watch:
 
     def html(self, records, latest, best, chosen, files: dict[str, bytes]) -> str:
         from . import reporting
+        from .stages import drafter_eval
         from .stages.tokens import read_tokens
 
         headers = ["step", "checkpoint", "τ chain"] + [f"τ tree-{b}" for b in self.budgets] + \
@@ -380,9 +383,9 @@ class Watch:
         if self.reference:
             shown.append(("reference", self.reference))
         views = [reporting.DrafterView(f"{label}: {r.name}" + (f" (step {r.step})" if r.step is not None and label != "reference" else ""),
-                                       self.store.open(r.key).json("responses"), int(r.summary["block_size"]))
+                                       drafter_eval.read_responses(self.store, r.node), int(r.summary["block_size"]))
                  for label, r in shown if r is not None]
-        toks = read_tokens(self.store, self.tokens_key) if self.tokens_key and views else None
+        toks = read_tokens(self.store, self.tokens_node) if self.tokens_node is not None and views else None
         block = max((v.block_size for v in views), default=2)
         section = ("<h2>Per prompt</h2>" + reporting.legend_html(block)
                    + reporting.per_prompt_html(views, toks, reporting.TokenText.from_target(self.target_dir), self.budgets))

@@ -2,7 +2,7 @@
 
 fla states cannot be computed on this CPU machine (fla's kernels need CUDA), so the fla side is
 committed into the store the way a GPU machine's push would leave it: under the key the
-hidden-state stage gives fla/cuda states of the same tokens (the key recipe of
+hidden-state stage gives fla/cuda states of the same tokens samples (the key recipe of
 runner/stages/hidden_states.py), with the torch states' values plus a small perturbation standing
 in for the kernel difference. Everything else (torch states, both evals, the diffs) is computed
 by the command itself.
@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 
-from dfcache import compute_key, open_store
+from dfcache import open_store
 from dfcache.errors import BadInputError
 from runner.compare_backends import run_compare
 from runner.graph import RunContext, execute, resolve
@@ -41,7 +41,12 @@ def setup(tiny_target, tmp_path_factory):
 
 
 def commit_fake_fla_states(store, opts):
-    """Run the torch graph, then commit perturbed copies of its states under the fla/cuda keys."""
+    """Run the torch graph, then commit perturbed copies of its states under the fla/cuda
+    partitions (same samples, one segment a layer); returns the nodes and, per layer, (torch set
+    key, fla set key, fla partition key)."""
+    from dfcache.samples import Partition, SampleArray, SampleSet, SegmentWriter
+    from runner.sampling import set_key
+
     ctx = RunContext(store, dataclasses.replace(opts, backend="torch"), argv=[])
     nodes = resolve(ctx, build_graph(ctx, "eval"))
     with single_thread():
@@ -52,14 +57,18 @@ def commit_fake_fla_states(store, opts):
     for n in nodes:
         if n.stage != "hidden_states":
             continue
-        inputs = {**n.inputs, "backend": fla.to_key()}
-        key = compute_key(hidden_states.NAME, hidden_states.VERSION, inputs, n.upstream)
-        x = store.open(n.key).array("hidden").read()
-        y = (x + NOISE * np.abs(x).mean() * rng.standard_normal(x.shape)).astype(x.dtype)
-        with store.writer(key, stage=hidden_states.NAME, stage_version=hidden_states.VERSION, inputs=inputs,
-                          upstream=n.upstream, provenance={"note": "torch states + noise, standing in for fla"}) as w:
-            w.write_array("hidden", y)
-        out[n.inputs["layer"]] = (n.key, key)
+        part = Partition(hidden_states.NAME, hidden_states.VERSION, {**n.inputs, "backend": fla.to_key()},
+                         dict(n.partition.upstream))
+        ups = sorted(set(n.upstream_samples))
+        src = SampleSet(store, n.partition.key, [n.partition.sample_key(u) for u in ups])
+        rows = src.read_many("hidden", raw=True)
+        spec = src.segment(0)[0].artifact.manifest.arrays["hidden"]
+        with SegmentWriter(store, part, ups, doc=False, provenance={"note": "torch states + noise, standing in for fla"},
+                           arrays={"hidden": SampleArray(tuple(spec.shape[1:]), spec.dtype)}) as w:
+            for x in rows:
+                y = (x + NOISE * np.abs(x).mean() * rng.standard_normal(x.shape)).astype(x.dtype)
+                w.add({"hidden": y})
+        out[n.inputs["layer"]] = (n.key, set_key(part.key, part.sample_keys(n.upstream_samples)), part.key)
     return nodes, out
 
 
@@ -83,16 +92,17 @@ def test_tau_side_by_side_with_per_layer_diffs(setup, tmp_path, capsys):
     (d,) = res["drafters"]
     torch_eval = next(n for n in torch_nodes if n.stage == "drafter_eval")
     assert d["evals"]["torch/cpu/float32/sdpa"]["key"] == torch_eval.key   # the plain eval, reused
-    fla_eval = store.manifest(d["evals"]["fla/cuda/float32/sdpa"]["key"])
-    assert fla_eval.upstream["hidden_states"] == [keys[k][1] for k in (1, 3, 5)]
-    assert fla_eval.inputs["device"] == "cpu"                # evaluated here, from GPU-made states
+    fla_parts = [keys[k][2] for k in (1, 3, 5)]
+    fla_evals = [m for m in store.list_manifests(stage="drafter_eval")
+                 if m.samples["partition_upstream"]["hidden_states"] == fla_parts]
+    assert fla_evals and all(m.inputs["device"] == "cpu" for m in fla_evals)  # evaluated here, from GPU-made states
     assert all(1.0 <= e["tau_chain"] <= 8.0 for e in d["evals"].values())
     assert d["delta_tau_chain"]["torch/cpu/float32/sdpa"] == pytest.approx(
         d["evals"]["torch/cpu/float32/sdpa"]["tau_chain"] - d["evals"]["fla/cuda/float32/sdpa"]["tau_chain"])
     assert [x["layer"] for x in res["layers"]] == [1, 3, 5]
     for x in res["layers"]:
         assert 0.2 * NOISE < x["rel_l2"] < 5 * NOISE and x["cos_min"] < 1.0 and x["equal"] < 0.5
-        assert (x["key_a"], x["key_b"]) == (keys[x["layer"]][1], keys[x["layer"]][0])
+        assert (x["key_a"], x["key_b"]) == keys[x["layer"]][1::-1]
 
     # The command line, everything cached now.
     from dfcache.cli import main

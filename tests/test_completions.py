@@ -3,9 +3,11 @@ scripted failures, and local greedy generation."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
+from cli_util import dfcache
 from servers import (ClosedPort, RecordingListener, ScriptedServer, SGLangTestServer, TransformersServe,
                      run_pipeline)
 
@@ -50,7 +52,7 @@ def local_greedy(tiny_target, tmp_path_factory):
     """Local greedy completions of the N prompts, produced once for the comparisons below."""
     ctx, nodes = run_pipeline(tmp_path_factory.mktemp("local") / "store", "completions",
                               **_local_opts(tiny_target))
-    return nodes["completions"].key, read_completions(ctx.store, nodes["completions"].key)
+    return nodes["completions"].key, read_completions(ctx.store, nodes["completions"])
 
 
 def _server_opts(target, url, **kw):
@@ -71,12 +73,16 @@ def test_server_completions_are_cached_and_replayed_without_the_server(serve, lo
     before = serve.chat_requests()
     ctx, nodes = run_pipeline(tmp_path / "store", "completions", **_server_opts(tiny_target, serve.url))
     assert serve.chat_requests() - before == N
-    comps = read_completions(ctx.store, nodes["completions"].key)
+    comps = read_completions(ctx.store, nodes["completions"])
     assert [c.id for c in comps] == [f"code-{i:02d}" for i in range(N)]
     assert all(c.text and c.finish_reason in ("stop", "length") for c in comps)
     assert all(c.tokens_source == "retokenized" and c.token_ids is None for c in comps)
-    index = ctx.store.open(nodes["completions"].key).json("index")
-    assert index["served_model"] == serve.model_name and index["endpoint"] == "openai"
+    from dfcache.samples import index_of
+
+    segs = index_of(ctx.store).segments(nodes["completions"].partition.key).values()
+    assert sum(len(m.samples["keys"]) for m in segs) == N
+    assert all(m.provenance["served_model"] == serve.model_name and m.provenance["endpoint"] == "openai"
+               for m in segs)
 
     # The server is gone (a listener that counts connections stands at another address; the
     # URL is not key material): completions come from the store, tokens are computed locally.
@@ -88,7 +94,7 @@ def test_server_completions_are_cached_and_replayed_without_the_server(serve, lo
     assert nodes2["completions"].key == nodes["completions"].key
     assert nodes2["completions"].status == "cached"
     assert ctx2.work_done == [nodes2["tokens"].key]
-    toks = read_tokens(ctx2.store, nodes2["tokens"].key)
+    toks = read_tokens(ctx2.store, nodes2["tokens"])
     tok = _tokenizer(tiny_target)
     for i, c in enumerate(comps):
         expect = tok(c.text, add_special_tokens=False)["input_ids"]
@@ -128,16 +134,18 @@ def test_killed_server_keeps_finished_and_resume_fetches_only_the_rest(servers, 
         dying.stop()
     msg = str(e.value)
     assert dying.url in msg and ("closed the connection" in msg or "connection refused" in msg)
-    assert not any(m.stage == "completions" for m in open_store(store).list_manifests())
+    # What finished before the kill is committed (the segment in flight is flushed on the error).
+    kept = sum(len(m.samples["keys"]) for m in open_store(store).list_manifests() if m.stage == "completions")
+    assert k - 1 <= kept <= k
 
     before = serve.chat_requests()
     capsys.readouterr()
     ctx, nodes = run_pipeline(store, "completions", **_server_opts(tiny_target, serve.url, num_prompts=n))
     fetched = serve.chat_requests() - before
     saved = n - fetched
-    assert k - 1 <= saved <= k  # everything that finished before the kill was kept
-    assert f"resuming, {saved} of {n} already saved, {fetched} to go" in capsys.readouterr().err
-    comps = read_completions(ctx.store, nodes["completions"].key)
+    assert saved == kept  # everything that finished before the kill was kept, and only the rest fetched
+    assert f"completions: {saved} of {n} already stored, {fetched} to fetch" in capsys.readouterr().err
+    comps = read_completions(ctx.store, nodes["completions"])
     assert len(comps) == n and all(c.text for c in comps)
 
     # Same port as the killed server, now a listener: a cached run opens no connection at all.
@@ -167,7 +175,7 @@ def test_failed_answers_are_never_cached(mode, error, words, tiny_target, tmp_pa
     with ScriptedServer(chat="ok") as good:
         ctx, nodes = run_pipeline(store, "completions", **_server_opts(tiny_target, good.url))
         assert good.count("POST", "/v1/chat/completions") == N  # nothing bad was kept
-    assert [c.text for c in read_completions(ctx.store, nodes["completions"].key)] == ["hello"] * N
+    assert [c.text for c in read_completions(ctx.store, nodes["completions"])] == ["hello"] * N
 
 
 def test_requests_run_concurrently_within_the_bound(tiny_target, tmp_path):
@@ -205,7 +213,8 @@ def test_offline_makes_no_connection(tiny_target, tmp_path, monkeypatch):
         with pytest.raises(OfflineMissingError) as e:
             check_offline(ctx, nodes)
         node = [n for n in nodes if n.stage == "completions"][0]
-        assert node.key in str(e.value) and listener.url in str(e.value)
+        assert f"{N} of {N} sample(s) missing" in str(e.value) and "'code-00'" in str(e.value)
+        assert listener.url in str(e.value)
         assert node.fix == f"dfcache run completions --server {listener.url}"
         # Whatever path reaches the transport while offline is refused there.
         monkeypatch.setenv("DFCACHE_OFFLINE", "1")
@@ -221,10 +230,10 @@ def test_sglang_native_gives_server_token_ids_equal_to_local_greedy(tiny_target,
                                   **_server_opts(tiny_target, s.url, server_api="sglang",
                                                  served_model="tiny-qwen"))
         assert s.count("POST", "/generate") == N
-    comps = read_completions(ctx.store, nodes["completions"].key)
+    comps = read_completions(ctx.store, nodes["completions"])
     assert all(c.tokens_source == "server" and c.token_ids for c in comps)
     assert [c.token_ids for c in comps] == [c.token_ids for c in local_greedy[1]]
-    toks = read_tokens(ctx.store, nodes["tokens"].key)
+    toks = read_tokens(ctx.store, nodes["tokens"])
     assert [toks.completion(i).tolist() for i in range(N)] == [c.token_ids for c in comps]
 
 
@@ -275,3 +284,44 @@ def test_preflight_checks_the_server_once_before_any_work(tiny_target, tmp_path)
         assert (s.count("GET", "/health"), s.count("GET", "/v1/models")) == (1, 1)
         assert s.count("POST", "/v1/chat/completions") == N
 
+
+
+def _prompt_file(path, order):
+    from runner.stages.prompts import load_records
+
+    recs = load_records("builtin:coding")
+    path.write_text("".join(json.dumps(recs[i]) + "\n" for i in order))
+    return str(path)
+
+
+def test_any_subset_superset_or_order_of_fetched_prompts_reuses_every_completion(serve, tiny_target, tmp_path):
+    """Fetch 4 prompts; with the server gone (a listener counting connections at another address),
+    a 2-prompt subset and the 4 reordered run offline with no connection; a superset of 5 exits 3
+    naming the one missing prompt; online, the superset sends exactly one request."""
+    store = tmp_path / "store"
+    before = serve.chat_requests()
+    run_pipeline(store, "completions", **_server_opts(tiny_target, serve.url,
+                                                      prompts=_prompt_file(tmp_path / "four.jsonl", [0, 1, 2, 3])))
+    assert serve.chat_requests() - before == 4
+    with RecordingListener() as gone:
+        for name, order in (("two", [2, 0]), ("reordered", [3, 1, 0, 2])):
+            ctx, nodes = run_pipeline(store, "tokens", offline=True,
+                                      **_server_opts(tiny_target, gone.url, num_prompts=len(order),
+                                                     prompts=_prompt_file(tmp_path / f"{name}.jsonl", order)))
+            assert nodes["completions"].status == "cached"
+            assert [c.id for c in read_completions(ctx.store, nodes["completions"])] == \
+                [f"code-{i:02d}" for i in order]
+        five = _prompt_file(tmp_path / "five.jsonl", [4, 0, 1, 2, 3])
+        r = dfcache("run", "tokens", "--target", tiny_target, "--prompts", five, "--server", gone.url,
+                    "--max-new-tokens", 8, "--offline", store=store, env={"HF_HUB_OFFLINE": "1"})
+        time.sleep(0.2)
+        assert gone.connections == 0
+    assert r.code == 3, r.err
+    assert "1 of 5 sample(s) missing" in r.err and "'code-04'" in r.err and "code-00" not in r.err
+    fix = next(line for line in r.err.splitlines() if "produce it with:" in line)
+    assert " run tokens " in fix and "--offline" not in fix and "Traceback" not in r.err
+    before = serve.chat_requests()
+    ctx, nodes = run_pipeline(store, "tokens", **_server_opts(tiny_target, serve.url, prompts=five, num_prompts=5))
+    assert serve.chat_requests() - before == 1
+    assert nodes["completions"].samples_dict()["produced"] == 1
+    assert nodes["tokens"].samples_dict() == {**nodes["tokens"].samples_dict(), "cached": 4, "produced": 1}

@@ -12,7 +12,13 @@ from cli_util import dfcache
 from dfcache import compute_key, open_store
 from dfcache.diff import diff_artifacts
 from dfcache.errors import BadInputError
-from test_hidden_states import run_layers, write_tokens
+from test_hidden_states import run_layers, segments_of, write_tokens
+
+
+def segment(store, node) -> str:
+    """The key of the one segment holding a layer node's samples."""
+    (key,) = segments_of(store, node)
+    return key
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -32,7 +38,7 @@ def extracted(tiny_target, tmp_path_factory):
     tok = write_tokens(store, tiny_target)
     f32, _ = run_layers(store, tok, [3], {}, dtype="float32")
     b16, _ = run_layers(store, tok, [3], {}, dtype="bfloat16")
-    return dict(store=store, tokens=tok, f32=f32[3].key, b16=b16[3].key)
+    return dict(store=store, tokens=tok, f32=segment(store, f32[3]), b16=segment(store, b16[3]))
 
 
 def synthetic(store, name, arrays: dict, upstream=None):
@@ -86,8 +92,8 @@ def test_chunked_metrics_match_a_direct_computation(tmp_path, monkeypatch):
 def test_different_rows_are_bad_input(extracted, tiny_target, tmp_path):
     store = extracted["store"]
     other = write_tokens(store, tiny_target, lengths=[23, 40, 17], seed=1)
-    k_other = run_layers(store, other, [3], {}, dtype="float32")[0][3].key
-    with pytest.raises(BadInputError, match="different tokens artifacts") as e:
+    k_other = segment(store, run_layers(store, other, [3], {}, dtype="float32")[0][3])
+    with pytest.raises(BadInputError, match="hold different samples") as e:
         diff_artifacts(store, extracted["f32"], k_other)
     assert e.value.exit_code == 6
     s2 = open_store(tmp_path / "s")
@@ -115,8 +121,8 @@ def test_cli_table_json_prefixes_and_exit_codes(extracted, tiny_target):
     r = dfcache("--json", "diff", a, b, store=store.url)  # the global --json flag
     assert r.code == 0 and not math.isclose(json.loads(r.out)["arrays"][0]["rel_l2"], 0.0)
     other = write_tokens(store, tiny_target, lengths=[23, 40, 17], seed=1)
-    k_other = run_layers(store, other, [3], {}, dtype="float32")[0][3].key
+    k_other = segment(store, run_layers(store, other, [3], {}, dtype="float32")[0][3])
     r = dfcache("diff", a, k_other, store=store.url)
-    assert r.code == 6 and "different tokens artifacts" in r.err and "Traceback" not in r.err
+    assert r.code == 6 and "hold different samples" in r.err and "Traceback" not in r.err
     r = dfcache("diff", a, "ffffffffffff", store=store.url)
     assert r.code == 2 and "no artifact key starts with" in r.err

@@ -233,7 +233,7 @@ def test_parity_cli_json_reuses_the_store(tiny, parity_store, capsys):
     assert rc == 0, cap.err
     out = json.loads(cap.out)
     assert out["ok"] and out["blocks"] == out["matched"] > 0 and out["agreement"] == 1.0
-    assert "0 of 8 artifacts to produce" in cap.err  # the offline side came from the store
+    assert "0 of 8 stages to produce" in cap.err  # the offline side came from the store
 
 
 def test_parity_bfloat16_reports_agreement(tiny, tmp_path):

@@ -39,27 +39,42 @@ def one_torch_thread():
 
 
 def write_tokens(store, target_dir, lengths=LENGTHS, seed=0) -> Node:
-    """A tokens artifact with the names and layout of the tokens stage; returns its node."""
+    """A tokens node whose samples have the names and layout of the tokens stage."""
+    from dfcache.samples import SampleArray, SampleSink, index_of, record_digest
+
     rng = np.random.default_rng(seed)
-    ids = np.concatenate([rng.integers(3, 500, n) for n in lengths]).astype(np.int32)
-    offsets = np.zeros(len(lengths) + 1, np.int64)
-    offsets[1:] = np.cumsum(lengths)
     fp = fingerprint_path(target_dir)
-    node = Node.make("tokens", 1, inputs={"target": fp, "tokenizer": fp, "seed": seed}, needs="cpu",
-                     payload={"target_dir": str(target_dir)}, label="tokens")
-    if not store.has(node.key):
-        with store.writer(node.key, stage="tokens", stage_version=1, inputs=node.inputs) as w:
-            w.write_array("token_ids", ids)
-            w.write_array("offsets", offsets)
-            w.write_array("prompt_lens", np.full(len(lengths), 3, np.int32))
-            w.put_json("samples", [{"id": str(i)} for i in range(len(lengths))])
+    ups = [record_digest({"seed": seed, "i": i}) for i in range(len(lengths))]
+    node = Node.make_samples("tokens", 2, inputs={"target": fp, "tokenizer": fp, "seed": seed}, upstream_samples=ups,
+                             ids=[str(i) for i in range(len(lengths))], needs="cpu",
+                             payload={"target_dir": str(target_dir)}, label="tokens")
+    ids = [rng.integers(3, 500, n).astype(np.int32) for n in lengths]
+    if index_of(store).missing(node.partition.key, node.sample_keys):
+        with SampleSink(store, node.partition, arrays={"ids": SampleArray((), "int32")}) as sink:
+            for u, x in zip(ups, ids):
+                sink.add(u, {"ids": x}, {"prompt_len": 3, "completion_len": len(x) - 3, "finish_reason": "length",
+                                         "tokens_source": "local", "eos_appended": False})
     return node
 
 
-def samples_of(store, tokens_key):
-    art = store.open(tokens_key)
-    ids, offs = art.array("token_ids").read(), art.array("offsets").read()
-    return [ids[offs[i]:offs[i + 1]] for i in range(len(offs) - 1)], offs
+def samples_of(store, tokens_node):
+    from runner.stages.tokens import read_tokens
+
+    t = read_tokens(store, tokens_node)
+    return [t.sample(i) for i in range(len(t))], t.offsets
+
+
+def segments_of(store, node):
+    from dfcache.samples import index_of
+
+    return index_of(store).segments(node.partition.key)
+
+
+def states_of(store, node):
+    """Every sample's rows of a layer node, by position (bf16 as uint16 bits)."""
+    from dfcache.samples import SampleSet
+
+    return SampleSet(open_store(store.url), node.partition.key, node.sample_keys).read_many("hidden", raw=True)
 
 
 def run_layers(store, tokens_node, layers, shared, **opts):
@@ -109,7 +124,7 @@ def test_states_equal_plain_transformers_forward_bit_for_bit(fp32_run, tiny_targ
 
     store, nodes = fp32_run["store"], fp32_run["second"]
     ref = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32).eval()
-    samples, offs = samples_of(store, fp32_run["tokens"].key)
+    samples, offs = samples_of(store, fp32_run["tokens"])
     with torch.no_grad():
         normed = [ref(input_ids=torch.from_numpy(s.astype(np.int64))[None], output_hidden_states=True)
                   .hidden_states[-1][0] for s in samples]
@@ -117,15 +132,15 @@ def test_states_equal_plain_transformers_forward_bit_for_bit(fp32_run, tiny_targ
         plain = [ref(input_ids=torch.from_numpy(s.astype(np.int64))[None], output_hidden_states=True)
                  .hidden_states for s in samples]
     for k in (1, 3, 5):
-        stored = read_layer(store, nodes[k].key)
+        stored = read_layer(store, nodes[k])
         assert stored.dtype == torch.float32 and tuple(stored.shape) == (int(offs[-1]), 128)
         for i, hs in enumerate(plain):
             assert torch.equal(stored[offs[i]:offs[i + 1]], hs[k + 1][0]), (k, i)
     # Layer 5 is the last one: stored before the final norm, which HF applies to hidden_states[-1].
-    last = read_layer(store, nodes[5].key)
+    last = read_layer(store, nodes[5])
     assert not torch.equal(last[: len(samples[0])], normed[0])
-    # A row range reads only its rows.
-    assert torch.equal(read_layer(store, nodes[3].key, offs[2], offs[3]), plain[2][4][0])
+    # One sample reads only its rows.
+    assert torch.equal(read_layer(store, nodes[3], [2]), plain[2][4][0])
 
 
 def test_second_request_computes_only_the_new_layer(fp32_run):
@@ -147,11 +162,14 @@ def test_second_request_computes_only_the_new_layer(fp32_run):
 
 
 def test_manifest_records_backend_layer_and_what_was_bound(fp32_run):
-    m = fp32_run["store"].manifest(fp32_run["second"][5].key)
+    segs = segments_of(fp32_run["store"], fp32_run["second"][5])
+    assert len(segs) == 1  # every sample of the set in one segment (default segment size)
+    m = next(iter(segs.values()))
     assert m.stage == "hidden_states" and m.inputs["layer"] == 5
     assert m.inputs["backend"] == {"kernel": "torch", "device": "cpu", "dtype": "float32",
                                    "attn_implementation": "sdpa"}
-    assert m.upstream == {"tokens": fp32_run["tokens"].key}
+    assert m.samples["partition_upstream"] == {"sample": fp32_run["tokens"].partition.key}
+    assert sorted(m.samples["keys"]) == sorted(fp32_run["second"][5].sample_keys)
     assert m.arrays["hidden"].dtype == "float32" and m.arrays["hidden"].shape == [sum(LENGTHS), 128]
     bound = m.provenance["bound"]
     assert bound["torch_chunk_gated_delta_rule"].startswith("transformers.models.qwen3_5.")
@@ -166,71 +184,120 @@ def test_bf16_keeps_the_model_dtype_and_has_its_own_key(fp32_run, tiny_target, t
 
     store = fp32_run["store"]
     nodes, _ = run_layers(store, fp32_run["tokens"], [5], {}, dtype="bfloat16", compression="zstd")
-    m = store.manifest(nodes[5].key)
-    assert nodes[5].key != fp32_run["second"][5].key
+    m = next(iter(segments_of(store, nodes[5]).values()))
+    assert nodes[5].partition.key != fp32_run["second"][5].partition.key
     assert m.arrays["hidden"].dtype == "bfloat16" and m.arrays["hidden"].codec == "zstd"
-    t = read_layer(store, nodes[5].key)
+    t = read_layer(store, nodes[5])
     assert t.dtype == torch.bfloat16
-    f32 = read_layer(store, fp32_run["second"][5].key)
+    f32 = read_layer(store, fp32_run["second"][5])
     rel = ((t.float() - f32).norm() / f32.norm()).item()
     assert 0 < rel < 0.05
 
 
-def test_interrupted_extraction_resumes_without_recomputing(fp32_run, tiny_target, tmp_path):
-    """Stop after 2 checkpointed windows; the next run computes only the rest, bit-identically."""
+def test_interrupted_extraction_keeps_committed_segments_and_computes_only_the_rest(fp32_run, tiny_target,
+                                                                                  tmp_path, monkeypatch):
+    """Segments of ~3 samples; stop after 2 committed segments: they stay, and the next run
+    computes only the other samples, bit-identically to the uninterrupted extraction."""
     from runner.stages import hidden_states as hs
 
+    monkeypatch.setenv("DFCACHE_SEGMENT_BYTES", str(100 * 128 * 4))  # ~100 tokens of fp32 rows a segment
     store = open_store(tmp_path / "store")
     tok = write_tokens(store, tiny_target)
     assert tok.key == fp32_run["tokens"].key
     shared: dict = {}
     done_at = {}
 
-    def stop_after_two(window, tokens_done):
-        if window == 1:
+    def stop_after_two(segment, tokens_done):
+        if segment == 1:
             done_at["tokens"] = tokens_done
-            raise KeyboardInterrupt  # what Ctrl-C does; a crash leaves the same staging
+            raise KeyboardInterrupt  # what Ctrl-C does; a kill loses the segment in flight only
 
     shared[hs.ON_CHECKPOINT] = stop_after_two
     with pytest.raises(KeyboardInterrupt):
         run_layers(store, tok, [1, 3], shared)
     nodes = fp32_run["first"]
-    assert not store.has(nodes[1].key) and not store.has(nodes[3].key)
     kept = done_at["tokens"]
     assert 0 < kept < sum(LENGTHS)
+    from dfcache.samples import index_of
+
+    have = {k: len(index_of(open_store(store.url)).partition(nodes[k].partition.key)) for k in (1, 3)}
+    assert have[1] == have[3] and 0 < have[1] < len(LENGTHS)
     target = loaded_target(shared)
     before = target.tokens_forwarded
     del shared[hs.ON_CHECKPOINT]
-    run_layers(store, tok, [1, 3], shared)
+    again, ctx = run_layers(open_store(store.url), tok, [1, 3], shared)
+    assert {k: again[k].samples_dict()["cached"] for k in (1, 3)} == have
     assert target.tokens_forwarded - before == sum(LENGTHS) - kept
-    assert shared[hs.LAST_STATS].tokens_resumed == kept
     for k in (1, 3):  # same bytes as the uninterrupted extraction
-        assert store.manifest(nodes[k].key).arrays["hidden"].digest == \
-            fp32_run["store"].manifest(nodes[k].key).arrays["hidden"].digest
+        assert all(np.array_equal(a, b) for a, b in zip(states_of(store, again[k]),
+                                                        states_of(fp32_run["store"], nodes[k])))
+        assert all(open_store(store.url).verify(s) == [] for s in segments_of(store, again[k]))
 
 
-def test_resume_with_layers_at_different_points(fp32_run, tiny_target, tmp_path):
-    """Layers 1,3 interrupted midway, then {1,3,5}: layer 5 starts at 0, 1 and 3 keep their rows."""
+def test_interrupted_layers_then_more_layers(fp32_run, tiny_target, tmp_path, monkeypatch):
+    """Layers 1,3 interrupted midway, then {1,3,5}: layer 5 computes every sample; 1 and 3 only
+    the samples they lack (in the same forward passes as layer 5)."""
     from runner.stages import hidden_states as hs
 
+    monkeypatch.setenv("DFCACHE_SEGMENT_BYTES", str(100 * 128 * 4))
     store = open_store(tmp_path / "store")
     tok = write_tokens(store, tiny_target)
     shared: dict = {}
 
-    def stop(window, tokens_done):
-        if window == 2:
+    def stop(segment, tokens_done):
+        if segment == 2:
             raise RuntimeError("simulated crash")
 
     shared[hs.ON_CHECKPOINT] = stop
     with pytest.raises(RuntimeError, match="simulated crash"):
         run_layers(store, tok, [1, 3], shared)
     del shared[hs.ON_CHECKPOINT]
-    nodes, ctx = run_layers(store, tok, [1, 3, 5], shared)
+    target = loaded_target(shared)
+    before = target.tokens_forwarded
+    nodes, ctx = run_layers(open_store(store.url), tok, [1, 3, 5], shared)
     assert sorted(ctx.work_done) == sorted(n.key for n in nodes.values())
+    assert target.tokens_forwarded - before == sum(LENGTHS)  # one pass per sample, all layers it lacks
     for k in (1, 3, 5):
-        assert store.manifest(nodes[k].key).arrays["hidden"].digest == \
-            fp32_run["store"].manifest(fp32_run["second"][k].key).arrays["hidden"].digest
-        assert store.verify(nodes[k].key) == []
+        assert all(np.array_equal(a, b) for a, b in zip(states_of(store, nodes[k]),
+                                                        states_of(fp32_run["store"], fp32_run["second"][k])))
+
+
+def test_subset_superset_and_order_reuse_every_sample(fp32_run, tiny_target, tmp_path):
+    """A set of 4 samples, then the 5-sample superset: the plan shows 4 cached and 1 missing in
+    every layer, the run computes only that sample, and the states equal extracting all 5 at
+    once, bit for bit; any subset or order of them is then fully cached."""
+    from runner.graph import RunContext, resolve
+    from runner.stages import hidden_states as hs
+
+    lengths = LENGTHS[:5]
+    five = write_tokens(open_store(tmp_path / "all"), tiny_target, lengths)
+    at_once, _ = run_layers(open_store(tmp_path / "all"), five, [1, 3], {})
+    store = open_store(tmp_path / "store")
+    four = subset(write_tokens(store, tiny_target, lengths), [0, 1, 2, 3])
+    shared: dict = {}
+    run_layers(store, four, [1, 3], shared)
+    target = loaded_target(shared)
+    before = target.tokens_forwarded
+    ctx = RunContext(open_store(store.url), EvalOptions(layers=[1, 3], backend="torch", device="cpu",
+                                                        dtype="float32", progress=False), argv=[])
+    planned = resolve(ctx, list(hs.build(ctx, five, [1, 3]).values()))
+    assert [(n.samples_dict()["cached"], n.samples_dict()["missing"]) for n in planned] == [(4, 1), (4, 1)]
+    nodes, ctx = run_layers(open_store(store.url), five, [1, 3], shared)
+    assert target.tokens_forwarded - before == lengths[4]
+    assert [n.samples_dict()["produced"] for n in nodes.values()] == [1, 1]
+    for k in (1, 3):
+        assert all(np.array_equal(a, b) for a, b in zip(states_of(store, nodes[k]),
+                                                        states_of(open_store(tmp_path / "all"), at_once[k])))
+    for order in ([4, 2], [3, 1, 0, 4, 2]):
+        again, ctx = run_layers(open_store(store.url), subset(five, order), [1, 3], shared)
+        assert ctx.work_done == [] and all(n.status == "cached" for n in again.values())
+
+
+def subset(node, positions):
+    return Node.make_samples(node.stage, node.version, inputs=node.inputs,
+                             upstream_samples=[node.upstream_samples[i] for i in positions],
+                             ids=[node.ids[i] for i in positions], needs=node.needs, payload=node.payload,
+                             label=node.label)
 
 
 def test_layer_out_of_range_names_the_depth(fp32_run):
@@ -269,9 +336,9 @@ def test_fla_backend_without_cuda_is_bad_input(fp32_run):
     with pytest.raises(BadInputError, match="--device cuda: no CUDA GPU"):
         resolve_backend("torch", "cuda", "bfloat16")
     ctx = RunContext(fp32_run["store"], EvalOptions(layers=[1], backend="fla"), argv=[])
-    with pytest.raises(BadInputError, match=r"layer\(s\) 1 for fla/cuda/bfloat16/sdpa are not in the store "
-                                            r"and cannot be computed here\. --backend fla"):
-        hs.build(ctx, fp32_run["tokens"], [1])
+    with pytest.raises(BadInputError, match=r"12 sample\(s\) of hidden_states\[1\] are in no store and cannot be "
+                                            r"computed here\. \(hidden states for fla/cuda/bfloat16/sdpa\) --backend fla"):
+        resolve(ctx, list(hs.build(ctx, fp32_run["tokens"], [1]).values()))
     # auto on a machine without a GPU is the torch fallback on cpu
     b = resolve_backend("auto", "auto", "bfloat16")
     assert (b.kernel, b.device) == ("torch", "cpu")
@@ -280,22 +347,22 @@ def test_fla_backend_without_cuda_is_bad_input(fp32_run):
 def test_fla_states_stored_elsewhere_are_used_on_a_cpu_machine(fp32_run, tiny_target, tmp_path):
     """States extracted with fla on a GPU machine (here: written at the keys the recipe gives)
     are found by a CPU-only plan with --backend fla; nothing needs computing."""
-    from dfcache import compute_key
+    from dfcache.samples import Partition, SampleArray, SampleSink
     from runner.stages import hidden_states as hs
 
     store = open_store(tmp_path / "store")
     tok = write_tokens(store, tiny_target)
     fla = {"kernel": "fla", "device": "cuda", "dtype": "bfloat16", "attn_implementation": "sdpa"}
-    keys = {}
+    parts = {}
     for k in (1, 3):
         inputs = {"target": tok.inputs["target"], "layer": k, "backend": fla}
-        keys[k] = compute_key("hidden_states", hs.VERSION, inputs, {"tokens": tok.key})
-        with store.writer(keys[k], stage="hidden_states", stage_version=hs.VERSION, inputs=inputs,
-                          upstream={"tokens": tok.key}) as w:
-            w.write_array("hidden", np.zeros((sum(LENGTHS), 128), np.uint16), dtype="bfloat16")
+        parts[k] = Partition("hidden_states", hs.VERSION, inputs, {"sample": tok.partition.key})
+        with SampleSink(store, parts[k], arrays={"hidden": SampleArray((128,), "bfloat16")}, doc=False) as sink:
+            for u, n in zip(tok.sample_keys, LENGTHS):  # a state is made from a tokens sample
+                sink.add(u, {"hidden": np.zeros((n, 128), np.uint16)})
     ctx = RunContext(store, EvalOptions(layers=[1, 3], backend="fla"), argv=[])
     nodes = hs.build(ctx, tok, [1, 3])
-    assert {k: n.key for k, n in nodes.items()} == keys
+    assert {k: n.partition.key for k, n in nodes.items()} == {k: p.key for k, p in parts.items()}
     resolve(ctx, list(nodes.values()))
     assert all(n.status == "cached" and n.needs == "gpu" for n in nodes.values())
 
@@ -386,13 +453,13 @@ from runner.models.target import implementation_of, resolve_backend
 from runner.options import EvalOptions
 from runner.stages import hidden_states as hs
 
-store_dir, tokens_key, target_dir = sys.argv[1:4]
+store_dir, target_dir = sys.argv[1:3]
+from tests.test_hidden_states import write_tokens
 # control: with triton importable, transformers bound fla's kernel at import time
 control = implementation_of(mq.torch_chunk_gated_delta_rule).__module__
 auto = resolve_backend("auto", "auto", "float32")
 store = open_store(store_dir)
-tok = Node(stage="tokens", key=tokens_key, needs="cpu", inputs=store.manifest(tokens_key).inputs,
-           upstream={}, version=1, payload={"target_dir": target_dir})
+tok = write_tokens(store, target_dir)
 ctx = RunContext(store, EvalOptions(layers=[1, 3], backend="torch", device="cpu", dtype="float32",
                                     batch_tokens=64, progress=False), argv=[])
 nodes = list(hs.build(ctx, tok, [1, 3]).values())
@@ -409,7 +476,7 @@ except Exception as e:
     frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
     fla_forward = "failed in fla" if any("/fla/ops/" in f for f in frames) else f"failed: {e!r}"
 print(json.dumps({"control": control, "auto": [auto.kernel, auto.device],
-                  "keys": {n.payload["layer"]: n.key for n in nodes}, "fla_forward": fla_forward}))
+                  "parts": {n.payload["layer"]: n.partition.key for n in nodes}, "fla_forward": fla_forward}))
 '''
 
 
@@ -421,20 +488,22 @@ def test_torch_backend_is_enforced_even_when_fla_and_triton_import(fp32_run, tin
     tok = write_tokens(store, tiny_target)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(stub.parent), str(REPO)]),
            "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD), str(tmp_path / "store"), tok.key,
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(CHILD), str(tmp_path / "store"),
                         str(tiny_target)], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["control"].startswith("fla.ops.gated_delta_rule")
     assert out["auto"] == ["torch", "cpu"]
     assert out["fla_forward"] == "failed in fla"
-    for layer, key in out["keys"].items():
-        m = store.manifest(key)
+    from dfcache.samples import index_of
+
+    for layer, part in out["parts"].items():
+        (m,) = index_of(open_store(store.url)).segments(part).values()
         assert m.inputs["backend"]["kernel"] == "torch"
         assert m.provenance["bound"]["torch_chunk_gated_delta_rule"].startswith("transformers.")
         assert m.provenance["versions"].get("triton") is None  # a stub, not an installed triton
-        # the same bytes as the extraction in a process without triton
-        assert m.arrays["hidden"].digest == fp32_run["store"].manifest(key).arrays["hidden"].digest
+        # the same bytes as the extraction in a process without triton (same samples: same segment key)
+        assert m.arrays["hidden"].digest == fp32_run["store"].manifest(m.key).arrays["hidden"].digest
 
 
 def test_planning_imports_no_torch(fp32_run, tiny_target):
@@ -444,9 +513,9 @@ def test_planning_imports_no_torch(fp32_run, tiny_target):
         from runner.graph import Node, RunContext, resolve
         from runner.options import EvalOptions
         from runner.stages import hidden_states as hs
+        from tests.test_hidden_states import write_tokens
         store = open_store(sys.argv[1])
-        tok = Node(stage="tokens", key=sys.argv[2], needs="cpu", inputs=store.manifest(sys.argv[2]).inputs,
-                   upstream={}, version=1, payload={"target_dir": sys.argv[3]})
+        tok = write_tokens(store, sys.argv[2])
         ctx = RunContext(store, EvalOptions(layers=[1, 3, 5], dtype="float32", progress=False), argv=[])
         nodes = hs.build(ctx, tok, hs.requested_layers(ctx, []))
         resolve(ctx, list(nodes.values()))
@@ -454,7 +523,7 @@ def test_planning_imports_no_torch(fp32_run, tiny_target):
         assert "torch" not in sys.modules and "transformers" not in sys.modules
         print("ok")
     ''')
-    p = subprocess.run([sys.executable, "-c", code, str(fp32_run["store"].url), fp32_run["tokens"].key,
+    p = subprocess.run([sys.executable, "-c", code, str(fp32_run["store"].url),
                         str(tiny_target)], capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": str(REPO)})
     assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]

@@ -102,6 +102,15 @@ def committed(store) -> set[str]:
     return set(open_store(store).keys()) if Path(store).exists() else set()
 
 
+def stages_in(store) -> dict[str, int]:
+    """stage -> samples (segments) or artifacts committed in a store."""
+    out: dict[str, int] = {}
+    if Path(store).exists():
+        for m in open_store(store).list_manifests():
+            out[m.stage] = out.get(m.stage, 0) + (len(m.samples["keys"]) if m.samples else 1)
+    return out
+
+
 def _stop_listening(listener, wait: float = 0.2) -> int:
     time.sleep(wait)  # let the accept loop count anything that connected just before exit
     return listener.connections
@@ -172,7 +181,9 @@ def test_plan_json_gives_each_node_its_status(server_plan, local_plan):
         ["compute (cpu)", "network", "compute (cpu)"]
     assert server_plan["completions"]["needs"] == "network"
     assert server_plan["completions"]["contacts"].startswith("http://127.0.0.1:")
-    assert server_plan["tokens"]["upstream"] == {"completions": server_plan["completions"]["key"]}
+    assert server_plan["tokens"]["upstream"] == {"sample": server_plan["completions"]["partition"]}
+    assert server_plan["tokens"]["samples"] == {"total": N, "cached": 0, "remote": 0, "missing": N, "to_pull": 0,
+                                                "to_produce": N, "pulled": 0, "produced": 0}
     # The fix is a `run` line even when planning, rebuilt from the options given.
     fix = server_plan["completions"]["fix"]
     assert fix.startswith("dfcache --store ") and " run tokens " in fix and " plan " not in fix
@@ -350,14 +361,12 @@ def test_server_failures_exit_4_and_cache_no_completions(mode, extra, words, pro
         assert w in msg, f"{mode}: {w!r} not in {msg!r}"
     assert server.url in msg
     assert r.heavy == []
-    keys = committed(store)
     if prompts_committed:
         assert chat_requests >= 1
-        assert keys == {server_plan["prompts"]["key"]}, "only the prompts may be committed"
+        assert stages_in(store) == {"prompts": N}, "only the prompts may be committed"
     else:
         assert chat_requests == 0
-        assert keys == set()
-    assert server_plan["completions"]["key"] not in keys
+        assert stages_in(store) == {}
     assert r.seconds < AT_ONCE_S + (1.0 if mode == "hang" else 0.0)  # no retries, no waiting
 
 
@@ -369,7 +378,7 @@ def test_options_after_the_command(env, tmp_path):
     store = tmp_path / "after" / "store"
     r = cli(env, None, "run", "prompts", "--num-prompts", 1, "--store", store, "--json", cwd=tmp_path)
     assert r.code == 0, r.err
-    assert committed(store) == set(r.json()["computed"]) and len(r.json()["computed"]) == 1
+    assert len(r.json()["computed"]) == 1 and stages_in(store) == {"prompts": 1}
     assert not (tmp_path / "store").exists()  # not the default ./store
     r = cli(env, tmp_path / "s1", "run", "tokens", "--backend", "gpu", "--debug")
     assert r.code != 0 and "Traceback" in r.err and "UsageError: --backend 'gpu'" in r.err, r.err
@@ -394,8 +403,8 @@ def test_fully_cached_tokens_run_does_no_work_and_imports_no_torch(local_run, ti
     stages = [n["stage"] for n in first.json()["nodes"]]
     assert stages == ["prompts", "completions", "tokens"]
     assert sorted(first.json()["computed"]) == sorted(n["key"] for n in first.json()["nodes"])
+    assert stages_in(store) == {"prompts": N, "completions": N, "tokens": N}
     before = committed(store)
-    assert set(first.json()["computed"]) <= before
 
     r = cli(env, store, "run", "tokens", *_args(tiny_target, "--completions", "local"), "--json")
     assert r.code == 0, r.err
@@ -427,8 +436,9 @@ def test_fully_cached_eval_does_no_work_and_imports_no_torch(local_run, tiny_tar
     first = cli(env, store, *args)
     assert first.code == 0, first.err
     computed = first.json()["computed"]
-    assert computed and not set(computed) & before, "the tokens run's artifacts must be reused"
-    assert set(tokens_run.json()["computed"]) <= before
+    assert computed and not set(computed) & set(tokens_run.json()["computed"]), "the tokens run's samples are reused"
+    counts = {row["stage"]: row["samples"] for row in first.json()["stages"] if "samples" in row}
+    assert counts["tokens"]["reused"] == N and counts["tokens"]["computed"] == 0
     before = committed(store)
     r = cli(env, store, *args)
     assert r.code == 0, r.err

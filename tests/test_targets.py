@@ -135,11 +135,13 @@ def test_target_architecture_runs_the_eval(kind, attn, expect, tokenizer_dir, tm
             return
         execute(ctx, nodes)
     ev = next(n for n in nodes if n.stage == "drafter_eval")
-    s = read_summary(ctx.store, ev.key)
+    s = read_summary(ctx.store, ev)
     assert s["chain"]["num_responses"] == 1 and 1.0 <= s["chain"]["tau"] <= 4.0
     assert 1.0 <= s["tree"]["2"]["tau"] <= 3.0
     hs = [n for n in nodes if n.stage == "hidden_states"]
     assert sorted(n.inputs["layer"] for n in hs) == [0, 1]
     assert {n.inputs["backend"]["attn_implementation"] for n in hs} == {attn}
-    assert ctx.store.open(hs[0].key).array("hidden").shape[1] == H
+    from dfcache.samples import SampleSet
+
+    assert SampleSet(ctx.store, hs[0].partition.key, hs[0].sample_keys).read_raw(0, "hidden").shape[1] == H
     del torch

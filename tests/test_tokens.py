@@ -49,8 +49,8 @@ def test_tokens_are_chat_template_prompt_plus_completion(tiny_target, local_toke
     from transformers import AutoTokenizer
 
     _, ctx, nodes = local_tokens
-    toks = read_tokens(ctx.store, nodes["tokens"].key)
-    comps = read_completions(ctx.store, nodes["completions"].key)
+    toks = read_tokens(ctx.store, nodes["tokens"])
+    comps = read_completions(ctx.store, nodes["completions"])
     n = len(comps)
     assert len(toks) == n == 3
     assert toks.token_ids.dtype == np.int32 and toks.offsets.dtype == np.int64
@@ -66,7 +66,9 @@ def test_tokens_are_chat_template_prompt_plus_completion(tiny_target, local_toke
         assert toks.prompt(i).tolist() == tok.apply_chat_template(
             rec["messages"], add_generation_prompt=True, return_dict=True)["input_ids"]
         assert toks.completion(i).tolist() == comps[i].token_ids  # local ids are used as given
-    samples = ctx.store.open(nodes["tokens"].key).json("samples")
+    from dfcache.samples import SampleSet
+
+    samples = SampleSet(ctx.store, nodes["tokens"].partition.key, nodes["tokens"].sample_keys).docs()
     assert [s["tokens_source"] for s in samples] == ["local"] * n
     assert nodes["tokens"].payload["target_dir"] == str(Path(tiny_target).absolute())
     assert nodes["tokens"].inputs["target"] == nodes["completions"].inputs["target"]

@@ -70,16 +70,33 @@ def _same(a, b) -> bool:
 
 
 def test_dataset_items_are_the_stored_rows_in_the_drafters_layer_order(cached):
-    from runner.stages.hidden_states import read_layer
-    from runner.stages.tokens import read_tokens
+    from dfcache.samples import SampleSet
 
     ds = api.hidden_state_dataset(store=cached["store"], drafters=[str(cached["drafter"])], **cached["sel"])
     assert isinstance(ds, torch.utils.data.Dataset) and len(ds) == 4
     src = ds.source
     assert src.layers == DRAFTER_LAYERS
     store = open_store(cached["store"])
-    toks = read_tokens(store, src.tokens_key)
-    layer_key = dict(zip(src.layers, src.layer_keys))
+    tok_set = SampleSet(store, src.tokens_partition, src.tokens_keys)
+    ids = tok_set.read_many("ids")
+    docs = tok_set.docs()
+
+    class toks:  # the stored tokens, read directly
+        offsets = np.concatenate([[0], np.cumsum([len(x) for x in ids])])
+        prompt_lens = [d["prompt_len"] for d in docs]
+        completion_lens = [d["completion_len"] for d in docs]
+
+        @staticmethod
+        def sample(i):
+            return ids[i]
+
+    layer_set = {k: SampleSet(store, p, keys) for k, p, keys in zip(src.layers, src.layer_partitions,
+                                                                     src.layer_sample_keys)}
+
+    def read_layer(k, i):
+        raw = layer_set[k].read_raw(i, "hidden")
+        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
+
     keys = set()
     for i in range(len(ds)):
         item = ds[i]
@@ -90,7 +107,7 @@ def test_dataset_items_are_the_stored_rows_in_the_drafters_layer_order(cached):
         # loss_mask: the completion's tokens (SpecForge's assistant-turn tokens of a one-turn sample)
         want_mask = [0] * int(toks.prompt_lens[i]) + [1] * int(toks.completion_lens[i])
         assert item["loss_mask"][0].tolist() == want_mask and item["loss_mask"].dtype == torch.int64
-        want = torch.cat([read_layer(store, layer_key[k], a, b) for k in DRAFTER_LAYERS], dim=1)
+        want = torch.cat([read_layer(k, i) for k in DRAFTER_LAYERS], dim=1)
         assert item["hidden_states"].dtype == torch.bfloat16
         assert _same(item["hidden_states"][0], want)
         keys.add(item["key"])
@@ -354,13 +371,20 @@ def test_read_raw_into_a_reused_buffer(cached):
     from dfcache.errors import UsageError
 
     ds = api.hidden_state_dataset(store=cached["store"], layers=[1], **cached["sel"])
-    arr = open_store(cached["store"]).open(ds.source.layer_keys[0]).array("hidden")
-    buf = np.full((300,) + arr.shape[1:], 7, dtype=np.uint16)
-    got = arr.read_raw(10, 200, out=buf)
+    arr = open_store(cached["store"]).open(_layer_segment(ds.source)).array("hidden")
+    n = arr.shape[0]
+    assert n >= 8
+    buf = np.full((n + 10,) + arr.shape[1:], 7, dtype=np.uint16)
+    got = arr.read_raw(2, n, out=buf)
     assert got.base is buf or got.base is buf.base
-    assert np.array_equal(got, arr.read_raw(10, 200))
+    assert np.array_equal(got, arr.read_raw(2, n))
     with pytest.raises(UsageError):
-        arr.read_raw(0, 100, out=buf[:50])  # too few rows
+        arr.read_raw(0, n // 2, out=buf[: n // 4])  # too few rows
+
+
+def _layer_segment(source) -> str:
+    """The key of the segment that holds the selection's first sample of its first layer."""
+    return source._open()["layers"][0].segment(0)[0].key
 
 
 def test_mapped_reads_check_each_chunk_and_refuse_a_corrupt_one(cached, tmp_path):
@@ -371,15 +395,17 @@ def test_mapped_reads_check_each_chunk_and_refuse_a_corrupt_one(cached, tmp_path
     store_dir = tmp_path / "copy"
     shutil.copytree(cached["store"], store_dir)
     ds = api.hidden_state_dataset(store=store_dir, layers=[1], **cached["sel"])
-    arr = open_store(store_dir).open(ds.source.layer_keys[0]).array("hidden")
-    assert np.array_equal(arr.read_raw(0, 100, mapped=True), arr.read_raw(0, 100))
-    wide = np.zeros((100, 3 * 128), dtype=np.uint16)
-    arr.read_raw(0, 100, out=wide[:, 128:256], mapped=True)  # columns of a wider array
-    assert np.array_equal(wide[:, 128:256], arr.read_raw(0, 100)) and not wide[:, :128].any()
-    chunk = next(p for p in store_dir.rglob("hidden/c/0/0"))
+    arr = open_store(store_dir).open(_layer_segment(ds.source)).array("hidden")
+    n = arr.shape[0]
+    assert np.array_equal(arr.read_raw(0, n, mapped=True), arr.read_raw(0, n))
+    wide = np.zeros((n, 3 * 128), dtype=np.uint16)
+    arr.read_raw(0, n, out=wide[:, 128:256], mapped=True)  # columns of a wider array
+    assert np.array_equal(wide[:, 128:256], arr.read_raw(0, n)) and not wide[:, :128].any()
+    key = _layer_segment(ds.source)
+    chunk = next(p for p in store_dir.rglob("hidden/c/0/0") if key in str(p))
     data = bytearray(chunk.read_bytes())
     data[100] ^= 0xFF
     chunk.write_bytes(bytes(data))
-    fresh = open_store(store_dir).open(ds.source.layer_keys[0]).array("hidden")
+    fresh = open_store(store_dir).open(_layer_segment(ds.source)).array("hidden")
     with pytest.raises(IntegrityError, match="crc32c"):
         fresh.read_raw(0, 10, mapped=True)

@@ -1,38 +1,37 @@
 """Stage `completions`: the target's completion of every prompt, from a server or local greedy.
 
-Key recipe::
+Key recipe (per sample)::
 
-    key = xxh3_128(canonical({stage: "completions", stage_version: VERSION,
-        inputs: {target:          fingerprint of the target directory (config, tokenizer, weights),
-                 served_model:    --served-model, or null for "the server's only model" (server),
-                 endpoint:        "openai" | "sglang" | "local",
-                 chat_template:   xxh3_128 of the target's chat template text,
-                 enable_thinking, temperature, top_p, max_new_tokens, seed,
-                 backend:         local only: {kernel, device, dtype, attn_implementation}, the
-                                  backend class greedy generation runs with (it changes ids)},
-        upstream: {prompts: prompts key}}))
+    partition = compute_key("completions", VERSION,
+        inputs={target:          fingerprint of the target directory (config, tokenizer, weights),
+                served_model:    --served-model, or null for "the server's only model" (server),
+                endpoint:        "openai" | "sglang" | "local",
+                chat_template:   xxh3_128 of the target's chat template text,
+                enable_thinking, temperature, top_p, max_new_tokens, seed,
+                backend:         local only: {kernel, device, dtype, attn_implementation}, the
+                                 backend class greedy generation runs with (it changes ids)},
+        upstream={sample: prompts partition})
+    sample    = sample_key(partition, prompts sample key)
 
 The server URL is not key material (the same model behind another address gives the same
 completions), and a server completion and a local one for the same target are different
-artifacts (the endpoint is keyed). Planning never contacts the server: with this artifact in
-the store no request of any kind reaches it.
+samples (the endpoint is keyed). Planning never contacts the server: with every completion of a
+set in the store, no request of any kind reaches it, whatever subset, superset or order of
+prompts the set is.
 
-Output (one artifact):
-    document ``c<i>`` per prompt i: ``{"index", "id", "text", "finish_reason", "token_ids",
-        "tokens_source": "server"|"local"|"retokenized", "prompt_tokens", "completion_tokens"}``
-    document ``index``: ``{"n", "endpoint", "served_model", "samples": [{"id", "finish_reason",
-        "tokens_source", "completion_tokens"}]}``
+Output, per sample: the document ``{"text", "finish_reason", "token_ids", "tokens_source":
+"server"|"local"|"retokenized", "prompt_tokens", "completion_tokens"}``.
 
-Producing is resumable: every finished completion is saved as its own document and recorded in
-the writer's checkpoint, so an interrupted run (server killed, Ctrl-C, network error) keeps what
-it finished and the next run requests only the missing prompts. Failed or empty answers are
-never saved. Nothing is retried: the first failure stops the run with exit 4.
+Only missing samples are requested. Finished completions are committed in segments every
+``COMMIT_EVERY`` samples or ``COMMIT_EVERY_S`` seconds and when the run stops for any reason,
+so an interrupted run (server killed, Ctrl-C, network error) keeps what it finished and the next
+run requests only what is still missing. Failed or empty answers are never saved. Nothing is
+retried: the first failure stops the run with exit 4.
 """
 
 from __future__ import annotations
 
 import threading
-import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
@@ -43,9 +42,10 @@ from ..models.resolve import require_weights, resolved_target
 from . import prompts as prompts_stage
 
 NAME = "completions"
-VERSION = 1
+VERSION = 2
 ENDPOINTS = ("openai", "sglang", "local")
-_CHECKPOINT_EVERY_S = 0.5  # progress.json lists every saved document; rewriting it per item is O(n²)
+COMMIT_EVERY = 256  # samples a segment (at most)
+COMMIT_EVERY_S = 5.0  # a segment at least this often while answers arrive
 
 
 def endpoint_kind(opts) -> str:
@@ -81,7 +81,8 @@ def build(ctx: RunContext, prompts_node: Node) -> Node:
         "max_new_tokens": int(opts.max_new_tokens),
         "seed": None if opts.seed is None else int(opts.seed),
     }
-    n = len(prompts_node.payload or [])
+    samples = dict(upstream_samples=prompts_node.sample_keys, ids=prompts_node.ids,
+                   partition_upstream={"sample": prompts_node.partition.key})
     if kind == "local":
         from ..completion_sources import local_backend
 
@@ -89,19 +90,19 @@ def build(ctx: RunContext, prompts_node: Node) -> Node:
                                     "weights with --target, or take completions from a server with --server URL.")
         backend = local_backend(opts, target.dir)
         inputs["backend"] = backend.to_key()
-        return Node.make(NAME, VERSION, inputs=inputs, upstream={"prompts": prompts_node.key},
+        return Node.make_samples(NAME, VERSION, inputs=inputs, **samples,
                          needs="gpu" if backend.device == "cuda" else "cpu", deps=[prompts_node],
                          label=f"completions (local, {backend.label})",
-                         payload={"target_dir": str(target.dir)},
-                         summary=f"{n} local greedy completions, {opts.max_new_tokens} new tokens max")
+                         payload={"target_dir": str(target.dir), "prompts": prompts_node},
+                         summary=f"local greedy completions, {opts.max_new_tokens} new tokens max")
     from ..completion_sources import server_url
 
     server = server_url(opts.server)
-    return Node.make(NAME, VERSION, inputs=inputs, upstream={"prompts": prompts_node.key}, needs="network",
+    return Node.make_samples(NAME, VERSION, inputs=inputs, **samples, needs="network",
                      deps=[prompts_node], label=f"completions ({kind} server)", contacts=server,
                      fix=ctx.command_with(drop=("--offline",)),
-                     payload={"target_dir": str(target.dir), "server": server},
-                     summary=f"{n} completions from {kind} server {server}")
+                     payload={"target_dir": str(target.dir), "server": server, "prompts": prompts_node},
+                     summary=f"completions from {kind} server {server}")
 
 
 def preflight(ctx: RunContext, nodes: list[Node]) -> None:
@@ -129,56 +130,44 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
 
 
 def _produce_one(ctx: RunContext, node: Node) -> None:
+    from dfcache.samples import SampleSink
+
     from ..completion_sources import make_source
 
-    records = prompts_stage.read_records(ctx.store, node.upstream["prompts"])
-    with ctx.store.writer(node.key, stage=NAME, stage_version=VERSION, inputs=node.inputs,
-                          upstream=node.upstream, summary=node.summary, resumable=True) as w:
-        state = w.state if w.resumed else {}
-        done: dict[str, dict] = dict(state.get("done", {}))  # str(index) -> index entry
-        w.state = {"done": done, "provenance": state.get("provenance", {})}
-        missing = [i for i in range(len(records)) if str(i) not in done]
-        if done:
-            ctx.log(f"completions {node.key[:12]}: resuming, {len(done)} of {len(records)} already "
-                    f"saved, {len(missing)} to go")
-        if missing:
-            source = make_source(ctx, node.payload["target_dir"])
-            source.prepare()  # readiness and model check, once, before any generation request
-            w.state["provenance"] = source.provenance
-            try:
-                _run(ctx, w, source, records, missing, done)
-            finally:
-                source.close()
-        samples = [done[str(i)] for i in range(len(records))]
-        prov = w.state.get("provenance", {})
-        w.provenance.update(prov)
-        w.put_json("index", {"n": len(records), "endpoint": node.inputs["endpoint"],
-                             "served_model": prov.get("served_model"), "samples": samples})
+    todo = node.positions_distinct(node.produce)
+    if not todo:
+        return
+    messages = prompts_stage.read_messages(ctx.store, node.payload["prompts"], todo)
+    records = {i: {"id": node.ids[i], "messages": m} for i, m in zip(todo, messages)}
+    stored = len(node.local) + len(node.in_remote)
+    if stored:
+        ctx.log(f"completions: {stored} of {len(node.sample_keys)} already stored, {len(todo)} to fetch")
+    source = make_source(ctx, node.payload["target_dir"])
+    source.prepare()  # readiness and model check, once, before any generation request
+    try:
+        with SampleSink(ctx.store, node.partition, summary=node.summary, provenance=source.provenance,
+                        max_samples=COMMIT_EVERY, max_seconds=COMMIT_EVERY_S) as sink:
+            _run(ctx, sink, node, source, records, todo)
+    finally:
+        source.close()
 
 
-def _run(ctx: RunContext, w, source, records: list[dict], missing: list[int], done: dict) -> None:
-    """Request the missing completions with a bounded pool, saving each as it finishes."""
+def _run(ctx: RunContext, sink, node: Node, source, records: dict[int, dict], todo: list[int]) -> None:
+    """Request the missing completions with a bounded pool, handing each to the sink as it finishes."""
     workers = 1 if source.kind == "local" else max(1, int(ctx.options.concurrency))
-    last_ckpt = time.monotonic()
-    bar = ctx.progress(total=len(missing), desc="completions", unit="req")
+    bar = ctx.progress(total=len(todo), desc="completions", unit="req")
     first_error: BaseException | None = None
 
     def save(i: int, c) -> None:
-        nonlocal last_ckpt
         doc = c.to_doc(i, records[i]["id"])
-        w.put_json(f"c{i}", doc)
-        done[str(i)] = {"id": records[i]["id"], "finish_reason": c.finish_reason,
-                        "tokens_source": c.tokens_source,
-                        "completion_tokens": len(c.token_ids) if c.token_ids else c.completion_tokens}
+        for field in ("index", "id"):  # a sample is shared by every set and id that holds the prompt
+            doc.pop(field, None)
+        sink.add(node.upstream_samples[i], doc=doc)
         bar.update(1)
-        now = time.monotonic()
-        if now - last_ckpt >= _CHECKPOINT_EVERY_S:
-            w.checkpoint()
-            last_ckpt = now
 
     try:
         if workers == 1:
-            for i in missing:
+            for i in todo:
                 save(i, source.complete(records[i]))
             return
         stop = threading.Event()
@@ -195,7 +184,7 @@ def _run(ctx: RunContext, w, source, records: list[dict], missing: list[int], do
 
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="completions")
         try:
-            pending = {pool.submit(task, i): i for i in missing}
+            pending = {pool.submit(task, i): i for i in todo}
             while pending:
                 finished, _ = wait(pending, return_when=FIRST_COMPLETED)
                 for fut in finished:
@@ -219,8 +208,6 @@ def _run(ctx: RunContext, w, source, records: list[dict], missing: list[int], do
             raise first_error
     finally:
         bar.close()
-        # Keep everything finished so far, whatever stopped the run (KeyboardInterrupt included).
-        w.checkpoint()
 
 
 @dataclass
@@ -233,13 +220,11 @@ class CompletionRecord:
     tokens_source: str
 
 
-def read_completions(store, key: str) -> list[CompletionRecord]:
-    """Every completion of a committed completions artifact, in prompt order."""
-    art = store.open(key)
-    index = art.json("index")
-    out = []
-    for i in range(index["n"]):
-        d = art.json(f"c{i}")
-        out.append(CompletionRecord(index=i, id=d["id"], text=d["text"], finish_reason=d["finish_reason"],
-                                    token_ids=d.get("token_ids"), tokens_source=d["tokens_source"]))
-    return out
+def read_completions(store, node: Node) -> list[CompletionRecord]:
+    """Every completion of a completions node's prompt set, in prompt order."""
+    from dfcache.samples import SampleSet
+
+    docs = SampleSet(store, node.partition.key, node.sample_keys).docs()
+    return [CompletionRecord(index=i, id=node.ids[i], text=d["text"], finish_reason=d["finish_reason"],
+                             token_ids=d.get("token_ids"), tokens_source=d["tokens_source"])
+            for i, d in enumerate(docs)]

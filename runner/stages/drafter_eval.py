@@ -1,21 +1,23 @@
-"""Stage `drafter_eval`: offline chain and DDTree acceptance of one DFlash drafter.
+"""Stage `drafter_eval`: offline chain and DDTree acceptance of one DFlash drafter, per response.
 
-Key recipe::
+Key recipe (per sample)::
 
-    key = xxh3_128(canonical({stage: "drafter_eval", stage_version: VERSION,
-        inputs: {drafter:      fingerprint of the checkpoint directory (config + weights),
-                 target_head:  fingerprint of the target (its embeddings and lm_head are used),
-                 block_size, target_layer_ids, mask_token_id   (from the drafter's config),
-                 tree_budgets: sorted unique budgets, max_blocks, end_rule,
-                 dtype:        compute dtype of the drafter,
-                 device:       cpu|cuda, where the eval runs (--eval-device; not the states' device)},
-        upstream: {tokens: tokens key,
-                   hidden_states: [hidden-state keys in the drafter's target_layer_ids order]}}))
+    partition = compute_key("drafter_eval", VERSION,
+        inputs={drafter:      fingerprint of the checkpoint directory (config + weights),
+                target_head:  fingerprint of the target (its embeddings and lm_head are used),
+                block_size, target_layer_ids, mask_token_id   (from the drafter's config),
+                tree_budgets: sorted unique budgets, max_blocks, end_rule,
+                dtype:        compute dtype of the drafter,
+                device:       cpu|cuda, where the eval runs (--eval-device; not the states' device)},
+        upstream={sample: tokens partition,
+                  hidden_states: [hidden-state partitions in the drafter's target_layer_ids order]})
+    sample    = sample_key(partition, tokens sample key)
 
-The exact hidden-state keys are upstream, so the backend class that produced the states (fla or
-torch, device, dtype) is part of this key through them. The eval's own numerics (its device
-and dtype) are keyed here, apart from them: states extracted with fla on a GPU are evaluated on
-any machine (``--eval-device auto`` is CUDA where one is usable, else the CPU).
+The hidden-state partitions are upstream, so the backend class that produced the states (fla or
+torch, device, dtype) is part of this key through them; a response's eval reads the states of
+its own tokens sample in each of them. The eval's own numerics (its device and dtype) are keyed
+here, apart from them: states extracted with fla on a GPU are evaluated on any machine
+(``--eval-device auto`` is CUDA where one is usable, else the CPU).
 
 What it computes (docs/metrics.md, ``runner/metrics.py``): for each response,
 the draft logits of every candidate block root are scored in batched drafter passes
@@ -24,9 +26,8 @@ chain and once per tree budget. ``--max-blocks N`` scores only the roots the fir
 reach (p < P + (N-1)·B + 1) and keeps the first N blocks of each walk, so the limit bounds work
 without changing the blocks it keeps.
 
-Output: document ``summary`` (``metrics.summarize`` plus who/what: drafter name, hidden-state
-backend, trained-on backend, mismatch flag), document ``responses`` (per response: id, prompt and
-completion lengths, chain and per-budget block values).
+Output, per sample: the document ``{"prompt_len", "completion_len", "ended_by_stop", "rule",
+"chain": [block values], "tree": {budget: [block values]}}``. The report aggregates them.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from dfcache.keys import fingerprint_path
 from ..graph import Node, RunContext
 
 NAME = "drafter_eval"
-VERSION = 1
+VERSION = 2
 
 
 @dataclass
@@ -158,21 +159,26 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
               "mask_token_id": drafter.mask_token_id, "tree_budgets": budgets,
               "max_blocks": opts.max_blocks, "end_rule": opts.end_rule, "dtype": opts.dtype,
               "device": device}
-    node = Node.make(NAME, VERSION, inputs=inputs,
-                     upstream={"tokens": tokens_node.key, "hidden_states": [n.key for n in layers]},
-                     needs="gpu" if device == "cuda" else "cpu",
-                     deps=[tokens_node, *layers], label=f"drafter_eval {drafter.name}",
-                     payload={"drafter": drafter, "target_dir": tokens_node.payload["target_dir"],
-                              "backend": backend},
-                     summary=f"{drafter.name}: budgets {budgets or '-'}, layers {drafter.target_layer_ids}")
-    if device == "cuda" and not ctx.store.has(node.key):
+    problem = None
+    if device == "cuda":
         from ..models.target import cuda_visible
 
         visible, why = cuda_visible()
         if not visible:
-            raise BadInputError(f"--eval-device cuda: no CUDA GPU is usable here ({why}); pass --eval-device cpu "
-                                "or auto (stored hidden states of any backend evaluate on the CPU).")
-    return node
+            # Only responses this run must evaluate need the GPU: resolve() refuses before any work.
+            problem = (f"--eval-device cuda: no CUDA GPU is usable here ({why}); pass --eval-device cpu or auto "
+                       "(stored hidden states of any backend evaluate on the CPU).")
+    return Node.make_samples(NAME, VERSION, inputs=inputs, upstream_samples=tokens_node.sample_keys,
+                             partition_upstream={"sample": tokens_node.partition.key,
+                                                 "hidden_states": [n.partition.key for n in layers]},
+                             ids=tokens_node.ids, needs="gpu" if device == "cuda" else "cpu",
+                             deps=[tokens_node, *layers], label=f"drafter_eval {drafter.name}", problem=problem,
+                             payload={"drafter": drafter, "target_dir": tokens_node.payload["target_dir"],
+                                      "backend": backend, "tokens": tokens_node, "layers": layers},
+                             summary=f"{drafter.name}: budgets {budgets or '-'}, layers {drafter.target_layer_ids}")
+
+
+COMMIT_EVERY = 1024
 
 
 def eval_device(choice: str | None) -> str:
@@ -192,7 +198,9 @@ def _max_root(prompt_len: int, max_blocks: int | None, block_size: int) -> int |
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
     import torch
 
-    from ..metrics import RootScores, candidate_roots, effective_completion_len, evaluate_response, summarize
+    from dfcache.samples import SampleSet, SampleSink
+
+    from ..metrics import RootScores, candidate_roots, effective_completion_len, evaluate_response
     from ..models.dflash import DFlashDrafter, iter_score_roots, load_target_head
     from ..models.resolve import eos_token_ids
     from .tokens import read_tokens
@@ -200,75 +208,95 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
     opts = ctx.options
     dtype = torch.float32 if opts.dtype == "float32" else torch.bfloat16
     for node in nodes:
+        todo = node.positions_distinct(node.produce)
+        if not todo:
+            continue
         ref: DrafterRef = node.payload["drafter"]
         device = node.inputs["device"]
         drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
         head = load_target_head(node.payload["target_dir"], device=device, dtype=dtype)
-        toks = read_tokens(ctx.store, node.upstream["tokens"])
+        toks = read_tokens(ctx.store, node.payload["tokens"], todo)
         stops = eos_token_ids(node.payload["target_dir"])
         budgets = node.inputs["tree_budgets"]
-        readers = [ctx.store.open(k).array("hidden") for k in node.upstream["hidden_states"]]
-        width = {r.shape[-1] for r in readers}
-        if width != {head.hidden_size}:
-            raise BadInputError(f"hidden states are {sorted(width)} wide but the target's embedding is "
-                                f"{head.hidden_size}; the drafter, target and states must belong together.")
-        evals, responses = [], []
-        bar = ctx.progress(len(toks.sample_ids), desc=f"eval {ref.name}", unit="resp")
-        for i, sid in enumerate(toks.sample_ids):
-            start, stop = int(toks.offsets[i]), int(toks.offsets[i + 1])
-            seq = toks.token_ids[start:stop]
-            plen = int(toks.prompt_lens[i])
-            n, ended = effective_completion_len(seq, plen, stops)
-            roots = candidate_roots(plen, n, ended_by_stop=ended)
-            limit = _max_root(plen, opts.max_blocks, ref.block_size)
-            if limit is not None:
-                roots = [p for p in roots if p < limit]
-            if roots:
-                feats_stop = start + max(roots)
-                feats = torch.cat([_as_tensor(r, start, feats_stop) for r in readers], dim=-1)
-                feats = feats.to(device=device, dtype=dtype)
-                ids = torch.as_tensor(seq.astype("int64"))
-                # Reduce each chunk of roots to argmax/top-k at once: [R, B-1, V] logits of a
-                # long response would not fit in memory with a 150k vocabulary.
-                parts = [RootScores.from_logits([roots[j] for j in idx], logits, k=max(budgets, default=0))
-                         for idx, logits in iter_score_roots(drafter, head, feats, ids, roots)]
-                scores = RootScores.concat(parts)
-            else:
-                scores = RootScores.from_logits([], torch.zeros(0, ref.block_size - 1, head.vocab_size),
-                                                k=max(budgets, default=0))
-            ev = evaluate_response(scores, seq, plen, budgets=budgets, stop_token_ids=stops)
-            if opts.max_blocks is not None:
-                for w in [ev.chain, *ev.trees.values()]:
-                    w.roots, w.values = w.roots[: opts.max_blocks], w.values[: opts.max_blocks]
-            evals.append(ev)
-            responses.append({"id": sid, "prompt_len": plen, "completion_len": n, "ended_by_stop": ended,
-                              "chain": ev.chain.values,
-                              "tree": {str(b): w.values for b, w in ev.trees.items()}})
-            bar.update(1)
+        states = [SampleSet(ctx.store, ln.partition.key, [ln.sample_keys[i] for i in todo])
+                  for ln in node.payload["layers"]]
+        bar = ctx.progress(len(todo), desc=f"eval {ref.name}", unit="resp")
+        with SampleSink(ctx.store, node.partition, summary=node.summary, max_samples=COMMIT_EVERY,
+                        provenance={"torch": torch.__version__, "device": device}) as sink:
+            for j, i in enumerate(todo):
+                seq = toks.sample(j)
+                plen = int(toks.prompt_lens[j])
+                n, ended = effective_completion_len(seq, plen, stops)
+                roots = candidate_roots(plen, n, ended_by_stop=ended)
+                limit = _max_root(plen, opts.max_blocks, ref.block_size)
+                if limit is not None:
+                    roots = [p for p in roots if p < limit]
+                if roots:
+                    feats_stop = max(roots)
+                    layers = [_as_tensor(ss, j, feats_stop) for ss in states]
+                    width = {t.shape[-1] for t in layers}
+                    if width != {head.hidden_size}:
+                        raise BadInputError(f"hidden states are {sorted(width)} wide but the target's embedding is "
+                                            f"{head.hidden_size}; the drafter, target and states must belong together.")
+                    feats = torch.cat(layers, dim=-1).to(device=device, dtype=dtype)
+                    ids = torch.as_tensor(seq.astype("int64"))
+                    # Reduce each chunk of roots to argmax/top-k at once: [R, B-1, V] logits of a
+                    # long response would not fit in memory with a 150k vocabulary.
+                    parts = [RootScores.from_logits([roots[q] for q in idx], logits, k=max(budgets, default=0))
+                             for idx, logits in iter_score_roots(drafter, head, feats, ids, roots)]
+                    scores = RootScores.concat(parts)
+                else:
+                    scores = RootScores.from_logits([], torch.zeros(0, ref.block_size - 1, head.vocab_size),
+                                                    k=max(budgets, default=0))
+                ev = evaluate_response(scores, seq, plen, budgets=budgets, stop_token_ids=stops)
+                if opts.max_blocks is not None:
+                    for w in [ev.chain, *ev.trees.values()]:
+                        w.roots, w.values = w.roots[: opts.max_blocks], w.values[: opts.max_blocks]
+                sink.add(node.upstream_samples[i], doc={
+                    "prompt_len": plen, "completion_len": n, "ended_by_stop": ended, "rule": ev.rule,
+                    "chain": ev.chain.values, "tree": {str(b): w.values for b, w in ev.trees.items()}})
+                bar.update(1)
         bar.close()
-        summary = summarize(evals, ref.block_size)
-        hs_backend = node.payload["backend"]
-        summary.update({"drafter": ref.name, "drafter_path_name": ref.path.name,
-                        "hidden_states_backend": hs_backend, "trained_on": ref.trained_on,
-                        "backend_mismatch": bool(ref.trained_on and ref.trained_on != hs_backend["kernel"]),
-                        "block_size": ref.block_size, "tree_budgets": budgets,
-                        "max_blocks": opts.max_blocks})
-        with ctx.store.writer(node.key, stage=NAME, stage_version=VERSION, inputs=node.inputs,
-                              upstream=node.upstream, summary=node.summary,
-                              provenance={"torch": torch.__version__, "device": device}) as w:
-            w.put_json("summary", summary)
-            w.put_json("responses", responses)
 
 
-def _as_tensor(reader, start: int, stop: int):
+def _as_tensor(samples, j: int, stop: int):
+    """Rows [0, stop) of sample j's states, as a torch tensor in the stored dtype."""
     import numpy as np
     import torch
 
-    raw = reader.read_raw(start, stop)
-    if reader.dtype == "bfloat16":
+    seg, pos = samples.segment(j)
+    a, _ = seg.rows(pos, "hidden")
+    raw = seg.reader("hidden").read_raw(a, a + stop)
+    if raw.dtype == np.uint16:
         return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(raw)
 
 
-def read_summary(store, key: str) -> dict:
-    return store.open(key).json("summary")
+def read_responses(store, node: Node) -> list[dict]:
+    """Every response's eval document of a drafter_eval node's prompt set, in prompt order, each
+    with the prompt's ``id`` (ids belong to the set, not to the shared sample)."""
+    from dfcache.samples import SampleSet
+
+    docs = SampleSet(store, node.partition.key, node.sample_keys).docs()
+    return [{"id": node.ids[i], **d} for i, d in enumerate(docs)]
+
+
+def read_summary(store, node: Node) -> dict:
+    """What the report shows for one drafter: metrics over its responses plus who/what."""
+    from ..metrics import aggregate
+
+    docs = read_responses(store, node)
+    ref: DrafterRef = node.payload["drafter"]
+    budgets = node.inputs["tree_budgets"]
+    rules = {d["rule"] for d in docs}
+    summary = {"rule": rules.pop() if len(rules) == 1 else node.inputs["end_rule"],
+               "chain": aggregate([d["chain"] for d in docs], ref.block_size).to_dict(),
+               "tree": {str(b): aggregate([d["tree"][str(b)] for d in docs if str(b) in d["tree"]],
+                                          ref.block_size).to_dict() for b in budgets}}
+    hs_backend = node.payload["backend"]
+    summary.update({"drafter": ref.name, "drafter_path_name": ref.path.name,
+                    "hidden_states_backend": hs_backend, "trained_on": ref.trained_on,
+                    "backend_mismatch": bool(ref.trained_on and ref.trained_on != hs_backend["kernel"]),
+                    "block_size": ref.block_size, "tree_budgets": budgets,
+                    "max_blocks": node.inputs["max_blocks"]})
+    return summary

@@ -1,26 +1,28 @@
-"""Stage `hidden_states`: the target's per-layer hidden states over every token, one artifact per layer.
+"""Stage `hidden_states`: the target's per-layer hidden states over every token, one partition per layer.
 
-Key recipe::
+Key recipe (per sample)::
 
-    key = xxh3_128(canonical({stage: "hidden_states", stage_version: VERSION,
-        inputs: {target:  fingerprint of the target directory (the tokens node's "target"),
-                 layer:   k  (output of decoder layer k = HF hidden_states[k+1], before the final norm;
-                              the last layer too),
-                 backend: {kernel: "fla"|"torch", device: "cuda"|"cpu",
-                           dtype: "bfloat16"|"float32", attn_implementation: "sdpa"|...}},
-        upstream: {tokens: tokens key}}))
+    partition = compute_key("hidden_states", VERSION,
+        inputs={target:  fingerprint of the target directory (the tokens node's "target"),
+                layer:   k  (output of decoder layer k = HF hidden_states[k+1], before the final norm;
+                             the last layer too),
+                backend: {kernel: "fla"|"torch", device: "cuda"|"cpu",
+                          dtype: "bfloat16"|"float32", attn_implementation: "sdpa"|...}},
+        upstream={sample: tokens partition})
+    sample    = sample_key(partition, tokens sample key)
 
-Layer-granular on purpose: a drafter needing layers [1, 16, 31] reuses every layer already stored
-for the same tokens, model and backend class. All layer nodes of one (tokens, target, backend)
-share a ``group``, so the runner calls :func:`produce` once with every missing layer and one
-forward pass per batch computes them all, stopping after the deepest.
+Sample- and layer-granular on purpose: a drafter needing layers [1, 16, 31] reuses every layer
+of every sample already stored for the same tokens, model and backend class, whatever set it was
+extracted in. All layer nodes of one (tokens, target, backend) share a ``group``, so the runner
+calls :func:`produce` once with every layer that misses samples, and one forward pass per batch
+computes, for the missing samples only, every layer that misses them, stopping after the deepest.
 
-Output (one artifact per layer): array ``hidden`` [total_tokens, hidden_size], the model's dtype
-exactly (bf16 stored as its uint16 bits, or fp32), rows in the tokens artifact's order (sample i is
-rows ``offsets[i]:offsets[i+1]``), chunked along tokens; ``--compression none|zstd``.
-Exact library versions, the GPU, the kernel functions really bound and the batching are
-provenance, not key material. Extraction is resumable: an interrupted run keeps every checkpointed
-window (see runner/extract.py) and the next run continues from there.
+Output, per sample: array ``hidden`` [tokens, hidden_size], the model's dtype exactly (bf16 stored
+as its uint16 bits, or fp32), chunked along tokens; ``--compression none|zstd``. Samples are
+committed in segments of about ``DFCACHE_SEGMENT_BYTES`` (default 256 MiB) per layer, so an
+interrupted extraction keeps every finished segment and the next run computes only the samples
+still missing. Exact library versions, the GPU, the kernel functions really bound and the
+batching are provenance, not key material.
 """
 
 from __future__ import annotations
@@ -31,15 +33,15 @@ from dfcache.errors import BadInputError, UsageError
 from dfcache.keys import fingerprint_path
 
 from ..graph import Node, RunContext
-from ..summaries import origin
+from ..summaries import samples_origin
 from ..models.target import BackendClass, backend_problem, check_layer_ids, read_model_info, resolve_backend
 from ..provenance_keys import key_version_inputs
 
 NAME = "hidden_states"
-VERSION = 1
+VERSION = 2
 
-# ctx.shared key of an optional callable(window_index, tokens_done), run after each checkpointed
-# window (tests use it to interrupt an extraction at a known point).
+# ctx.shared key of an optional callable(segment_index, tokens_done), run after each committed
+# segment (tests use it to interrupt an extraction at a known point).
 ON_CHECKPOINT = "hidden_states.on_checkpoint"
 # ctx.shared key where produce() leaves the last extraction's ExtractStats (bench and tests).
 LAST_STATS = "hidden_states.last_stats"
@@ -84,44 +86,32 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
     if not isinstance(opts.batch_tokens, int) or opts.batch_tokens < 1:
         raise UsageError(f"--batch-tokens {opts.batch_tokens!r}: give a positive number of tokens.")
     needs = "gpu" if backend.device == "cuda" else "cpu"
-    group = f"{NAME}/{tokens_node.key}/{target_fp}/{backend.label}"
+    group = f"{NAME}/{tokens_node.partition.key}/{target_fp}/{backend.label}"
+    problem = backend_problem(backend)
     nodes = {}
     for k in layers:
-        nodes[k] = Node.make(
+        nodes[k] = Node.make_samples(
             NAME, VERSION, inputs={"target": target_fp, "layer": k, "backend": backend.to_key(),
                                    **key_version_inputs(opts)},
-            upstream={"tokens": tokens_node.key}, needs=needs, deps=[tokens_node],
+            upstream_samples=tokens_node.sample_keys, partition_upstream={"sample": tokens_node.partition.key},
+            ids=tokens_node.ids, needs=needs, deps=[tokens_node],
             label=f"hidden_states[{k}]", group=group,
+            # Cached states of any backend class are usable anywhere; computing missing ones is what
+            # needs the hardware: resolve() says so before any stage does work.
+            problem=f"(hidden states for {backend.label}) {problem}" if problem else None,
             fix=(f"{ctx.command_with()} (on a machine with a CUDA GPU)" if needs == "gpu" else None),
             summary=f"layer {k}/{info.num_layers}",
             payload={"target_dir": str(target_dir), "layer": k, "backend": backend.to_key(),
-                     "note": backend.note, "tokens": tokens_node.key})
-    if any(not _stored_somewhere(ctx, n.key) for n in nodes.values()):
-        from ..models.resolve import require_weights
-
-        require_weights(target_dir, "extracting hidden states runs the model: pass the directory that holds "
-                                    "its weights with --target.")
-    problem = backend_problem(backend)
-    if problem:
-        # Cached states of any backend class are usable anywhere; computing missing ones is what
-        # needs the hardware. Say so now, before any other stage does work.
-        missing = [k for k, n in nodes.items() if not _stored_somewhere(ctx, n.key)]
-        if missing:
-            raise BadInputError(f"hidden states of layer(s) {', '.join(map(str, missing))} for {backend.label} "
-                                f"are not in the store and cannot be computed here. {problem}")
+                     "note": backend.note, "tokens": tokens_node},
+            precheck=lambda: _require_weights(target_dir))
     return nodes
 
 
-def _stored_somewhere(ctx: RunContext, key: str) -> bool:
-    if ctx.store.has(key):
-        return True
-    for remote in ctx.remotes:
-        try:
-            if remote.has(key):
-                return True
-        except Exception:  # an unreachable remote is reported by the resolver, not here
-            continue
-    return False
+def _require_weights(target_dir) -> None:
+    from ..models.resolve import require_weights
+
+    require_weights(target_dir, "extracting hidden states runs the model: pass the directory that holds "
+                                "its weights with --target.")
 
 
 def get_target(ctx: RunContext, target_dir: str, backend: BackendClass):
@@ -136,19 +126,42 @@ def get_target(ctx: RunContext, target_dir: str, backend: BackendClass):
     return t
 
 
-def _read_tokens(ctx: RunContext, key: str, vocab_size: int | None) -> tuple[np.ndarray, np.ndarray]:
-    art = ctx.store.open(key)
-    ids = art.array("token_ids").read()
-    offsets = art.array("offsets").read().astype(np.int64)
-    if (len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(ids)
-            or (len(offsets) > 1 and np.any(np.diff(offsets) < 0))):
-        raise BadInputError(f"tokens artifact {key} has inconsistent offsets; delete it "
-                            f"(dfcache gc --key {key[:12]} --yes) and run again.")
-    if len(ids) and vocab_size is not None and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise BadInputError(f"tokens artifact {key} holds token id {int(ids.max())}, outside the target's "
-                            f"vocabulary of {vocab_size}; the tokens come from another tokenizer. Pass the "
-                            "matching --target.")
-    return ids, offsets
+def segment_bytes() -> int:
+    from dfcache.config import segment_bytes as configured
+
+    return configured()
+
+
+class _SampleRows:
+    """Takes one layer's rows in token order (any split) and hands each finished sample to its
+    segment writer: what the extraction pipeline's layer sinks write into."""
+
+    rows_written = 0  # nothing to resume: a segment is committed whole or not at all
+
+    def __init__(self, writer, lengths: list[int]) -> None:
+        self.writer = writer
+        self.lengths = lengths
+        self._i = 0
+        self._parts: list[np.ndarray] = []
+        self._have = 0
+
+    def append(self, rows: np.ndarray) -> None:
+        while len(rows):
+            need = self.lengths[self._i] - self._have
+            take, rows = rows[:need], rows[need:]
+            self._parts.append(take)
+            self._have += len(take)
+            if self._have == self.lengths[self._i]:
+                one = self._parts[0] if len(self._parts) == 1 else np.concatenate(self._parts)
+                self.writer.add({"hidden": one})
+                self._parts, self._have = [], 0
+                self._i += 1
+                while self._i < len(self.lengths) and self.lengths[self._i] == 0:
+                    self.writer.add({"hidden": one[:0]})
+                    self._i += 1
+
+    def checkpoint(self, state=None) -> None:
+        """The pipeline checkpoints after every window; a segment commits only whole."""
 
 
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
@@ -160,62 +173,106 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
 
 
 def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
-    from ..extract import LayerSink, extract
+    from dfcache.samples import SampleArray, SegmentWriter, index_of
 
-    nodes = sorted((n for n in nodes if not ctx.store.has(n.key)), key=lambda n: n.payload["layer"])
-    if not nodes:
+    from ..extract import LayerSink, extract
+    from .tokens import read_tokens
+
+    nodes = sorted(nodes, key=lambda n: n.payload["layer"])
+    # Which layers each missing tokens sample lacks (another process may have committed some since
+    # planning); samples lacking the same layers share forward passes.
+    lacking: dict[str, list[Node]] = {}
+    for n in nodes:
+        have = index_of(ctx.store).partition(n.partition.key)
+        for i in n.positions_distinct(n.produce):
+            if n.sample_keys[i] not in have:
+                lacking.setdefault(n.upstream_samples[i], []).append(n)
+    if not lacking:
         return
     p = nodes[0].payload
+    tokens_node = p["tokens"]
     backend = BackendClass(**p["backend"])
     if p.get("note"):
         ctx.log(f"hidden states: {p['note']}")
     target = get_target(ctx, p["target_dir"], backend)
     target.check_layers([n.payload["layer"] for n in nodes])  # planning read config.json; verify on the model
-    token_ids, offsets = _read_tokens(ctx, p["tokens"], target.info.vocab_size)
-    total = int(offsets[-1])
-    dtype = backend.dtype
+    position_of = {u: i for i, u in enumerate(tokens_node.sample_keys)}
+    by_layers: dict[tuple, list[str]] = {}
+    for u, ns in lacking.items():
+        by_layers.setdefault(tuple(n.payload["layer"] for n in ns), []).append(u)
+    row_bytes = target.hidden_size * (4 if backend.dtype == "float32" else 2)
+    budget = max(1, segment_bytes() // row_bytes)  # tokens a segment of one layer
     provenance = {**target.provenance, "batching": "equal-length samples per batch, no padding",
                   "batch_tokens": ctx.options.batch_tokens}
-    writers, sinks = [], []
-    try:
-        # Sorted by layer: every process takes the per-key locks in one order, so two runs that
-        # share some layers wait for each other instead of deadlocking.
-        for n in nodes:
-            w = ctx.store.writer(n.key, stage=NAME, stage_version=VERSION, inputs=n.inputs,
-                                 upstream=n.upstream, provenance=provenance,
-                                 summary=f"{n.summary}: {origin(ctx.store, p['tokens'])}",
-                                 resumable=True)
-            if ctx.store.has(n.key):  # another process committed it while we waited for its lock
-                w.discard()
-                continue
-            writers.append(w)
-            aw = w.create_array("hidden", (total, target.hidden_size), dtype, codec=ctx.options.compression)
-            sinks.append(LayerSink(layer=n.payload["layer"], writer=w, array=aw))
-        if not sinks:
-            return
-        desc = f"hidden states L{','.join(str(s.layer) for s in sinks)}"
-        stats = extract(target, token_ids, offsets, sinks, batch_tokens=ctx.options.batch_tokens,
-                        progress_factory=lambda n: ctx.progress(n, desc, unit="tok", unit_scale=True),
-                        on_checkpoint=ctx.shared.get(ON_CHECKPOINT), log=ctx.log)
-        for w in writers:
-            w.commit()
-    except BaseException:
-        for w in writers:
-            if w.manifest is None:
-                w.abort()  # resumable: the checkpointed windows stay for the next run
-        raise
+    node_of = {n.payload["layer"]: n for n in nodes}
+    origin = samples_origin(ctx.store, (tokens_node.payload or {}).get("completions"))
+    total_tokens, segments = 0, 0
+    import time
+
+    t0 = time.perf_counter()
+    stats = None
+    for layers, ups in by_layers.items():
+        ups = sorted(ups)  # a segment's samples are in upstream-key order
+        toks = read_tokens(ctx.store, tokens_node, [position_of[u] for u in ups])
+        if toks.token_ids.size and (int(toks.token_ids.min()) < 0
+                                    or int(toks.token_ids.max()) >= (target.info.vocab_size or 1 << 62)):
+            raise BadInputError(f"the tokens hold id {int(toks.token_ids.max())}, outside the target's vocabulary "
+                                f"of {target.info.vocab_size}; they come from another tokenizer. Pass the matching "
+                                "--target.")
+        lengths = np.diff(toks.offsets).astype(np.int64)
+        start = 0
+        while start < len(ups):
+            stop, tokens = start, 0
+            while stop < len(ups) and (stop == start or tokens + lengths[stop] <= budget):
+                tokens += int(lengths[stop])
+                stop += 1
+            seg_ups = ups[start:stop]
+            a, b = int(toks.offsets[start]), int(toks.offsets[stop])
+            ids = toks.token_ids[a:b]
+            offsets = toks.offsets[start:stop + 1] - a
+            writers, sinks = [], []
+            try:
+                for k in layers:
+                    w = SegmentWriter(ctx.store, node_of[k].partition, seg_ups, doc=False,
+                                      arrays={"hidden": SampleArray((target.hidden_size,), backend.dtype,
+                                                                    ctx.options.compression)},
+                                      summary=f"{node_of[k].summary}: {origin}", provenance=provenance, rows={"hidden": b - a})
+                    writers.append(w)
+                    rows = _SampleRows(w, [int(x) for x in lengths[start:stop]])
+                    sinks.append(LayerSink(layer=k, writer=rows, array=rows))
+                desc = f"hidden states L{','.join(map(str, layers))}"
+                stats = extract(target, ids, offsets, sinks, batch_tokens=ctx.options.batch_tokens,
+                                progress_factory=lambda n: ctx.progress(n, desc, unit="tok", unit_scale=True),
+                                log=ctx.log)
+                for w in writers:
+                    w.commit()
+            except BaseException:
+                for w in writers:
+                    w.abort()
+                raise
+            total_tokens += b - a
+            segments += 1
+            hook = ctx.shared.get(ON_CHECKPOINT)
+            if hook is not None:
+                hook(segments - 1, total_tokens)
+            start = stop
+    wall = time.perf_counter() - t0
     ctx.shared[LAST_STATS] = stats
-    ctx.log(f"hidden states: layers {[s.layer for s in sinks]} over {total} tokens "
-            f"({backend.label}): {stats.tokens} tokens in {stats.wall_s:.1f} s "
-            f"({stats.tokens_per_s:,.0f} tok/s){f', {stats.tokens_resumed} resumed' if stats.tokens_resumed else ''}")
+    ctx.log(f"hidden states: {len(lacking)} sample(s), layers {[n.payload['layer'] for n in nodes]} "
+            f"({backend.label}): {total_tokens} tokens in {segments} segment(s), {wall:.1f} s "
+            f"({total_tokens / wall if wall > 0 else 0:,.0f} tok/s)")
 
 
-def read_layer(store, key: str, start: int = 0, stop: int | None = None):
-    """Rows [start, stop) of a hidden-state artifact as a torch tensor in its stored dtype."""
+def read_layer(store, node: Node, positions=None):
+    """A layer node's states of the samples at ``positions`` (default: the whole set), in set
+    order and concatenated along tokens, as a torch tensor in the stored dtype."""
     import torch
 
-    arr = store.open(key).array("hidden")
-    raw = arr.read_raw(start, stop)
-    if arr.dtype == "bfloat16":
+    from dfcache.samples import SampleSet
+
+    positions = list(range(len(node.sample_keys))) if positions is None else list(positions)
+    raw = SampleSet(store, node.partition.key, [node.sample_keys[i] for i in positions]).read_many("hidden", raw=True)
+    raw = np.concatenate(raw) if raw else np.zeros((0, 0), np.float32)
+    if raw.dtype == np.uint16:
         return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(raw)

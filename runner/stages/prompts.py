@@ -1,14 +1,14 @@
-"""Stage `prompts`: the prompt records of a set.
+"""Stage `prompts`: one sample per prompt record, keyed by its content.
 
-Key recipe::
+Key recipe (per sample, see docs/format.md "Samples and segments")::
 
-    key = xxh3_128(canonical({stage: "prompts", stage_version: VERSION,
-                              inputs: {content: xxh3_128 of the canonical records after --num-prompts},
-                              upstream: {}}))
+    partition = compute_key("prompts", VERSION, inputs={}, upstream={})
+    sample    = sample_key(partition, record_digest({"messages": messages}))
 
-The path of a prompt file is never key material: the same records from two paths are one
-artifact, and an edited file is a new one. Output: the document ``records`` (list of
-``{"id", "messages"}``; a ``prompt`` string becomes one user message).
+The path of a prompt file is never key material, nor is a record's id: the same messages from
+two files, or under two ids, are one sample (ids name prompts in messages and reports, they do
+not change what the model is asked). Output, per sample: the document ``{"messages": [...]}``
+(a ``prompt`` string becomes one user message).
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ from importlib import resources
 from pathlib import Path
 
 from dfcache.errors import BadInputError, UsageError
-from dfcache.keys import canonical_encode, fingerprint_text
+from dfcache.samples import record_digest
 
 from ..graph import Node, RunContext
 
 NAME = "prompts"
-VERSION = 1
+VERSION = 2
 
 BUILTIN_SETS = {"coding": "coding.jsonl", "reasoning": "reasoning.jsonl"}
 
@@ -108,20 +108,27 @@ def build(ctx: RunContext) -> Node:
                                 f"prompt(s); pass --num-prompts {len(records)} or fewer, or leave it out to "
                                 "use them all.")
         records = records[: opts.num_prompts]
-    content = fingerprint_text(canonical_encode(records).decode())
-    return Node.make(NAME, VERSION, inputs={"content": content}, needs="cpu",
-                     label="prompts", payload=records,
-                     summary=f"{len(records)} prompts from {opts.prompts}")
+    upstream = [record_digest({"messages": r["messages"]}) for r in records]
+    return Node.make_samples(NAME, VERSION, inputs={}, upstream_samples=upstream, ids=[r["id"] for r in records],
+                             needs="cpu", label="prompts", payload=records,
+                             summary=f"{len(records)} prompts from {opts.prompts}")
 
 
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
+    from dfcache.samples import SampleSink
+
     for node in nodes:
-        with ctx.store.writer(node.key, stage=NAME, stage_version=VERSION, inputs=node.inputs,
-                              upstream=node.upstream, summary=node.summary,
-                              provenance={"source": "builtin" if ctx.options.prompts.startswith("builtin:")
-                                          else "file"}) as w:
-            w.put_json("records", node.payload)
+        with SampleSink(ctx.store, node.partition, summary="prompt records",
+                        provenance={"source": "builtin" if ctx.options.prompts.startswith("builtin:")
+                                    else "file"}) as sink:
+            for i in node.positions_distinct(node.produce):
+                sink.add(node.upstream_samples[i], doc={"messages": node.payload[i]["messages"]})
 
 
-def read_records(store, key: str) -> list[dict]:
-    return store.open(key).json("records")
+def read_messages(store, node: Node, positions) -> list[list[dict]]:
+    """The messages of the prompts at ``positions`` of a prompts node, from the store."""
+    from dfcache.samples import SampleSet
+
+    positions = list(positions)
+    docs = SampleSet(store, node.partition.key, [node.sample_keys[i] for i in positions]).docs()
+    return [d["messages"] for d in docs]

@@ -1,11 +1,16 @@
 """Stage `report`: the drafters side by side — JSON, a markdown table, PNG plots and HTML.
 
-Key recipe::
+Key recipe (a set-level artifact: the one stage whose key depends on the prompt set and its order)::
 
     key = xxh3_128(canonical({stage: "report", stage_version: VERSION,
         inputs: {drafters: [display names, in --drafter order],
                  steps:    [training steps, same order (null where unknown)]},
-        upstream: {evals: [drafter_eval keys, same order]}}))
+        upstream: {evals: [set key of each drafter_eval node, same order]}}))
+
+where a per-sample node's set key is ``xxh3_128(canonical({"partition": P, "set":
+xxh3_128(",".join(sample keys in prompt order))}))``. The manifest's ``sample_refs`` name the eval
+samples it was made from (``gc`` keeps them). A run whose report is stored (here or in a remote)
+needs nothing under it.
 
 Output: documents ``report`` (the JSON documented in docs/metrics.md), ``markdown`` and ``html``
 (a self-contained page: table, plots, per-prompt block views; ``runner/reporting.py``); uint8
@@ -24,7 +29,7 @@ from pathlib import Path
 from ..graph import Node, RunContext
 
 NAME = "report"
-VERSION = 4  # 2: steps, report.html, tau_by_step.png; 3: "latest" is the highest step; 4: "definitions", the legend
+VERSION = 5  # 2: steps, report.html, tau_by_step.png; 3: "latest" is the highest step; 4: "definitions", the legend; 5: per-sample evals
 
 FILES = {"report.json": "report", "report.md": "markdown", "histogram.png": "png_histogram",
          "acceptance_by_position.png": "png_position", "tau_by_step.png": "png_tau_by_step",
@@ -143,11 +148,12 @@ def _plots(report: dict) -> dict[str, bytes]:
     return pngs
 
 
-def html_page(store, report: dict, pngs: dict[str, bytes], target_dir: str | None) -> str:
+def html_page(store, report: dict, pngs: dict[str, bytes], target_dir: str | None, evals: list[Node]) -> str:
     """The report as one self-contained page: the table, the plots, and per-prompt block views of
     every drafter (when there are more than three: of the latest step, the best, and up to two
     drafters without a step, such as references)."""
     from .. import reporting
+    from .drafter_eval import read_responses
     from .tokens import read_tokens
 
     drafters = report["drafters"]
@@ -166,9 +172,9 @@ def html_page(store, report: dict, pngs: dict[str, bytes], target_dir: str | Non
         d = drafters[i]
         role = "latest: " if i == latest else ("best: " if i == best and len(drafters) > 3 else "")
         step = f" (step {d['step']})" if d.get("step") is not None else ""
-        views.append(reporting.DrafterView(f"{role}{d['drafter']}{step}", store.open(d["key"]).json("responses"),
+        views.append(reporting.DrafterView(f"{role}{d['drafter']}{step}", read_responses(store, evals[i]),
                                            int(d["block_size"])))
-    toks = read_tokens(store, store.manifest(drafters[0]["key"]).upstream["tokens"]) if drafters else None
+    toks = read_tokens(store, evals[0].payload["tokens"]) if drafters else None
     budgets = sorted({int(b) for d in drafters for b in d["tau_tree"]})
     section = ("<h2>Per prompt</h2>" + reporting.legend_html(max((v.block_size for v in views), default=2))
                + reporting.per_prompt_html(views, toks, reporting.TokenText.from_target(target_dir), budgets))
@@ -188,13 +194,15 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
     from .drafter_eval import read_summary
 
     for node in nodes:
-        keys = node.upstream["evals"]
-        report = make_report([read_summary(ctx.store, k) for k in keys], keys, node.inputs.get("steps"))
+        evals = node.deps
+        report = make_report([read_summary(ctx.store, e) for e in evals], [e.key for e in evals],
+                             node.inputs.get("steps"))
         pngs = _plots(report)
         target_dir = node.payload.get("target_dir") if isinstance(node.payload, dict) else None
-        page = html_page(ctx.store, report, pngs, target_dir)
+        page = html_page(ctx.store, report, pngs, target_dir, evals)
+        refs = [{"partition": e.partition.key, "keys": list(dict.fromkeys(e.sample_keys))} for e in evals]
         with ctx.store.writer(node.key, stage=NAME, stage_version=VERSION, inputs=node.inputs,
-                              upstream=node.upstream, summary=node.summary) as w:
+                              upstream=node.upstream, summary=node.summary, sample_refs=refs) as w:
             w.put_json("report", report)
             w.put_json("markdown", markdown_table(report))
             w.put_json("html", page)

@@ -1,32 +1,29 @@
 """Stage `tokens`: prompt + completion token ids of every sample, as the target sees them.
 
-Key recipe::
+Key recipe (per sample)::
 
-    key = xxh3_128(canonical({stage: "tokens", stage_version: VERSION,
-        inputs: {target:          fingerprint of the target directory,
-                 tokenizer:       xxh3_128 over the tokenizer files' names and contents,
-                 chat_template:   xxh3_128 of the chat template text,
-                 enable_thinking: bool},
-        upstream: {completions: completions key}}))
+    partition = compute_key("tokens", VERSION,
+        inputs={target:          fingerprint of the target directory,
+                tokenizer:       xxh3_128 over the tokenizer files' names and contents,
+                chat_template:   xxh3_128 of the chat template text,
+                enable_thinking: bool},
+        upstream={sample: completions partition})
+    sample    = sample_key(partition, completions sample key)
 
 Prompt ids: ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
 enable_thinking=...)``, then the tokenizer on that text without added special tokens (the
-template holds them). Completion ids: as the completions artifact gives them (server or local
-ids), else the completion text retokenized the same way, plus the first end-of-sequence id when
-the completion finished with "stop" (a greedy generation ends with its stop token; a server's
-text drops it).
+template holds them). Completion ids: as the completion gives them (server or local ids), else
+the completion text retokenized the same way, plus the first end-of-sequence id when the
+completion finished with "stop" (a greedy generation ends with its stop token; a server's text
+drops it).
 
-Output (one artifact):
-    array ``token_ids``       int32, every sample's prompt then completion, concatenated
-    array ``offsets``         int64, n+1: sample i is ``token_ids[offsets[i]:offsets[i+1]]``
-    array ``prompt_lens``     int32, n
-    array ``completion_lens`` int32, n
-    document ``samples``      ``[{"id", "finish_reason", "tokens_source", "eos_appended",
-                                 "prompt_len", "completion_len"}]``
+Output, per sample: array ``ids`` (int32, prompt then completion) and the document
+``{"finish_reason", "tokens_source", "eos_appended", "prompt_len", "completion_len"}``.
 
-Imported sets (`dfcache import`, runner/imports.py) are tokens artifacts too, with an
-``imported`` input (the ids' digest) instead of an upstream, and one more array, ``loss_mask``
-int8 (the peer's own mask).
+Imported sets (`dfcache import`, runner/imports.py) keep the set-level layout: one tokens
+artifact (``token_ids``, ``offsets``, ``prompt_lens``, ``completion_lens``, document ``samples``),
+with an ``imported`` input (the ids' digest) instead of an upstream, and one more array,
+``loss_mask`` int8 (the peer's own mask).
 """
 
 from __future__ import annotations
@@ -38,11 +35,11 @@ import numpy as np
 from dfcache.errors import BadInputError
 
 from ..graph import Node, RunContext
-from ..summaries import completions_origin
+from ..summaries import samples_origin
 from ..models.resolve import eos_token_ids, resolved_target
 
 NAME = "tokens"
-VERSION = 1
+VERSION = 2
 
 
 def build(ctx: RunContext, completions_node: Node) -> Node:
@@ -50,67 +47,61 @@ def build(ctx: RunContext, completions_node: Node) -> Node:
     target = resolved_target(ctx)
     inputs = {"target": target.fingerprint, "tokenizer": target.tokenizer_fingerprint,
               "chat_template": target.chat_template_hash, "enable_thinking": bool(opts.enable_thinking)}
-    return Node.make(NAME, VERSION, inputs=inputs, upstream={"completions": completions_node.key},
-                     needs="cpu", deps=[completions_node], label="tokens",
-                     payload={"target_dir": str(target.dir),
-                              "prompts_key": completions_node.upstream.get("prompts")},
-                     summary=f"prompt + completion ids ({completions_node.label or 'completions'})")
+    return Node.make_samples(NAME, VERSION, inputs=inputs, upstream_samples=completions_node.sample_keys,
+                             partition_upstream={"sample": completions_node.partition.key}, ids=completions_node.ids,
+                             needs="cpu", deps=[completions_node], label="tokens",
+                             payload={"target_dir": str(target.dir), "completions": completions_node,
+                                      "prompts": completions_node.payload["prompts"]},
+                             summary=f"prompt + completion ids ({completions_node.label or 'completions'})")
+
+
+COMMIT_EVERY = 4096
 
 
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
+    from dfcache.samples import SampleArray, SampleSet, SampleSink
+
     from ..completion_sources import encode_prompt, load_tokenizer
-    from . import completions as completions_stage
     from . import prompts as prompts_stage
 
     for node in nodes:
+        todo = node.positions_distinct(node.produce)
+        if not todo:
+            continue
         target_dir = node.payload["target_dir"]
-        ckey = node.upstream["completions"]
-        pkey = node.payload.get("prompts_key") or ctx.store.manifest(ckey).upstream["prompts"]
-        records = prompts_stage.read_records(ctx.store, pkey)
-        comps = completions_stage.read_completions(ctx.store, ckey)
-        if len(comps) != len(records):
-            raise BadInputError(f"completions {ckey} has {len(comps)} samples but prompts {pkey} has "
-                                f"{len(records)}; delete the completions artifact and run again.")
+        comps_node = node.payload["completions"]
+        messages = prompts_stage.read_messages(ctx.store, node.payload["prompts"], todo)
+        comps = SampleSet(ctx.store, comps_node.partition.key, [comps_node.sample_keys[i] for i in todo]).docs()
         tok = load_tokenizer(target_dir, ctx.shared)
         eos = eos_token_ids(target_dir) or ([tok.eos_token_id] if tok.eos_token_id is not None else [])
         enable_thinking = bool(node.inputs["enable_thinking"])
-        pieces, prompt_lens, comp_lens, samples = [], [], [], []
-        for rec, c in zip(records, comps):
-            p_ids = encode_prompt(tok, rec["messages"], enable_thinking)
-            eos_appended = False
-            if c.token_ids is not None:
-                c_ids = list(c.token_ids)
-            else:
-                c_ids = list(tok(c.text, add_special_tokens=False)["input_ids"])
-                if c.finish_reason == "stop" and eos and (not c_ids or c_ids[-1] not in eos):
-                    c_ids.append(int(eos[0]))
-                    eos_appended = True
-            if not c_ids:
-                raise BadInputError(f"completion {c.index} ({c.id!r}) of {ckey} has no tokens; delete "
-                                    "that artifact and produce it again.")
-            pieces.append(np.asarray(p_ids + c_ids, dtype=np.int64))
-            prompt_lens.append(len(p_ids))
-            comp_lens.append(len(c_ids))
-            samples.append({"id": c.id, "finish_reason": c.finish_reason, "tokens_source": c.tokens_source,
-                            "eos_appended": eos_appended, "prompt_len": len(p_ids),
-                            "completion_len": len(c_ids)})
-        ids = np.concatenate(pieces)
-        if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
-            raise BadInputError(f"token ids of {ckey} fall outside int32; the completions are corrupt.")
-        offsets = np.zeros(len(pieces) + 1, dtype=np.int64)
-        offsets[1:] = np.cumsum([len(p) for p in pieces])
-        with ctx.store.writer(node.key, stage=NAME, stage_version=VERSION, inputs=node.inputs,
-                              upstream=node.upstream, summary=f"ids of {completions_origin(ctx.store, ckey)}") as w:
-            w.write_array("token_ids", ids.astype(np.int32))
-            w.write_array("offsets", offsets)
-            w.write_array("prompt_lens", np.asarray(prompt_lens, dtype=np.int32))
-            w.write_array("completion_lens", np.asarray(comp_lens, dtype=np.int32))
-            w.put_json("samples", samples)
+        with SampleSink(ctx.store, node.partition, arrays={"ids": SampleArray((), "int32")},
+                        summary=f"ids of {samples_origin(ctx.store, comps_node)}", max_samples=COMMIT_EVERY) as sink:
+            for i, msgs, c in zip(todo, messages, comps):
+                p_ids = encode_prompt(tok, msgs, enable_thinking)
+                eos_appended = False
+                if c.get("token_ids") is not None:
+                    c_ids = list(c["token_ids"])
+                else:
+                    c_ids = list(tok(c["text"], add_special_tokens=False)["input_ids"])
+                    if c["finish_reason"] == "stop" and eos and (not c_ids or c_ids[-1] not in eos):
+                        c_ids.append(int(eos[0]))
+                        eos_appended = True
+                if not c_ids:
+                    raise BadInputError(f"the completion of prompt {node.ids[i]!r} has no tokens; delete its "
+                                        f"completions (dfcache gc) and produce them again.")
+                ids = np.asarray(p_ids + c_ids, dtype=np.int64)
+                if ids.min() < 0 or ids.max() > np.iinfo(np.int32).max:
+                    raise BadInputError(f"token ids of prompt {node.ids[i]!r} fall outside int32; the completion "
+                                        "is corrupt.")
+                sink.add(node.upstream_samples[i], {"ids": ids.astype(np.int32)},
+                         {"finish_reason": c["finish_reason"], "tokens_source": c["tokens_source"],
+                          "eos_appended": eos_appended, "prompt_len": len(p_ids), "completion_len": len(c_ids)})
 
 
 @dataclass
 class Tokens:
-    """The token ids of a tokens artifact. Sample i is ``token_ids[offsets[i]:offsets[i+1]]``,
+    """The token ids of a prompt set. Sample i is ``token_ids[offsets[i]:offsets[i+1]]``,
     its first ``prompt_lens[i]`` ids being the prompt."""
 
     token_ids: np.ndarray  # int32
@@ -133,10 +124,17 @@ class Tokens:
         return self.sample(i)[self.prompt_lens[i]:]
 
 
-def read_tokens(store, key: str) -> Tokens:
-    art = store.open(key)
-    samples = art.json("samples")
-    return Tokens(token_ids=art.array("token_ids").read(), offsets=art.array("offsets").read(),
-                  prompt_lens=art.array("prompt_lens").read(),
-                  completion_lens=art.array("completion_lens").read(),
-                  sample_ids=[s["id"] for s in samples], finish_reasons=[s["finish_reason"] for s in samples])
+def read_tokens(store, node: Node, positions=None) -> Tokens:
+    """The tokens of a tokens node's samples at ``positions`` (default: the whole set, in order)."""
+    from dfcache.samples import SampleSet
+
+    positions = list(range(len(node.sample_keys))) if positions is None else list(positions)
+    ss = SampleSet(store, node.partition.key, [node.sample_keys[i] for i in positions])
+    ids = ss.read_many("ids")
+    docs = ss.docs()
+    offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(x) for x in ids])
+    return Tokens(token_ids=np.concatenate(ids) if ids else np.zeros(0, np.int32), offsets=offsets,
+                  prompt_lens=np.asarray([d["prompt_len"] for d in docs], dtype=np.int32),
+                  completion_lens=np.asarray([d["completion_len"] for d in docs], dtype=np.int32),
+                  sample_ids=[node.ids[i] for i in positions], finish_reasons=[d["finish_reason"] for d in docs])

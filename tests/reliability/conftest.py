@@ -122,7 +122,15 @@ def base_store(tiny_target, tmp_path_factory, env):
                 os.environ[k] = v
     args = ["--target", str(tiny_target), "--server", "http://127.0.0.1:9", "--num-prompts", str(NUM_PROMPTS),
             "--max-new-tokens", str(MAX_NEW)]
-    return {"path": store, "keys": {s: n.key for s, n in nodes.items()}, "args": args}
+    from dfcache.samples import index_of
+    from dfcache.store import open_store
+
+    idx = index_of(open_store(store))
+    segments = {}
+    for stage, n in nodes.items():
+        (segments[stage],) = idx.segments(n.partition.key)  # a few prompts: one segment a stage
+    # "keys": the artifacts (segments) on disk; "sets": the nodes' set keys (what runs report)
+    return {"path": store, "keys": segments, "sets": {s: n.key for s, n in nodes.items()}, "args": args}
 
 
 # ------------------------------------------------------------------------------ figures

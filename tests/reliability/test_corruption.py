@@ -183,10 +183,10 @@ def _flip_chunk(store, key, array):
     p.write_bytes(bytes(b))
 
 
-def _offsets_as_float(store, key, array="offsets"):
+def _offsets_as_float(store, key, array="offsets", was="int64"):
     m = _manifest(store, key)
-    assert m["arrays"][array]["dtype"] == "int64"
-    m["arrays"][array]["dtype"] = "float64"
+    assert m["arrays"][array]["dtype"] == was
+    m["arrays"][array]["dtype"] = "float64" if was == "int64" else "float32"
     _write_manifest(store, key, m)
 
 
@@ -209,7 +209,7 @@ def test_run_tokens_refuses_corrupt_completions(heavy_zygote, base_store, tmp_pa
     keys = base_store["keys"]
     (art_dir(store, keys["tokens"]) / "manifest.json").unlink()  # tokens must be recomputed from completions
     shutil.rmtree(art_dir(store, keys["tokens"]))
-    _edit_blob(store, keys["completions"], "c1")
+    _flip_chunk(store, keys["completions"], "doc")
     before = artifacts_listing(store)
     r = heavy_zygote.cli("--store", store, "run", "tokens", *base_store["args"], "--offline")
     assert_refused(r, keys["completions"], store, before)
@@ -225,9 +225,9 @@ def test_run_hidden_states_refuses_corrupt_tokens(damage, heavy_zygote, base_sto
     store = copy_store(base_store, tmp_path / "store")
     tokens = base_store["keys"]["tokens"]
     if damage.startswith("flipped"):
-        _flip_chunk(store, tokens, "token_ids")
+        _flip_chunk(store, tokens, "ids")
     else:
-        _offsets_as_float(store, tokens)
+        _offsets_as_float(store, tokens, "ids", "int32")
     before = artifacts_listing(store)
     args = [*base_store["args"], "--offline", "--layer", "2", "--backend", "torch", "--device", "cpu",
             "--dtype", "float32"]
@@ -242,7 +242,7 @@ def test_run_hidden_states_refuses_corrupt_tokens(damage, heavy_zygote, base_sto
     assert gc.code == 0, gc.err
     again = heavy_zygote.cli("--store", store, "run", "hidden-states", *args, "--json", timeout=300)
     assert again.code == 0, again.err
-    assert tokens in json.loads(again.out)["computed"]
+    assert base_store["sets"]["tokens"] in json.loads(again.out)["computed"]
     assert heavy_zygote.cli("--store", store, "verify").code == 0
     figures.record("corruption_runs", **{f"run_hidden_states_with_{damage.replace(' ', '_')}":
                                          "exit 5, names key and gc command; gc + rerun recomputes"})

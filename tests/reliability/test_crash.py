@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from children import boundaries_of, check_artifact, key_of
-from rel_helpers import artifacts_listing, copy_store, has_stage
+from rel_helpers import NUM_PROMPTS, artifacts_listing, copy_store, has_stage
 
 from dfcache.store import open_store
 
@@ -283,45 +283,63 @@ def test_sigkill_dfcache_pull_at_random_instants(zygote, fast_tmp, stress, figur
 @pytest.mark.skipif(not has_stage("hidden_states"), reason="runner/stages/hidden_states.py (the hidden-states "
                     "stage) is not there yet")
 def test_sigkill_dfcache_run_hidden_states(heavy_zygote, base_store, tmp_path, stress, figures):
-    """`dfcache run hidden-states` on the tiny target, SIGKILLed at random instants during
-    extraction; the rerun resumes and the states equal an uninterrupted run's bytes."""
+    """`dfcache run hidden-states` on the tiny target, committing one sample a segment, SIGKILLed at
+    random instants once a segment is committed: nothing committed is lost, the rerun computes only
+    the samples still missing, and every sample's states equal an uninterrupted run's bytes."""
+    from dfcache.samples import SampleSet, index_of
+
     trials = 16 if stress else 4
     rng = random.Random(11)
+    small = {"DFCACHE_SEGMENT_BYTES": str(128 * 4)}  # fp32 rows of 128: one sample a segment
     args = [*base_store["args"], "--offline", "--layer", "1", "--layer", "4", "--backend", "torch", "--device",
             "cpu", "--dtype", "float32", "--batch-tokens", "8", "--json"]
     ref = copy_store(base_store, tmp_path / "ref")
     t_start = time.monotonic()
-    first = heavy_zygote.cli("--store", ref, "run", "hidden-states", *args, timeout=300)
+    first = heavy_zygote.cli("--store", ref, "run", "hidden-states", *args, timeout=300, env=small)
     full_s = time.monotonic() - t_start
     assert first.code == 0, first.err
-    hs_keys = sorted(k for k in json.loads(first.out)["computed"])
-    assert len(hs_keys) == 2
+    layer_nodes = [n for n in json.loads(first.out)["nodes"] if n["stage"] == "hidden_states"]
+    assert len(layer_nodes) == 2
+    ref_store = open_store(ref)
+    ref_keys = {n["partition"]: sorted(index_of(ref_store).partition(n["partition"])) for n in layer_nodes}
+    assert all(len(v) == NUM_PROMPTS for v in ref_keys.values())
     kept_before = set(base_store["keys"].values())
     resumed = 0
     t0 = time.monotonic()
     for t in range(trials):
         store = copy_store(base_store, tmp_path / f"s{t}")
-        child = heavy_zygote.spawn("children:cli_main", "--store", store, "run", "hidden-states", *args, name=f"hs{t}")
-        staging = store / "staging"
-        # kill once extraction checkpointed at least once, at a random instant after that
+        n_before = len(list((store / "artifacts").glob("*/*/manifest.json")))
+        child = heavy_zygote.spawn("children:cli_main", "--store", store, "run", "hidden-states", *args,
+                                   name=f"hs{t}", env=small)
+        # kill once a segment is committed, at a random instant after that
         deadline = time.monotonic() + full_s * 3 + 30
         while time.monotonic() < deadline and child.poll() is None:
-            if any((p / "progress.json").exists() for p in staging.glob("*.resume")):
+            if len(list((store / "artifacts").glob("*/*/manifest.json"))) > n_before:
                 break
             time.sleep(0.001)
         time.sleep(rng.uniform(0, 0.02))  # extraction itself takes a fraction of a second here
         child.kill()
         code = child.wait(30)
-        listed = store_is_sound(heavy_zygote, store, kept_before, kept_before | set(hs_keys), f"hs trial {t}")
-        rerun = heavy_zygote.cli("--store", store, "run", "hidden-states", *args, timeout=300)
+        segs = {m.key for m in open_store(store).list_manifests(stage="hidden_states")}
+        committed = {p: set(index_of(open_store(store)).partition(p)) for p in ref_keys}
+        store_is_sound(heavy_zygote, store, kept_before | segs, kept_before | segs, f"hs trial {t}")
+        rerun = heavy_zygote.cli("--store", store, "run", "hidden-states", *args, timeout=300, env=small)
         assert rerun.code == 0, rerun.err
-        if code != 0 and "resuming" in rerun.err:
+        rows = {r["key"]: r["samples"] for r in json.loads(rerun.out)["stages"] if r["stage"] == "hidden_states"}
+        for n in layer_nodes:
+            c = rows[n["key"]]
+            kept = len(committed[n["partition"]])
+            assert c["reused"] == kept and c["computed"] == NUM_PROMPTS - kept, (t, c, kept)
+        if code != 0 and any(committed.values()):
             resumed += 1
-        for k in hs_keys:
-            a = open_store(store).open(k).array("hidden").read_raw()
-            b = open_store(ref).open(k).array("hidden").read_raw()
-            assert a.tobytes() == b.tobytes(), f"hs trial {t}: layer artifact {k} differs after resume"
-        assert listed <= kept_before | set(hs_keys)
+        st = open_store(store)
+        for p, keys in ref_keys.items():
+            assert sorted(index_of(st).partition(p)) == keys
+            mine, theirs = SampleSet(st, p, keys), SampleSet(ref_store, p, keys)
+            for i in range(len(keys)):
+                assert mine.read_raw(i, "hidden").tobytes() == theirs.read_raw(i, "hidden").tobytes(), \
+                    f"hs trial {t}: sample {keys[i]} of partition {p} differs after the kill"
+        assert {m.key for m in st.list_manifests(stage="hidden_states")} >= segs  # nothing committed lost
     figures.record("crash_run_hidden_states", trials=trials, resumed=resumed,
                    seconds=round(time.monotonic() - t0, 1))
-    assert resumed >= 1, "no rerun resumed from checkpointed progress"
+    assert resumed >= 1, "no rerun found committed segments of a killed run"

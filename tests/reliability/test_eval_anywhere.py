@@ -1,8 +1,8 @@
 """Extract on a GPU, evaluate anywhere: hidden states whose backend class says fla on CUDA are
 evaluated on this CPU machine (`--eval-device auto`), quietly under --no-progress.
 
-The states are the bytes of a real CPU extraction committed under the key the fla/cuda backend
-class gives (the key computed from the manifest's own inputs with the backend replaced), which is
+The states are the bytes of a real CPU extraction committed again under the partition the fla/cuda
+backend class gives (computed from the segments' own inputs with the backend replaced), which is
 what a pull from a GPU machine's store leaves here."""
 
 from __future__ import annotations
@@ -13,23 +13,27 @@ import pytest
 from rel_helpers import NUM_PROMPTS, copy_store, has_stage
 
 from dfcache.errors import EXIT_BAD_INPUT
-from dfcache.keys import compute_key
 from dfcache.store import open_store
 
 FLA_CUDA = {"kernel": "fla", "device": "cuda", "dtype": "float32", "attn_implementation": "sdpa"}
 pytestmark = pytest.mark.skipif(not has_stage("drafter_eval"), reason="needs runner/stages/drafter_eval.py")
 
 
-def _as_fla_cuda(store, key: str) -> str:
-    """Commit the states of ``key`` again under the fla/cuda backend class; returns the new key."""
+def _as_fla_cuda(store, key: str) -> tuple[str, str]:
+    """Commit the samples of segment ``key`` again under the fla/cuda backend class's partition
+    (same upstream samples, same bytes); returns (new segment key, its partition key)."""
+    from dfcache.samples import Partition, SampleArray, Segment, SegmentWriter
+
     m = store.manifest(key)
-    inputs = {**m.inputs, "backend": FLA_CUDA}
-    new = compute_key(m.stage, m.stage_version, inputs, m.upstream)
-    data = store.open(key).array("hidden").read()
-    with store.writer(new, stage=m.stage, stage_version=m.stage_version, inputs=inputs, upstream=m.upstream,
-                      provenance={"copied_from": key}, summary=m.summary) as w:
-        w.write_array("hidden", data)
-    return new
+    seg = Segment(store, key)
+    part = Partition(m.stage, m.stage_version, {**m.inputs, "backend": FLA_CUDA},
+                     dict(m.samples["partition_upstream"]))
+    spec = m.arrays["hidden"]
+    with SegmentWriter(store, part, seg.upstream, doc=False, provenance={"copied_from": key}, summary=m.summary,
+                       arrays={"hidden": SampleArray(tuple(spec.shape[1:]), spec.dtype)}) as w:
+        for pos in range(len(seg.keys)):
+            w.add({"hidden": seg.read_raw(pos, "hidden")})
+    return w.key, part.key
 
 
 def test_fla_cuda_states_evaluate_on_the_cpu(heavy_zygote, base_store, tmp_path):
@@ -52,17 +56,19 @@ def test_fla_cuda_states_evaluate_on_the_cpu(heavy_zygote, base_store, tmp_path)
     assert len(lines) == len(cpu_states) >= 1
     for ln in lines:
         assert f"builtin:coding×{NUM_PROMPTS}, openai server scripted-model" in ln, rows.out
-    fla_states = [_as_fla_cuda(s, k) for k in cpu_states]
+    fla = [_as_fla_cuda(s, k) for k in cpu_states]
+    fla_parts = {p for _, p in fla}
 
     r = heavy_zygote.cli(*common, "--backend", "fla", "--device", "cuda", timeout=300)
     assert r.code == 0, r.err
     report = json.loads(r.out)
-    assert set(report["computed"]) & set(fla_states) == set(), "the fla states were recomputed"
+    after = [m.key for m in open_store(store).list_manifests(stage="hidden_states")]
+    assert sorted(after) == sorted(cpu_states + [k for k, _ in fla]), "hidden states were recomputed"
     (d,) = report["drafters"]
     assert d["hidden_states_backend"] == FLA_CUDA
-    evals = [m for m in s.list_manifests(stage="drafter_eval") if m.key == d["key"]]
-    assert evals and evals[0].inputs["device"] == "cpu"  # the eval keys its own device
-    assert set(evals[0].upstream["hidden_states"]) <= set(fla_states)
+    evals = [m for m in open_store(store).list_manifests(stage="drafter_eval")
+             if set(m.samples["partition_upstream"]["hidden_states"]) <= fla_parts]
+    assert evals and all(m.inputs["device"] == "cpu" for m in evals)  # the eval keys its own device
     # Same bytes, same device and dtype: the same acceptance as the torch-keyed states.
     (ref,) = json.loads(torch_run.out)["drafters"]
     assert d["tau_chain"] == ref["tau_chain"] and d["tau_tree"] == ref["tau_tree"]

@@ -337,7 +337,7 @@ def test_cli_pull_and_run_refuse_a_hostile_remote(zygote, base_store, tmp_path, 
     assert r.code == 0, r.err
     art = root / "artifacts" / keys["tokens"][:2] / keys["tokens"]
     m = json.loads((art / "manifest.json").read_text())
-    m["arrays"]["../../../../pwned"] = m["arrays"].pop("token_ids")
+    m["arrays"]["../../../../pwned"] = m["arrays"].pop("ids")
     (art / "manifest.json").write_text(json.dumps(m))
 
     local = copy_store(base_store, tmp_path / "local")

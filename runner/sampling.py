@@ -1,0 +1,84 @@
+"""Per-sample nodes: keys, where each sample is (local, a remote, nowhere), and what to produce.
+
+Every per-sample node of one graph covers the same ordered prompt set: position i of the
+prompts, completions, tokens, hidden-state and eval nodes is the same prompt. That makes demand
+simple: walking the graph from its ends, a node must *produce* the positions its dependents
+must produce (or, at an end, every position) that are in no store, and *pull* those that are only
+in a remote. Samples nobody downstream needs are never fetched or computed (hidden states cached
+for a prompt whose completion was removed need no completion), and a report that is already
+stored needs nothing under it.
+"""
+
+from __future__ import annotations
+
+import xxhash
+
+from dfcache.errors import IntegrityError
+from dfcache.samples import Partition, index_of
+
+__all__ = ["assign_demand", "locate", "sample_counts", "set_key"]
+
+
+def set_key(partition: str, keys: list[str]) -> str:
+    """The key of an ordered set of samples of one partition (order matters: reports)."""
+    inner = xxhash.xxh3_128_hexdigest(",".join(keys).encode())
+    return xxhash.xxh3_128_hexdigest(('{"partition":"%s","set":"%s"}' % (partition, inner)).encode())
+
+
+def make_partition(stage: str, version: int, inputs: dict, upstream: dict | None = None) -> Partition:
+    return Partition(stage, version, inputs, dict(upstream or {}))
+
+
+def locate(ctx, node, warn) -> None:
+    """Where each of the node's samples is: sets ``node.local`` / ``node.in_remote`` (positions)
+    and ``node.remote_of`` (sample key -> remote store)."""
+    keys = node.sample_keys
+    here = index_of(ctx.store).partition(node.partition.key)
+    node.local = {i for i, k in enumerate(keys) if k in here}
+    node.remote_of = {}
+    lacking = {keys[i] for i in range(len(keys)) if i not in node.local}
+    for remote in ctx.remotes:
+        if not lacking:
+            break
+        try:
+            there = index_of(remote).partition(node.partition.key)
+        except IntegrityError:
+            raise  # a hostile or damaged remote segment of this partition: refused, never skipped
+        except Exception as e:  # a remote that cannot be listed is not a reason to stop planning
+            warn(f"warning: remote {getattr(remote, 'url', remote)} could not be checked: {e}")
+            continue
+        for k in [k for k in lacking if k in there]:
+            node.remote_of[k] = remote
+            lacking.discard(k)
+    node.in_remote = {i for i, k in enumerate(keys) if i not in node.local and k in node.remote_of}
+
+
+def assign_demand(nodes: list) -> None:
+    """Give every per-sample node ``produce`` and ``pull`` (sorted positions) from what its
+    dependents need; ``nodes`` in dependency order. Set-level nodes with a status other than
+    cached/remote demand every position of their per-sample dependencies."""
+    demand: dict[str, set[int]] = {}
+    depended_on = {d.key for n in nodes for d in n.deps}
+    for n in reversed(nodes):
+        if n.partition is None:
+            if n.status not in ("cached", "remote"):  # it will be made from all of its samples
+                for d in n.deps:
+                    if d.partition is not None:
+                        demand.setdefault(d.key, set()).update(range(len(d.sample_keys)))
+            continue
+        wanted = demand.get(n.key, set())
+        if n.key not in depended_on:
+            wanted = set(range(len(n.sample_keys)))
+        n.pull = sorted(i for i in wanted if i in n.in_remote)
+        n.produce = sorted(i for i in wanted if i not in n.local and i not in n.in_remote)
+        for d in n.deps:
+            if d.partition is not None:
+                demand.setdefault(d.key, set()).update(n.produce)
+
+
+def sample_counts(n) -> dict:
+    total = len(n.sample_keys)
+    cached = len(n.local)
+    remote = len(n.in_remote)
+    return {"total": total, "cached": cached, "remote": remote, "missing": total - cached - remote,
+            "to_pull": len(n.pull), "to_produce": len(n.produce)}
