@@ -170,10 +170,14 @@ class _Job:
 class _WindowWriter(threading.Thread):
     """Appends finished windows to the layer arrays in token order and checkpoints them."""
 
-    def __init__(self, sinks: list[LayerSink], on_checkpoint, progress, stats: ExtractStats) -> None:
+    def __init__(self, sinks: list[LayerSink], on_checkpoint, progress, stats: ExtractStats,
+                 boundaries: list[int] | None = None, on_boundary=None) -> None:
         super().__init__(name="dfcache-hidden-writer", daemon=True)
         self.sinks = sinks
         self.on_checkpoint = on_checkpoint
+        self.boundaries = list(boundaries or [])
+        self.next_boundary = 0
+        self.on_boundary = on_boundary
         self.progress = progress
         self.stats = stats
         self.jobs: queue.Queue = queue.Queue()
@@ -204,17 +208,33 @@ class _WindowWriter(threading.Thread):
             job.event.synchronize()
         state = {"samples_done": w.stop, "tokens_done": w.token_stop}
 
-        def one(sink: LayerSink) -> None:
-            rows = job.buffers[sink.layer][: w.tokens]
+        def one(sink: LayerSink, a: int, b: int) -> None:
+            rows = job.buffers[sink.layer][a:b]
             if sink.skip:
                 k = min(sink.skip, len(rows))
                 rows = rows[k:]
                 sink.skip -= k
             if len(rows):
                 sink.array.append(rows)
-            sink.writer.checkpoint(state)
 
-        for f in [self.pool.submit(one, s) for s in self.sinks]:
+        # Rows go out in pieces that end at the caller's boundaries: at each one every sink has
+        # all rows before it and none after, and on_boundary runs before the next piece.
+        a = 0
+        while True:
+            cut = w.tokens
+            at_boundary = self.next_boundary < len(self.boundaries) and \
+                self.boundaries[self.next_boundary] - w.token_start <= w.tokens
+            if at_boundary:
+                cut = max(a, self.boundaries[self.next_boundary] - w.token_start)
+            if cut > a:
+                for f in [self.pool.submit(one, sink, a, cut) for sink in self.sinks]:
+                    f.result()
+            a = cut
+            if not at_boundary:
+                break
+            self.next_boundary += 1
+            self.on_boundary(self.next_boundary - 1, w.token_start + cut)
+        for f in [self.pool.submit(sink.writer.checkpoint, state) for sink in self.sinks]:
             f.result()
         self.stats.tokens += w.tokens
         self.stats.windows += 1
@@ -263,7 +283,7 @@ def _storage_view(t) -> np.ndarray:
 
 def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[LayerSink], *,
             batch_tokens: int, progress_factory=None, on_checkpoint=None, log=None,
-            pack: dict | None = None) -> ExtractStats:
+            pack: dict | None = None, boundaries: list[int] | None = None, on_boundary=None) -> ExtractStats:
     """Compute the sinks' layers for every sample and append them in token order.
 
     ``target`` is a :class:`runner.models.target.TargetModel`. ``sinks`` may be resumed writers;
@@ -275,6 +295,12 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
     ``{}``) runs mixed-length samples concatenated in one forward instead of equal-length
     batches. Packed rows need not equal one-sample forwards bit for bit (another kernel class):
     callers that store them must key them as such.
+
+    ``boundaries`` (ascending token offsets, repeats allowed) with ``on_boundary(i, token)``: the
+    writer thread calls ``on_boundary`` for boundary i once every sink holds exactly the rows
+    before it, and before any later row is appended (the hidden-states stage commits a segment
+    there, so one pipeline runs across segments). Boundaries past the rows computed here (and
+    all of them when there is nothing to compute) are the caller's to handle.
     """
     import torch
 
@@ -301,7 +327,7 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
         buffers.put((bufs, {k: _storage_view(v) for k, v in bufs.items()}))
 
     progress = progress_factory(total - start_token) if progress_factory else None
-    writer = _WindowWriter(sinks, on_checkpoint, progress, stats)
+    writer = _WindowWriter(sinks, on_checkpoint, progress, stats, boundaries, on_boundary)
     writer.start()
     copy_stream = torch.cuda.Stream(device=target.device) if cuda else None
     verdicts = _verdicts(target)
