@@ -719,6 +719,7 @@ def suite_rows(b: Bench) -> list[dict]:
         rows.append({"measure": measure, "dfcache": dfc, "competitor": comp, "ratio": ratio, "unit": "x",
                      "target": target, "direction": direction, "status": status, "note": note})
 
+    st = (res.get("extract_stats") or {}).get("fla/equal") or {}
     if bare and ext and disk.get("ceiling_tok_per_s"):
         ceiling = min(bare["tok_per_s"], disk["ceiling_tok_per_s"])
         bound = "disk" if disk["ceiling_tok_per_s"] < bare["tok_per_s"] else "forward"
@@ -728,7 +729,10 @@ def suite_rows(b: Bench) -> list[dict]:
             note=f"{gpu}; bare forward {bare['tok_per_s']:,.0f} tok/s; disk {disk['ceiling_gbps']:.2f} GB/s "
                  f"(dd {disk.get('dd_fdatasync_gbps') or 0:.2f}, numpy.save+fsync {disk['numpy_save_fsync_gbps']:.2f}) "
                  f"= {disk['ceiling_tok_per_s']:,.0f} tok/s at {disk['bytes_per_token']} B/token; "
-                 f"store path alone {(res.get('store_only') or {}).get('tok_per_s') or 0:,.0f} tok/s")
+                 f"store path alone {(res.get('store_only') or {}).get('tok_per_s') or 0:,.0f} tok/s"
+                 + (f"; batch shapes used {st.get('batch_shapes')}, refused (change bits) {st.get('shapes_changing_bits')}; "
+                    f"GPU time in forwards {st.get('forward_gpu_s', 0):.2f} s of {st.get('wall_s', 0):.2f} s"
+                    if st.get("batch_shapes") is not None else ""))
     for name, pk in (res.get("packed") or {}).items():
         add(f"{label}: mixed lengths packed ({name.split('/', 1)[1]}) vs equal-length extraction",
             f"{pk['tok_per_s']:,.0f} tok/s", f"{ext['tok_per_s']:,.0f} tok/s" if ext else "",
@@ -745,6 +749,25 @@ def suite_rows(b: Bench) -> list[dict]:
         add(f"{label}: {r['what']} [{r['backend']}]", f"{r['tok_per_s'] or 0:,.0f} tok/s",
             f"{r['tokens']} tokens in {r['seconds']} s", r.get("vs_bare"),
             note="ratio = tokens/s / bare forward to the deepest layer")
+    sweep = res.get("batch_sweep") or {}
+    one = (sweep.get("1") or {}).get("tok_per_s")
+    for bsz, v in sweep.items():
+        add(f"{label}: bare forward, batches of {bsz} x {b.args.seq_len} [fla]", f"{v['tok_per_s']:,.0f} tok/s",
+            f"sample 0 bitwise-equal to a one-sample forward: {v['min_equal'] * 100:.2f} %",
+            round(v["tok_per_s"] / one, 3) if one else None,
+            note="ratio = / batches of 1; the batch-shape check runs a shape only where its bits are 100 %")
+    probe = res.get("pipeline_probe") or {}
+    if probe.get("bare"):
+        pb = probe["bare"]
+        add(f"{label}: bare forward beside the store path (ready tensors, in a thread) vs alone",
+            f"{pb['beside_store_path_s']:.3f} s", f"{pb['alone_s']:.3f} s",
+            round(pb["alone_s"] / pb["beside_store_path_s"], 3), note=f"{pb['tokens']} tokens; host-side contention")
+        for name, v in probe.items():
+            if name != "bare":
+                add(f"{label}: extraction variant: {name}", f"{v['tok_per_s']:,.0f} tok/s",
+                    f"GPU time in forwards {v['forward_gpu_s']:.2f} s, compute loop {v['compute_loop_s']:.2f} s, "
+                    f"wall {v['wall_s']:.2f} s", v["vs_bare"],
+                    note=f"ratio = / the bare forward alone on the same {pb['tokens']} tokens; shapes {v.get('batch_shapes')}")
     for kernel, per in (res.get("exactness") or {}).items():
         if per:
             low = min(min(v.values()) for v in per.values())
