@@ -185,6 +185,7 @@ KERNELS = ("fla", "torch")
 def register(app: typer.Typer) -> None:
     state.known_stages.update(STAGE_NAMES)
     state.known_kernels.update(KERNELS)
+    state.recomputers["hidden_states"] = _recompute_hidden_states
     app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
     app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
     from .cli_peers import register as register_peers
@@ -194,6 +195,12 @@ def register(app: typer.Typer) -> None:
     register_peers(app)
     register_trust_tools(app)
     register_watch(app)
+
+
+def _recompute_hidden_states(store, keys, n, **kw) -> dict:
+    from .recompute import verify_hook  # imports torch only when asked to recompute
+
+    return verify_hook(store, keys, n, **kw)
 
 
 def open_remotes(opts: EvalOptions) -> list:

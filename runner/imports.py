@@ -285,7 +285,8 @@ def _commit(fmt, root, good, layers, width, backend, target, store, result, mask
     inputs = {"target": target.fingerprint, "tokenizer": target.tokenizer_fingerprint,
               "chat_template": target.chat_template_hash, "enable_thinking": False,
               "imported": {"samples": digest.hexdigest()}}  # not the format: same ids, same key
-    provenance = {"imported": PROVENANCE, "format": fmt, "source": str(root.resolve()), "files": len(good)}
+    provenance = {"imported": PROVENANCE, "format": fmt, "source": str(root.resolve()), "files": len(good),
+                  "target_dir": str(target.dir)}  # what `verify --recompute` loads by default
     tok = Node.make(tokens_stage.NAME, tokens_stage.VERSION, inputs=inputs, needs="cpu")
     result.tokens_key = tok.key
     if not store.has(tok.key):

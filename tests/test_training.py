@@ -367,6 +367,63 @@ def test_import_needs_declared_layers_and_backend(cached, target_path, tmp_path,
     assert "--layer K" in capsys.readouterr().err
 
 
+def _modelopt_dir(ds, root, n=3):
+    root.mkdir()
+    for i in range(n):  # ModelOpt's layout: input_ids and the layers concatenated as aux_hidden_states
+        it = ds[i]
+        torch.save({"input_ids": it["input_ids"][0], "aux_hidden_states": it["hidden_states"][0].clone()},
+                   root / f"{i}.pt")
+    return root
+
+
+def test_verify_recompute_agrees_on_an_honest_import_and_flags_a_wrong_declaration(cached, target_path, tmp_path,
+                                                                                   capsys):
+    ds = api.hidden_state_dataset(store=cached["store"], layers=[1, 3], **cached["sel"])
+    src = _modelopt_dir(ds, tmp_path / "mo")
+    honest, wrong = tmp_path / "honest", tmp_path / "wrong"
+    assert _import(honest, "modelopt", src, target_path, 1, 3) == 0
+    assert _import(wrong, "modelopt", src, target_path, 3, 1) == 0  # declares the layers swapped
+    capsys.readouterr()
+    assert cli_main(["--store", str(honest), "verify", "--recompute", "2", "--json", "--no-progress"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    (got,) = res["recomputed"]
+    assert got["layers"] == [1, 3] and got["samples_in_set"] == 3 and got["recomputed"] == 2 and got["agrees"]
+    assert [s["index"] for s in got["samples"]] == [0, 2]  # spread over the set, first and last
+    for s in got["samples"]:
+        assert all(x["rel_l2"] <= 1e-2 and x["cos_min"] > 0.999 for x in s["layers"])
+    assert cli_main(["--store", str(wrong), "verify", "--recompute", "1", "--no-progress"]) == 5
+    out, err = capsys.readouterr()
+    assert "0 of 1 sample(s) agree" in out and "DIFF sample 0" in out
+    assert "disagree with a recomputation" in err and "import again" in err
+    assert cli_main(["--store", str(honest), "verify", "--recompute", "0"]) == 2
+    assert "positive number" in capsys.readouterr().err
+    assert cli_main(["--store", str(cached["store"]), "verify", "--recompute", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recomputed"] == []  # nothing imported there
+
+
+def test_export_and_import_errors_are_json_under_json(cached, target_path, tmp_path, capsys):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    assert _export(cached, "specforge", foreign, "--json") == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["exit_code"] == 2 and "not empty" in doc["error"] and doc["type"] == "UsageError"
+    code = cli_main(["--store", str(cached["store"]), "export", "--format", "specforge", "--out",
+                     str(tmp_path / "never"), "--layer", "2", "--json", *_cli_sel(cached)])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 3 and doc["exit_code"] == 3 and "run hidden-states" in doc["error"] and doc["missing"]
+    assert _import(tmp_path / "s", "specforge", tmp_path / "absent", target_path, 1, extra=["--json"]) == 6
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["exit_code"] == 6 and "not a directory" in doc["error"]
+    ds = api.hidden_state_dataset(store=cached["store"], layers=[1], **cached["sel"])
+    src = _modelopt_dir(ds, tmp_path / "mo", n=2)
+    (src / "5.pt").write_bytes((src / "0.pt").read_bytes()[:100])  # truncated
+    assert _import(tmp_path / "s", "modelopt", src, target_path, 1, extra=["--json"]) == 6
+    doc = json.loads(capsys.readouterr().out)  # one object: what was imported, and the error
+    assert doc["exit_code"] == 6 and doc["samples"] == 2 and [r["file"] for r in doc["refused"]] == ["5.pt"]
+    assert "refused 1 of 3" in doc["error"]
+
+
 def test_read_raw_into_a_reused_buffer(cached):
     from dfcache.errors import UsageError
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import List, Optional
 
 import typer
@@ -106,8 +107,16 @@ def register(app: typer.Typer) -> None:
             print(f"  {'  ' * (c['depth'] - 1)}{c['key'][:12]} {c['stage'] or '?'}{mark}")
 
     @app.command("verify")
-    def verify(keys: Optional[List[str]] = typer.Argument(None, help="Keys or prefixes (default: all).")) -> None:
+    def verify(keys: Optional[List[str]] = typer.Argument(None, help="Keys or prefixes (default: all)."),
+               recompute: Optional[int] = typer.Option(None, "--recompute", metavar="N", help="Also recompute N samples "
+                                                       "of each imported set and compare (needs its declared backend)."),
+               target: Optional[str] = typer.Option(None, "--target", help="With --recompute: the model that "
+                                                    "recomputes (default: the one the artifact records).")) -> None:
         """Re-hash artifacts against their manifests; exit 5 if any is corrupt or incomplete."""
+        if recompute is not None and recompute < 1:
+            raise UsageError(f"--recompute {recompute}: give a positive number of samples.")
+        if target is not None and recompute is None:
+            raise UsageError("--target is for --recompute N; add --recompute (or drop --target).")
         store = get_store()
         errors: list = []
         everything = store.list_manifests(errors=errors)
@@ -134,10 +143,13 @@ def register(app: typer.Typer) -> None:
                 progress.update(1)
         if progress:
             progress.close()
+        recomputed = _recompute(store, [k for k in targets if k not in bad], recompute, target,
+                                explicit=bool(keys)) if recompute else None
         if state.json:
             emit_json({"checked": len(targets) + len(errors),
                        "bad": [{"key": k, "problems": p} for k, p in bad.items()],
-                       "missing_upstream": [{"key": m.key, "stage": m.stage, "upstream": u} for m, u in broken]})
+                       "missing_upstream": [{"key": m.key, "stage": m.stage, "upstream": u} for m, u in broken],
+                       **({"recomputed": recomputed["sets"]} if recomputed is not None else {})})
         else:
             for k, problems in bad.items():
                 print(f"BAD {k}: " + "; ".join(problems))
@@ -146,12 +158,16 @@ def register(app: typer.Typer) -> None:
                       "(run the command that made it) or pull it.")
             print(f"{len(targets) + len(errors)} artifact(s) checked, {len(bad)} bad"
                   + (f", {len(broken)} missing upstream artifact(s)" if broken else ""))
+            for line in (recomputed or {}).get("lines", []):
+                print(line)
         if bad:
             names = ", ".join(k[:12] for k in list(bad)[:5]) + (", ..." if len(bad) > 5 else "")
             one = next(iter(bad))[:12]
             raise IntegrityError(f"{len(bad)} artifact(s) are corrupt or incomplete ({names}); delete them "
                                  f"with `dfcache gc --bad --yes` (or one: `dfcache gc --key {one} --yes`) and "
                                  "run again to recompute them, or pull them again.")
+        if recomputed and recomputed["disagree"]:
+            raise IntegrityError("; ".join(recomputed["disagree"]) + ". " + recomputed["fix"])
 
     @app.command("gc")
     def gc(dry_run: bool = typer.Option(False, "--dry-run", help="Show what would be removed."),
@@ -194,3 +210,37 @@ def register(app: typer.Typer) -> None:
         else:
             print(f"removed {len(removed)} item(s), {human_bytes(freed)} freed.")
 
+
+
+def _recompute(store, keys: list[str], n: int, target: str | None, *, explicit: bool) -> dict:
+    """`verify --recompute N`: each stage's recomputer (registered by a command plugin in
+    ``state.recomputers``) recomputes N samples of the artifacts among ``keys`` it knows how to
+    remake, and reports their agreement: {"sets": [...], "lines": [...], "disagree": [...], "fix": str}."""
+    stages = {store.manifest(k).stage for k in keys}
+    hooks = {s: state.recomputers[s] for s in sorted(stages) if s in state.recomputers}
+    if not hooks:
+        known = ", ".join(sorted(state.recomputers)) or "none (no command plugin registered one)"
+        if explicit:
+            raise UsageError(f"--recompute: none of the given artifacts is of a stage that can be recomputed here "
+                             f"(stages with a recomputer: {known}).")
+        return {"sets": [], "lines": ["nothing to recompute: no artifact of a stage with a recomputer "
+                                      f"({known})."], "disagree": [], "fix": ""}
+    progress = None
+    if progress_enabled():
+        from tqdm.auto import tqdm
+
+        progress = lambda total: tqdm(total=total, desc="recomputing", unit="sample", leave=False)  # noqa: E731
+    merged: dict = {"sets": [], "lines": [], "disagree": [], "fix": ""}
+    for stage, hook in hooks.items():
+        got = hook(store, [k for k in keys if store.manifest(k).stage == stage], n, target=target,
+                   progress=progress, log=None if state.json else (lambda m: print(m, file=sys.stderr, flush=True)))
+        merged["sets"] += got["sets"]
+        merged["lines"] += got["lines"]
+        merged["disagree"] += got["disagree"]
+        merged["fix"] = merged["fix"] or got.get("fix", "")
+    if not merged["sets"]:
+        if explicit:
+            raise UsageError("--recompute: none of the given artifacts is an import to recompute (only imported "
+                             "artifacts are recomputed; `dfcache ls` marks them 'imported').")
+        merged["lines"].append("nothing to recompute: the store holds no imported artifacts.")
+    return merged

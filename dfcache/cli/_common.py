@@ -28,6 +28,9 @@ class GlobalState:
     # command plugins (dfcache itself knows no stage names).
     known_stages: set = field(default_factory=set)
     known_kernels: set = field(default_factory=set)
+    # `verify --recompute N`: stage -> fn(store, keys, n, *, target, progress, log) -> {"sets", "lines",
+    # "disagree", "fix"}, registered by the plugin that knows how to remake that stage's artifacts.
+    recomputers: dict = field(default_factory=dict)
 
 
 state = GlobalState()
