@@ -18,7 +18,7 @@ from the context features committed so far (its context keys/values cached and e
 DFlash implementations do), the target verifies it with its KV cache, the matching prefix plus
 the bonus token is committed, the cache is cropped. Offline (dfcache): with the target features
 of prompt + completion cached (one full forward, timed separately), ``score_roots`` drafts
-every candidate root in batches and ``runner.metrics.evaluate_response`` walks them. Acceptance
+every candidate root in batches and ``runner.stages.drafter_eval.metrics.evaluate_response`` walks them. Acceptance
 is compared under the within-output rule, block for block.
 
 JSON (``--out``): ``env``, ``config``, ``online``/``offline`` timings, ``acceptance`` (blocks,
@@ -58,7 +58,7 @@ def main() -> int:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from runner import metrics
+    from runner.stages.drafter_eval import metrics
     from runner.models.dflash import DFlashConfig, DFlashDrafter, TargetHead, score_roots
 
     dev = "cpu" if args.cpu_smoke else "cuda"

@@ -186,9 +186,10 @@ def main() -> int:
 def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> int:
     args = b.args
     from dfcache import fingerprint_path, open_store
-    from runner.extract import plan_windows
-    from runner.graph import Node, RunContext, execute, resolve
-    from runner.models.target import resolve_backend
+    from runner.stages.hidden_states.extract import plan_windows
+    from runner.graph import Node, RunCache, RunContext, resolve
+    from runner.pipeline import execute
+    from runner.models.target import resolve_kernel
     from runner.options import EvalOptions
     from runner.stages import hidden_states as hs
 
@@ -269,7 +270,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
     def ctx_for(kernel: str) -> RunContext:
         opts = EvalOptions(target=str(model_dir), layers=layers, backend=kernel, device=DEV,
                            dtype="bfloat16", batch_tokens=args.batch_tokens, progress=False)
-        return RunContext(store, opts, argv=["run", "hidden-states", "--backend", kernel])
+        return RunContext(store, opts, argv=["run", "hidden-states", "--backend", kernel], cache=caches[kernel])
 
     def batches_of(tok: Node):
         offsets, ids = tok.payload["offsets"], tok.payload["ids"]
@@ -315,13 +316,12 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
 
     def extraction(kernel: str, tok: Node, label: str, bare_rate: float | None) -> None:
         ctx = ctx_for(kernel)
-        ctx.shared = shared[kernel]
         nodes = hs.build(ctx, tok, layers)
         resolve(ctx, list(nodes.values()))
         t = time.perf_counter()
         execute(ctx, list(nodes.values()))
         dt = time.perf_counter() - t
-        st = ctx.shared.get(hs.LAST_STATS)  # the last segment's pipeline figures
+        st = ctx.last_extract_stats
         row(f"dfcache extract ({label})", kernel, int(tok.payload["offsets"][-1]), dt, bare_rate)
         if st:
             b.res.setdefault("extract_stats", {})[f"{kernel}/{label}"] = {
@@ -331,15 +331,14 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
             log(f"extract stats {kernel}/{label}: {b.res['extract_stats'][f'{kernel}/{label}']}")
         keys.setdefault(f"{kernel}/{label}", {}).update(nodes)  # layer -> node
 
-    shared: dict[str, dict] = {"fla": {}, "torch": {}}
+    caches = {"fla": RunCache(), "torch": RunCache()}  # one loaded target per kernel, reused by every run
     targets: dict = {}
 
     def load(kernel: str):
         def go():
-            backend = resolve_backend(kernel, DEV, "bfloat16", "sdpa")
+            backend = resolve_kernel(kernel, DEV, "bfloat16", "sdpa")
             t = time.perf_counter()
             ctx = ctx_for(kernel)
-            ctx.shared = shared[kernel]
             targets[kernel] = hs.get_target(ctx, str(model_dir), backend)
             b.res["env"].setdefault("bound", {})[kernel] = targets[kernel].bound
             log(f"{kernel}: loaded in {time.perf_counter() - t:.1f} s; bound {targets[kernel].bound}")
@@ -454,8 +453,8 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
             return {k: self.t[: ids.shape[0], : ids.shape[1]] for k in want}
 
     def direct_extract(model, offsets, ids, tag: str, stage: str = "bench_direct", keep: bool = False):
-        """runner.extract.extract into fresh artifacts of ``layers`` (deleted after, unless ``keep``)."""
-        from runner.extract import LayerSink, extract
+        """runner.stages.hidden_states.extract.extract into fresh artifacts of ``layers`` (deleted after, unless ``keep``)."""
+        from runner.stages.hidden_states.extract import LayerSink, extract
         from dfcache import compute_key
 
         writers, sinks = [], []
@@ -487,7 +486,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
 
     def batch_sweep():
         """Bare forwards of the same samples in batches of 1, 2, 4, ... and whether each size gives
-        sample 0 a one-sample forward's bits: what runner.extract's batch-shape check decides on."""
+        sample 0 a one-sample forward's bits: what the extraction's batch-shape check decides on."""
         target = targets["fla" if "fla" in targets else "torch"]
         ids = equal.payload["ids"]
         L = args.seq_len
@@ -523,7 +522,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         and batched without the batch-shape check (not exact where the check refuses)."""
         import threading
 
-        import runner.extract as rx
+        import runner.stages.hidden_states.extract as rx
 
         target = targets["fla" if "fla" in targets else "torch"]
         m = min(args.samples, 64)
@@ -573,13 +572,13 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         """Mixed-length set packed into varlen forwards; stored under its own keys (another
         kernel class unless the exactness phase shows it bitwise equal)."""
         def go():
-            from runner.extract import LayerSink, extract
+            from runner.stages.hidden_states.extract import LayerSink, extract
             from dfcache import compute_key
 
             target = targets[kernel]
             offsets, ids = mixed.payload["offsets"], mixed.payload["ids"]
             # warm the packed shapes (fla autotunes per shape) outside the clock
-            from runner.extract import plan_windows
+            from runner.stages.hidden_states.extract import plan_windows
             from runner.models.packed import forward_layers_packed
             for w in plan_windows(offsets, 0, args.batch_tokens, pack=True)[0]:
                 for bt in w.batches:

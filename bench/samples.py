@@ -69,15 +69,15 @@ def _subset(node, k: int):
                              ids=node.ids[:k], needs=node.needs, payload=node.payload, label=node.label)
 
 
-def _extract(store, tokens_node, shared) -> dict:
-    from runner.graph import RunContext, execute, resolve
+def _extract(store, tokens_node, cache) -> dict:
+    from runner.graph import RunContext, resolve
+    from runner.pipeline import execute
     from runner.options import EvalOptions
     from runner.stages import hidden_states as hs
 
     opts = EvalOptions(layers=LAYERS, backend="torch", device="cpu", dtype="float32", batch_tokens=2048,
                        progress=False)
-    ctx = RunContext(store, opts, argv=["run", "hidden-states"], out=open(os.devnull, "w"))
-    ctx.shared = shared
+    ctx = RunContext(store, opts, argv=["run", "hidden-states"], out=open(os.devnull, "w"), cache=cache)
     nodes = list(hs.build(ctx, tokens_node, LAYERS).values())
     resolve(ctx, nodes)
     execute(ctx, nodes)
@@ -99,8 +99,10 @@ def incremental(ctx: Ctx, result: Result) -> None:
     tok = _tokens_node(open_store(base), target, n)
     warm = work / "warm"
     shutil.copytree(base, warm)
-    shared: dict = {}
-    _extract(open_store(warm), _subset(tok, cached), shared)  # loads the model, fills 900
+    from runner.graph import RunCache
+
+    cache = RunCache()
+    _extract(open_store(warm), _subset(tok, cached), cache)  # loads the model, fills 900
     counts = {}
 
     reps_done = {"full": 0, "incremental": 0}
@@ -110,7 +112,7 @@ def incremental(ctx: Ctx, result: Result) -> None:
         d = work / f"full{reps_done['full']}"
         shutil.copytree(base, d)
         t = time.perf_counter()
-        counts["full"] = _extract(open_store(d), tok, shared)
+        counts["full"] = _extract(open_store(d), tok, cache)
         dt = time.perf_counter() - t
         shutil.rmtree(d)
         return dt
@@ -120,7 +122,7 @@ def incremental(ctx: Ctx, result: Result) -> None:
         d = work / f"inc{reps_done['incremental']}"
         shutil.copytree(warm, d)
         t = time.perf_counter()
-        counts["incremental"] = _extract(open_store(d), tok, shared)
+        counts["incremental"] = _extract(open_store(d), tok, cache)
         dt = time.perf_counter() - t
         shutil.rmtree(d)
         return dt

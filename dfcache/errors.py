@@ -2,7 +2,8 @@
 
 The tree (exit code in brackets)::
 
-    DfcacheError (Exception)                         [1]  also: an internal fault (a bug)
+    DfcacheError (Exception)                         [1]
+    ├── InternalError (RuntimeError)                 [1]  a bug: an invariant of dfcache or a stage broke
     ├── UsageError (ValueError)                      [2]  wrong flags or arguments
     │   ├── KeyMaterialError                              a value that must not enter a key
     │   └── DependentsError                               gc would remove what kept artifacts need
@@ -73,6 +74,12 @@ class DfcacheError(Exception):
 
     def __str__(self) -> str:
         return self.message
+
+
+class InternalError(DfcacheError, RuntimeError):
+    """dfcache (or a stage) broke one of its own invariants: a bug to report, not a user error."""
+
+    exit_code = EXIT_INTERNAL
 
 
 class UsageError(DfcacheError, ValueError):

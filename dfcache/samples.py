@@ -53,6 +53,7 @@ import xxhash
 from .errors import ArtifactNotFoundError, IntegrityError, SamplesMissingError, UsageError
 from .keys import compute_key
 from .manifest import STORAGE_DTYPE, Manifest
+from .store import CommitOnExit
 
 __all__ = ["DOC", "Partition", "SampleArray", "SampleSet", "SampleSink", "SamplesMissingError", "SegmentWriter",
            "index_of", "partition_key", "record_digest", "sample_key", "segment_key"]
@@ -172,7 +173,7 @@ def _storage(rows: np.ndarray, dtype: str) -> np.ndarray:
     return rows
 
 
-class SegmentWriter:
+class SegmentWriter(CommitOnExit):
     """Writes one segment; samples are added in ascending order of their upstream keys.
 
     ``arrays`` declares the per-sample arrays; ``doc=True`` adds the JSON document array. Use as
@@ -254,18 +255,6 @@ class SegmentWriter:
         if self.manifest is None:
             self._w.abort()
 
-    def __enter__(self) -> "SegmentWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            try:
-                self.commit()
-            except BaseException:
-                self.abort()
-                raise
-        else:
-            self.abort()
 
 
 class SampleSink:

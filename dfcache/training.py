@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["HiddenStateDataset", "LengthBucketSampler", "Sample", "SampleSource", "pad_collate"]
+__all__ = ["HiddenStateDataset", "LengthBucketSampler", "Sample", "SampleSource", "pad_collate", "to_torch"]
 
 
 @dataclass
@@ -60,7 +60,8 @@ class SampleSource(Protocol):
         ...
 
 
-def _to_torch(arr: np.ndarray, dtype: str) -> torch.Tensor:
+def to_torch(arr: np.ndarray, dtype: str) -> torch.Tensor:
+    """A stored array as a tensor of its stored dtype (bf16 arrive as their uint16 bits), no copy."""
     if dtype == "bfloat16":
         bits = np.ascontiguousarray(arr)
         if bits.dtype != np.uint16:
@@ -111,7 +112,7 @@ class HiddenStateDataset(Dataset):
         for name, arr in sample.arrays.items():
             if self.max_len is not None:
                 arr = arr[: self.max_len]
-            item[name] = _to_torch(arr, sample.dtypes.get(name, arr.dtype.name)).unsqueeze(0)
+            item[name] = to_torch(arr, sample.dtypes.get(name, arr.dtype.name)).unsqueeze(0)
         item["key"] = sample.key
         return item
 

@@ -110,7 +110,7 @@ def _open(store):
     if isinstance(store, Store):
         return store
     if store is None:
-        from dfcache.cli._common import get_store
+        from dfcache.cli.common import get_store
 
         return get_store()
     return open_store(store)
@@ -203,7 +203,8 @@ def run(upto: str = "eval", *, store=None, options: EvalOptions | None = None,
 
 
 def _run(upto: str, opts: EvalOptions, store, *, argv=None, log=None, out=None):
-    from .graph import check_offline, execute
+    from .graph import check_offline
+    from .pipeline import execute
 
     ctx, nodes = resolve_graph(upto, opts, store, argv=argv, log=log)
     if out is not None:

@@ -1,6 +1,6 @@
 """`dfcache plan` and `dfcache run`: the eval graph on the command line.
 
-Registered into the `dfcache` app through the ``dfcache.commands`` entry point. Building the
+Registered into the `dfcache` app by dfcache.cli (no entry point needed). Building the
 plan imports neither torch nor transformers; a run whose every artifact is cached never does.
 """
 
@@ -12,7 +12,7 @@ from typing import List, Optional
 
 import typer
 
-from dfcache.cli._common import emit_json, get_store, progress_enabled, state
+from dfcache.cli.common import emit_json, get_store, progress_enabled, state
 from dfcache.errors import UsageError
 
 from .options import EvalOptions
@@ -60,7 +60,7 @@ def _make_command(mode: str):
         endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
     ):
         # --store, --json, --debug, --offline and --no-progress are the dfcache CLI's global
-        # options, which it adds to every command (dfcache.cli._common.GLOBAL_OPTIONS).
+        # options, which it adds to every command (dfcache.cli.common.GLOBAL_OPTIONS).
         from dfcache.config import offline_from_env
 
         if server is not None:
@@ -74,38 +74,6 @@ def _make_command(mode: str):
                                  "--completions server to take completions from it.")
         if target not in RUN_TARGETS:
             raise UsageError(f"unknown target {target!r}; use eval, prompts, completions, tokens or hidden-states.")
-        for name, value, allowed in (("--completions", completions, ("server", "local")),
-                                     ("--server-api", server_api, ("openai", "sglang")),
-                                     ("--backend", backend, ("auto", "fla", "torch")),
-                                     ("--device", device, ("auto", "cuda", "cpu")),
-                                     ("--eval-device", eval_device, ("auto", "cuda", "cpu")),
-                                     ("--dtype", dtype, ("bfloat16", "float32")),
-                                     ("--compression", compression, ("none", "zstd")),
-                                     ("--attn-implementation", attn_implementation,
-                                      ("sdpa", "eager", "flash_attention_2")),
-                                     ("--end-rule", end_rule, ("within", "continuation"))):
-            if value not in allowed:
-                raise UsageError(f"{name} {value!r} is not one of {', '.join(allowed)}.")
-        if end_rule == "continuation":
-            # Refused rather than keyed: it needs the target's greedy tokens past the end of every
-            # completion, which no completion source stores yet; accepting it changed the keys and
-            # still computed the within-output rule.
-            raise UsageError("--end-rule continuation is not available yet: it needs the target's greedy "
-                             "continuation past each completion, which dfcache does not store; use "
-                             "--end-rule within (the default). docs/metrics.md describes both rules.")
-        if trained_on not in (None, "fla", "torch"):
-            raise UsageError(f"--trained-on {trained_on!r} is not one of fla, torch.")
-        for name, value in (("--num-prompts", num_prompts), ("--max-new-tokens", max_new_tokens),
-                            ("--max-blocks", max_blocks), ("--concurrency", concurrency),
-                            ("--batch-tokens", batch_tokens)):
-            if value is not None and value < 1:
-                raise UsageError(f"{name} {value}: give a positive number.")
-        if any(b < 1 for b in tree_budget or []):
-            raise UsageError(f"--tree-budget {min(tree_budget)}: budgets are positive numbers of drafted nodes.")
-        if not request_timeout > 0:
-            raise UsageError(f"--request-timeout {request_timeout:g}: give a positive number of seconds.")
-        if wait_server < 0:
-            raise UsageError(f"--wait-server {wait_server:g}: give 0 (check once) or a positive number of seconds.")
         opts = EvalOptions(
             example=example, target=model, target_revision=revision, drafters=list(drafter or []),
             trained_on=trained_on, prompts=prompts, num_prompts=num_prompts, completions=completions,
@@ -120,7 +88,7 @@ def _make_command(mode: str):
             progress=progress_enabled(),
             attn_implementation=attn_implementation, key_versions=_key_versions(key_versions))
         if mode == "options":  # `dfcache watch` and `dfcache export` take these options, validated the same way
-            return opts
+            return opts.validate()
         run_pipeline(mode, RUN_TARGETS[target], opts, argv=_run_argv(ctx, target))
 
     command.__doc__ = ("Show the graph and each node's status; does no work." if mode == "plan" else
@@ -253,6 +221,7 @@ def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None
     from . import api
     from .graph import check_offline
 
+    opts.validate()  # before anything is opened; RunContext checks again for Python callers
     quiet_libraries(bars=opts.progress, notices=opts.progress or not state.no_progress)
 
     started = time.perf_counter()

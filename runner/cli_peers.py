@@ -12,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from dfcache.cli._common import emit_json, get_store, human_bytes
+from dfcache.cli.common import emit_json, get_store, human_bytes
 
 # Eval-only options that do not select states.
 _NOT_SELECTION = ("target", "tree_budget", "end_rule", "max_blocks", "trained_on")
@@ -89,7 +89,7 @@ def import_command(
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
 ) -> None:
     """Import hidden states made by SpecForge, speculators or ModelOpt (declared, not verified)."""
-    from dfcache.cli._common import state
+    from dfcache.cli.common import state
     from dfcache.errors import BadInputError
 
     from .imports import import_dir

@@ -21,7 +21,7 @@ import dataclasses
 
 from dfcache.errors import UsageError
 
-from .graph import RunContext, check_offline, execute, resolve, topo_order
+from .graph import RunContext, check_offline, resolve, topo_order
 from .options import EvalOptions
 
 
@@ -37,7 +37,7 @@ def run_compare(store, opts: EvalOptions, backends: list[str], *, completions_ba
                 remotes=None, argv=None) -> dict:
     """Plan every backend's nodes first (so an impossible one fails before work), then run them."""
     from .models.target import cuda_visible
-    from .pipeline import build_graph
+    from .pipeline import build_graph, execute
     from .stages import drafter_eval, hidden_states
 
     backends = list(dict.fromkeys(backends))
@@ -63,8 +63,8 @@ def run_compare(store, opts: EvalOptions, backends: list[str], *, completions_ba
     for b in backends:
         # fla states exist on CUDA only: --device (say cpu for the torch side) does not apply to them.
         dev = "auto" if b == "fla" else opts.device
-        ctx = RunContext(store, dataclasses.replace(opts, backend=b, device=dev), remotes=remotes, argv=argv)
-        ctx.shared = base.shared
+        ctx = RunContext(store, dataclasses.replace(opts, backend=b, device=dev), remotes=remotes, argv=argv,
+                         cache=base.cache)
         hs, evals = _backend_graph(ctx, tokens_node, drafters, layers)
         plans.append((b, ctx, hs, evals))
     all_nodes = topo_order([e for _, _, _, evals in plans for e in evals])

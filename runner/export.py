@@ -179,19 +179,19 @@ def export(sel: Selection, fmt: str, out: str | os.PathLike, *, progress=None) -
 def _write_sample(fmt: str, src, i: int, path: Path) -> None:
     import torch
 
-    from dfcache.training import _to_torch
+    from dfcache.training import to_torch
 
     s = src.read(i)
     ids = torch.from_numpy(s.arrays["input_ids"])
     if fmt == "specforge":
         record = {"input_ids": ids, "loss_mask": torch.from_numpy(s.arrays["loss_mask"]),
-                  "hidden_states": _to_torch(s.arrays["hidden_states"], src.dtype).unsqueeze(0)}
+                  "hidden_states": to_torch(s.arrays["hidden_states"], src.dtype).unsqueeze(0)}
         torch.save(record, path)
         return
     from safetensors.torch import save_file
 
     stacked = np.stack(src.read_layers(i), axis=1)  # [n, layers, hidden]
-    save_file({"hidden_states": _to_torch(stacked, src.dtype), "token_ids": ids}, str(path))
+    save_file({"hidden_states": to_torch(stacked, src.dtype), "token_ids": ids}, str(path))
 
 
 def _write_prepared_dataset(src, out: Path) -> int:

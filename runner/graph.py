@@ -1,12 +1,17 @@
-"""The stage graph: nodes, their resolution (local → remotes → compute) and execution.
+"""The stage graph: key recipes, nodes, the run context, and resolution (local → remotes → compute).
 
-A *stage* is a module in ``runner/stages/`` with, at its top, ``NAME``, ``VERSION`` and its key
-recipe, a ``build(ctx, ...)`` function returning its node(s) and a ``produce(ctx, nodes)``
-function doing the work (and optionally ``preflight(ctx, nodes)``, run before any stage starts,
-for checks of what is outside such as a server's readiness). ``build`` resolves inputs (fingerprints, parameters) and computes keys
-without doing any work and without importing torch; ``produce`` writes one artifact per node
-through ``ctx.store``. Nodes of one stage that share a ``group`` are produced by one call (all
-missing hidden-state layers come from one forward pass).
+A *stage* is a module (or a package, where it has helpers) in ``runner/stages/`` with, at its
+top, ``KEY``, its :class:`KeyRecipe` (``NAME`` and ``VERSION`` come from it), a
+``build(ctx, ...)`` function returning its node(s) through ``KEY.node(...)`` and a
+``produce(ctx, nodes)`` function doing the work (and optionally ``preflight(ctx, nodes)``, run
+before any stage starts, for checks of what is outside such as a server's readiness). ``build``
+resolves inputs (fingerprints, parameters) and computes keys without doing any work and without
+importing torch; ``produce`` writes one artifact per node through ``ctx.store``. Nodes of one
+stage that share a ``group`` are produced by one call (all missing hidden-state layers come from
+one forward pass).
+
+This module imports no stage: stages import it, and ``runner/pipeline.py`` holds the table of
+stages and runs them.
 
 Resolution order for every node: the local store, then each remote in order, then compute.
 Offline, every missing node that needs the network is reported together before any work.
@@ -14,13 +19,14 @@ Offline, every missing node that needs the network is reported together before a
 
 from __future__ import annotations
 
-import importlib
 import shlex
 import sys
+import textwrap
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dfcache.errors import OfflineMissingError, UsageError
+from dfcache.errors import InternalError, OfflineMissingError
 from dfcache.keys import compute_key
 
 from .options import EvalOptions
@@ -120,17 +126,107 @@ class Node:
         return d
 
 
+@dataclass(frozen=True)
+class KeyRecipe:
+    """What a stage's key covers, as data next to the stage's ``build()``.
+
+    ``build()`` makes its nodes with :meth:`node` (a set-level artifact) or :meth:`samples` (a
+    per-sample stage: a partition and one sample key per prompt), which refuse inputs or upstream
+    roles the recipe does not list (and listed ones that are missing), so the recipe cannot drift
+    from the code; the stage's docstring shows :meth:`describe` (tests/test_architecture.py
+    checks it). The keys themselves are unchanged: ``compute_key(stage, version, inputs,
+    upstream)``, and for a per-sample stage that is the partition key, each sample's key
+    ``sample_key(partition, upstream sample key)`` (docs/format.md "Samples and segments").
+    """
+
+    stage: str
+    version: int
+    inputs: dict[str, str]  # name -> what it is and how it is resolved
+    upstream: dict[str, str] = field(default_factory=dict)  # role -> whose key(s) (partitions, per sample)
+    optional: frozenset[str] = frozenset()  # inputs only some configurations have
+    sample: str | None = None  # per-sample stages: what each sample's key derives from
+
+    def _check(self, inputs: dict, upstream: dict) -> None:
+        extra = sorted(set(inputs) - set(self.inputs))
+        missing = sorted(set(self.inputs) - self.optional - set(inputs))
+        roles = sorted(set(upstream) ^ set(self.upstream))
+        if extra or missing or roles:
+            raise InternalError(f"stage {self.stage} built a node that its key recipe does not describe "
+                                f"(inputs not in the recipe: {extra}, missing: {missing}, upstream roles "
+                                f"differing: {roles}); update KEY in the stage with the change.")
+
+    def node(self, *, inputs: dict, upstream: dict | None = None, needs: str, **kw) -> Node:
+        """A set-level node (one artifact)."""
+        if self.sample is not None:
+            raise InternalError(f"stage {self.stage} is per sample: build its nodes with KEY.samples().")
+        upstream = upstream or {}
+        self._check(inputs, upstream)
+        return Node.make(self.stage, self.version, inputs=inputs, upstream=upstream, needs=needs, **kw)
+
+    def samples(self, *, inputs: dict, upstream_samples: list[str], partition_upstream: dict | None = None,
+                needs: str, **kw) -> Node:
+        """A per-sample node: its partition over ``inputs``/``partition_upstream``, one sample per
+        entry of ``upstream_samples`` (see :meth:`Node.make_samples`)."""
+        if self.sample is None:
+            raise InternalError(f"stage {self.stage} is set-level: build its nodes with KEY.node().")
+        partition_upstream = partition_upstream or {}
+        self._check(inputs, partition_upstream)
+        return Node.make_samples(self.stage, self.version, inputs=inputs, upstream_samples=upstream_samples,
+                                 partition_upstream=partition_upstream, needs=needs, **kw)
+
+    def describe(self) -> str:
+        """The recipe as the stage's docstring shows it."""
+        width = max(len(n) for n in [*self.inputs, *self.upstream, "x" * 12]) + 2
+
+        def rows(items: dict[str, str]) -> list[str]:
+            out = []
+            for name, what in items.items():
+                what = what + (" (only some runs have it)" if name in self.optional else "")
+                wrapped = textwrap.wrap(what, 96 - width - 4) or [""]
+                out.append(f"    {name:<{width}}{wrapped[0]}")
+                out += [f"    {'':<{width}}{w}" for w in wrapped[1:]]
+            return out or ["    (none)"]
+
+        head = [f"key = compute_key({self.stage!r}, {self.version}, inputs, upstream)"]
+        if self.sample is not None:
+            head = [f"partition = compute_key({self.stage!r}, {self.version}, inputs, upstream)",
+                    f"sample    = sample_key(partition, {self.sample})"]
+        return "\n".join([*head, "inputs:", *rows(self.inputs), "upstream:", *rows(self.upstream)])
+
+
+@dataclass
+class RunCache:
+    """Objects a run makes once and several stages use (loading a target takes seconds)."""
+
+    resolved_targets: dict[tuple, Any] = field(default_factory=dict)  # (target, revision) -> ResolvedTarget
+    targets: dict[tuple[str, str], Any] = field(default_factory=dict)  # (dir, kernel label) -> loaded target
+    tokenizers: dict[str, Any] = field(default_factory=dict)  # target dir -> tokenizer
+    served_models: dict[tuple, str] = field(default_factory=dict)  # (base URL, api, wanted) -> model name
+
+
+@dataclass
+class RunHooks:
+    """Callbacks a caller (a test, a benchmark) gives a run; none changes what is computed."""
+
+    # after each committed segment of an extraction: (segment index, tokens done so far)
+    on_extract_checkpoint: Callable[[int, int], None] | None = None
+
+
 class RunContext:
-    """What stages see: the store, the options, remotes, progress output and shared objects."""
+    """What stages see: the store, the options (validated), remotes, progress output, and the
+    run's typed shared state (``cache``, ``hooks``, ``last_extract_stats``)."""
 
     def __init__(self, store, options: EvalOptions, *, remotes: list | None = None, argv: list[str] | None = None,
-                 out=None) -> None:
+                 out=None, cache: RunCache | None = None, hooks: RunHooks | None = None) -> None:
+        options.validate()
         self.store = store
         self.options = options
         self.remotes = list(remotes or [])
         self.argv = list(argv) if argv is not None else list(sys.argv[1:])
         self.out = out or sys.stderr
-        self.shared: dict[str, Any] = {}  # loaded models etc., shared between stages of one run
+        self.cache = cache if cache is not None else RunCache()
+        self.hooks = hooks if hooks is not None else RunHooks()
+        self.last_extract_stats = None  # the hidden-states stage's last ExtractStats (bench, tests)
         self.work_done: list[str] = []  # keys produced in this run (tests and --json read it)
 
     def log(self, message: str) -> None:
@@ -159,10 +255,6 @@ class RunContext:
             args.append(a)
         cmd = "dfcache " + shlex.join(args)  # quoted, so it can be pasted into a shell
         return cmd + (f" {add}" if add else "")
-
-
-def stage_module(name: str):
-    return importlib.import_module(f"runner.stages.{name}")
 
 
 def topo_order(roots: list[Node]) -> list[Node]:
@@ -258,60 +350,3 @@ def check_offline(ctx: RunContext, nodes: list[Node]) -> None:
     lines.append("Run that on a machine that reaches the server and share the store (dfcache push/pull), "
                  "or turn offline mode off.")
     raise OfflineMissingError("\n".join(lines), missing=[n.to_plan_dict() for n in missing])
-
-
-def execute(ctx: RunContext, nodes: list[Node]) -> None:
-    """Produce what resolve() said, in dependency order: pull what remotes hold, then compute
-    (or fetch) the rest; per-sample nodes only their missing samples."""
-    pending = [n for n in nodes if n.status not in ("cached", "not needed")]
-    # Stages that talk to something outside (a server) check it once, before any work starts.
-    for stage in dict.fromkeys(n.stage for n in pending if n.status != "remote"):
-        check = getattr(stage_module(stage), "preflight", None)
-        if check is not None:
-            check(ctx, [n for n in pending if n.stage == stage and n.status != "remote"])
-    done: set[str] = set()
-    for n in pending:
-        if n.partition is not None:
-            _execute_samples(ctx, n, pending, done)
-            continue
-        if n.key in done or ctx.store.has(n.key):
-            done.add(n.key)
-            continue
-        if n.status == "remote":
-            from dfcache.transfer import pull_keys
-
-            pull_keys(n.remote, ctx.store, [n.key], with_upstream=False, progress=ctx.options.progress)
-            done.add(n.key)
-            continue
-        stage_module(n.stage).produce(ctx, [n])
-        if not ctx.store.has(n.key):
-            raise UsageError(f"internal: stage {n.stage} did not commit {n.key}")
-        done.add(n.key)
-        ctx.work_done.append(n.key)
-
-
-def _execute_samples(ctx: RunContext, n: Node, pending: list[Node], done: set[str]) -> None:
-    from dfcache.samples import index_of
-
-    if n.pull:
-        from dfcache.sample_transfer import pull_samples
-
-        by_remote: dict = {}
-        for i in n.positions_distinct(n.pull):
-            k = n.sample_keys[i]
-            by_remote.setdefault(id(n.remote_of[k]), (n.remote_of[k], []))[1].append(k)
-        for remote, keys in by_remote.values():
-            r = pull_samples(remote, ctx.store, {n.partition.key: keys}, progress=ctx.options.progress)
-            n.pulled += r.copied
-    if n.produce and n.key not in done:
-        batch = [m for m in pending if m.stage == n.stage and m.partition is not None and m.produce
-                 and m.key not in done and (m is n or (n.group is not None and m.group == n.group))]
-        stage_module(n.stage).produce(ctx, batch)
-        for m in batch:
-            done.add(m.key)
-            lacking = index_of(ctx.store).missing(m.partition.key, [m.sample_keys[i] for i in m.produce])
-            if lacking:
-                raise UsageError(f"internal: stage {m.stage} did not commit {len(lacking)} sample(s) of {m.label}")
-            m.produced = len(m.positions_distinct(m.produce))
-            ctx.work_done.append(m.key)
-    done.add(n.key)

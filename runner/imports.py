@@ -189,7 +189,7 @@ def import_dir(fmt: str, root: str | Path, opts: EvalOptions, store, *, layers: 
     """Import the samples under ``root``; see the module docstring. Raises BadInputError (exit 6)
     after committing the good samples when any were refused."""
     from .models.resolve import resolved_target
-    from .models.target import check_layer_ids, read_model_info, resolve_backend
+    from .models.target import check_layer_ids, read_model_info, resolve_kernel
     from .stages import hidden_states as hs_stage
     from .stages import tokens as tokens_stage
 
@@ -245,7 +245,7 @@ def import_dir(fmt: str, root: str | Path, opts: EvalOptions, store, *, layers: 
     result = ImportResult(format=fmt, samples=len(good), refused=refused, tokens_key=None, layer_keys={},
                           notes=notes)
     if good:
-        backend = resolve_backend(opts.backend, opts.device, dtype, opts.attn_implementation,
+        backend = resolve_kernel(opts.backend, opts.device, dtype, opts.attn_implementation,
                                   has_linear_attention=info.has_linear_attention, check=False)
         _commit(fmt, root, good, layers, width, backend, target, store, result, masks, progress,
                 tokens_stage, hs_stage)

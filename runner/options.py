@@ -1,8 +1,26 @@
-"""Every option of `dfcache run|plan`, as one plain dataclass the CLI fills in."""
+"""Every option of `dfcache run|plan`, as one plain dataclass the CLI fills in.
+
+:meth:`EvalOptions.validate` is the one place option values are checked: the CLI and the Python
+API both reach it (``RunContext`` calls it), and the stages trust what it let through.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from dfcache.errors import UsageError
+
+CHOICES = {  # option -> (its flag, allowed values)
+    "completions": ("--completions", ("server", "local")),
+    "server_api": ("--server-api", ("openai", "sglang")),
+    "backend": ("--backend", ("auto", "fla", "torch")),
+    "device": ("--device", ("auto", "cuda", "cpu")),
+    "eval_device": ("--eval-device", ("auto", "cuda", "cpu")),
+    "dtype": ("--dtype", ("bfloat16", "float32")),
+    "compression": ("--compression", ("none", "zstd")),
+    "attn_implementation": ("--attn-implementation", ("sdpa", "eager", "flash_attention_2")),
+    "end_rule": ("--end-rule", ("within", "continuation")),
+}
 
 
 @dataclass
@@ -49,3 +67,40 @@ class EvalOptions:
     # hidden states (extraction)
     attn_implementation: str = "sdpa"  # sdpa|eager|...: keyed with the backend class
     key_versions: list[str] = field(default_factory=list)  # packages whose versions join hidden-state keys
+
+    def validate(self) -> "EvalOptions":
+        """Raise UsageError naming the first bad option and its fix."""
+        for name, (flag, allowed) in CHOICES.items():
+            value = getattr(self, name)
+            if value not in allowed:
+                raise UsageError(f"{flag} {value!r} is not one of {', '.join(allowed)}.")
+        if self.end_rule == "continuation":
+            # Refused rather than keyed: it needs the target's greedy tokens past the end of every
+            # completion, which no completion source stores yet; accepting it changed the keys and
+            # still computed the within-output rule.
+            raise UsageError("--end-rule continuation is not available yet: it needs the target's greedy "
+                             "continuation past each completion, which dfcache does not store; use "
+                             "--end-rule within (the default). docs/metrics.md describes both rules.")
+        if self.trained_on not in (None, "fla", "torch"):
+            raise UsageError(f"--trained-on {self.trained_on!r} is not one of fla, torch.")
+        for flag, value in (("--num-prompts", self.num_prompts), ("--max-new-tokens", self.max_new_tokens),
+                            ("--max-blocks", self.max_blocks), ("--concurrency", self.concurrency)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise UsageError(f"{flag} {value}: give a positive number.")
+        if not isinstance(self.batch_tokens, int) or self.batch_tokens < 1:
+            raise UsageError(f"--batch-tokens {self.batch_tokens!r}: give a positive number of tokens.")
+        if any(int(b) < 1 for b in self.tree_budgets):
+            raise UsageError(f"--tree-budget {min(int(b) for b in self.tree_budgets)}: budgets are positive "
+                             "numbers of drafted nodes.")
+        if not self.request_timeout > 0:
+            raise UsageError(f"--request-timeout {self.request_timeout:g}: give a positive number of seconds.")
+        if self.wait_server < 0:
+            raise UsageError(f"--wait-server {self.wait_server:g}: give 0 (check once) or a positive number of "
+                             "seconds.")
+        if self.completions == "server" and not self.server:
+            raise UsageError("--completions server needs --server URL (e.g. --server http://127.0.0.1:30000), "
+                             "or use --completions local.")
+        if self.completions == "local" and float(self.temperature) != 0.0:
+            raise UsageError(f"local completions are greedy, but --temperature is {self.temperature:g}; pass "
+                             "--temperature 0, or use --completions server to sample.")
+        return self

@@ -124,6 +124,19 @@ def _completion(out, P: int, start: int, max_length: int, stop_ids) -> list[int]
     return completion
 
 
+def _prefill(model, drafter, prompt: list[int], max_new_tokens: int, rebind):
+    """The target's pass over the prompt both decoders start with: (out, P, max_length, feats),
+    ``out`` the prompt, the committed prefill token, then MASK up to a last full block."""
+    B, mask_id = drafter.block_size, drafter.mask_token_id
+    P = len(prompt)
+    out = list(prompt) + [mask_id] * (max_new_tokens + B)
+    if rebind:
+        rebind()
+    post, feats = target_pass(model, prompt, drafter.target_layer_ids)
+    out[P] = int(post[-1])  # prefill token: committed, not a block
+    return out, P, P + max_new_tokens, feats
+
+
 def online_dflash(model, drafter, head, prompt: list[int], max_new_tokens: int, stop_ids, *, rebind=None):
     """Greedy DFlash decoding (z-lab/dflash HEAD 44947fb rules).
 
@@ -131,18 +144,12 @@ def online_dflash(model, drafter, head, prompt: list[int], max_new_tokens: int, 
     """
     import torch
 
-    B, mask_id, layer_ids = drafter.block_size, drafter.mask_token_id, drafter.target_layer_ids
-    P = len(prompt)
-    max_length = P + max_new_tokens
-    out = list(prompt) + [mask_id] * (max_new_tokens + B)
+    B, layer_ids = drafter.block_size, drafter.target_layer_ids
     with torch.no_grad():
-        if rebind:
-            rebind()
-        post, feats = target_pass(model, prompt, layer_ids)
-        out[P] = int(post[-1])                       # prefill token: committed, not a block
+        out, P, max_length, feats = _prefill(model, drafter, prompt, max_new_tokens, rebind)
         ctx = feats                                  # features of positions < start
         start, blocks, draft_logits = P, [], {}
-        from .metrics import chain_accept
+        from .stages.drafter_eval.metrics import chain_accept
 
         while start < max_length:
             block = out[start:start + B]
@@ -168,17 +175,11 @@ def online_ddtree(model, drafter, head, prompt: list[int], max_new_tokens: int, 
     """Greedy DDTree decoding with budget ``budget``: (completion, [(root, value)] per block)."""
     import torch
 
-    from .metrics import build_ddtree, topk_log_probs
+    from .stages.drafter_eval.metrics import build_ddtree, topk_log_probs
 
-    B, mask_id, layer_ids = drafter.block_size, drafter.mask_token_id, drafter.target_layer_ids
-    P = len(prompt)
-    max_length = P + max_new_tokens
-    out = list(prompt) + [mask_id] * (max_new_tokens + B)
+    B, layer_ids = drafter.block_size, drafter.target_layer_ids
     with torch.no_grad():
-        if rebind:
-            rebind()
-        post, feats = target_pass(model, prompt, layer_ids)
-        out[P] = int(post[-1])
+        out, P, max_length, feats = _prefill(model, drafter, prompt, max_new_tokens, rebind)
         ctx, start, blocks = feats, P, []
         while start < max_length:
             logits = reference_draft(drafter, head, ctx, torch.tensor(out[start:start + B]), start)
@@ -323,25 +324,19 @@ def _tau(walks: list[list[tuple[int, int]]]) -> float | None:
 def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
     """Run the eval graph and the online loops on the same prompts; compare them block by block."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    if opts.dtype not in ("float32", "bfloat16"):
-        raise UsageError(f"--dtype {opts.dtype!r} is not one of float32, bfloat16.")
+    from .graph import RunContext, check_offline, resolve
+    from .options import EvalOptions
+    from .pipeline import build_graph, execute
+
+    # The online side runs where the states are: an explicit device (the eval options also take auto).
     if opts.device not in ("cpu", "cuda"):
         raise UsageError(f"--device {opts.device!r} is not one of cpu, cuda.")
-    if opts.num_prompts < 1 or opts.max_new_tokens < 1:
-        raise UsageError("--num-prompts and --max-new-tokens must be positive.")
     budgets = sorted({int(b) for b in opts.tree_budgets})
-    if any(b < 1 for b in budgets):
-        raise UsageError(f"--tree-budget {budgets}: budgets are positive numbers of drafted nodes.")
-
-    from .graph import RunContext, check_offline, execute, resolve
-    from .options import EvalOptions
-    from .pipeline import build_graph
-
     eopts = EvalOptions(target=opts.target, drafters=[opts.drafter], prompts=opts.prompts,
                         num_prompts=opts.num_prompts, completions="local", max_new_tokens=opts.max_new_tokens,
                         backend=opts.backend, device=opts.device, dtype=opts.dtype, tree_budgets=budgets,
-                        enable_thinking=opts.enable_thinking, progress=opts.progress)
-    eopts.attn_implementation = opts.attn_implementation
+                        enable_thinking=opts.enable_thinking, progress=opts.progress,
+                        attn_implementation=opts.attn_implementation).validate()
     ctx = RunContext(store, eopts, argv=["run", "eval", "--target", opts.target, "--drafter", opts.drafter])
     nodes = resolve(ctx, build_graph(ctx, "eval"))
     check_offline(ctx, nodes)
@@ -359,13 +354,13 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
 
     from .models.dflash import DFlashDrafter, load_target_head
     from .models.resolve import eos_token_ids
-    from .models.target import BackendClass, load_target
+    from .models.target import KernelSpec
+    from .stages.hidden_states import get_target
     from .stages.tokens import read_tokens
 
-    backend = BackendClass(**hs[0].inputs["backend"])
+    backend = KernelSpec(**hs[0].inputs["backend"])
     target_dir = tokens_node.payload["target_dir"]
-    key = ("hidden_states.target", str(target_dir), backend.label)
-    target = ctx.shared.get(key) or load_target(target_dir, backend)
+    target = get_target(ctx, target_dir, backend)
     dtype = torch.float32 if opts.dtype == "float32" else torch.bfloat16
     dev = target.device
     drafter = DFlashDrafter.from_pretrained(Path(opts.drafter).expanduser(), device=dev, dtype=dtype)

@@ -12,7 +12,7 @@ difference, min per-token cosine and the share of bitwise-equal elements. A samp
 its relative L2 error is at most ``TOLERANCE[dtype]`` (bf16: 1e-2, float32: 1e-4; batching and
 kernel choice move bf16 states by ~1e-3) on every layer. Any disagreement is exit 5.
 
-Registered as the ``hidden_states`` recomputer of ``dfcache verify`` (dfcache.cli._common.state),
+Registered as the ``hidden_states`` recomputer of ``dfcache verify`` (dfcache.cli.common.state),
 so ``dfcache`` itself stays free of models.
 """
 
@@ -143,13 +143,13 @@ def recompute(store, keys: list[str], n: int, *, target: str | None = None, prog
     import torch
 
     from .extract import _storage_view
-    from .models.target import BackendClass, backend_problem, load_target
+    from .models.target import KernelSpec, kernel_problem, load_target
     from .samples import stored_selection
 
     out: list[SetAgreement] = []
     for tokens_key, backend, manifests in imported_sets(store, keys):
-        bc = BackendClass(**backend)
-        problem = backend_problem(bc)
+        bc = KernelSpec(**backend)
+        problem = kernel_problem(bc)
         if problem:
             raise BadInputError(f"recomputing the import over tokens {tokens_key[:12]} needs its declared backend "
                                 f"{bc.label}: {problem}")

@@ -11,7 +11,7 @@ from typing import List, Optional
 
 import typer
 
-from dfcache.cli._common import emit_json, get_store, state
+from dfcache.cli.common import emit_json, get_store, state
 from dfcache.errors import EXIT_BAD_INPUT
 
 

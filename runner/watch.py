@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from dfcache.cli._common import emit_json, get_store, state
+from dfcache.cli.common import emit_json, get_store, state
 from dfcache.errors import BadInputError, DfcacheError, UsageError
 
 from .checkpoints import (Checkpoint, glob_checkpoints, incomplete_reason, is_glob, newest_mtime, snapshot,
@@ -206,7 +206,8 @@ class Watch:
     # ------------------------------------------------------------------ evaluation
 
     def evaluate(self, ready: list[Checkpoint]) -> list[Evaluated]:
-        from .graph import RunContext, check_offline, execute, resolve, topo_order
+        from .graph import RunContext, check_offline, resolve, topo_order
+        from .pipeline import execute
         from .stages import completions, drafter_eval, hidden_states, prompts, tokens
 
         refs = []

@@ -10,6 +10,7 @@ the code under test reads them the way it reads real ones.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -87,3 +88,18 @@ class S3Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def s3_in_env():
+    """A server for a module's tests, this process's environment pointed at it: its credentials
+    set, and none of the variables that would send requests elsewhere or refuse them (an
+    endpoint, offline mode)."""
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp, S3Server() as server:
+        for k, v in server.env.items():
+            mp.setenv(k, v)
+        for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT", "DFCACHE_OFFLINE", "HF_HUB_OFFLINE"):
+            mp.delenv(k, raising=False)
+        yield server

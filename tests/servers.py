@@ -415,7 +415,8 @@ class SilentListener:
 def run_pipeline(store_dir, upto: str = "tokens", **options):
     """Build the graph up to ``upto``, resolve it and execute it. Returns ``(ctx, {stage: node})``."""
     from dfcache import open_store
-    from runner.graph import RunContext, execute, resolve
+    from runner.graph import RunContext, resolve
+    from runner.pipeline import execute
     from runner.options import EvalOptions
     from runner.pipeline import build_graph
 

@@ -135,6 +135,16 @@ def test_key_encoding_is_pinned(material, key):
     assert compute_key(*material) == key
 
 
+def _safetensors(name: str, shape: tuple[int, int], fill: int) -> bytes:
+    """A valid safetensors file of one F32 tensor, every byte ``fill`` (planning checks headers)."""
+    import json
+    import struct
+
+    header = json.dumps({name: {"dtype": "F32", "shape": list(shape), "data_offsets": [0, 4 * shape[0] * shape[1]]}},
+                        separators=(",", ":")).encode()
+    return struct.pack("<Q", len(header)) + header + bytes([fill]) * (4 * shape[0] * shape[1])
+
+
 # Fixed bytes, so the keys depend on nothing but dfcache's and the stages' recipes (no library
 # version, no training): planning reads configs and hashes files, it loads no model.
 _TARGET = {
@@ -145,35 +155,33 @@ _TARGET = {
                              '{{ m[\'role\'] }}\\n{{ m[\'content\'] }}<|im_end|>\\n{% endfor %}<|im_start|>'
                              'assistant\\n"}',
     "tokenizer.json": "{}",
-    "model.safetensors": "\0" * 64,
+    "model.safetensors": _safetensors("model.embed_tokens.weight", (512, 64), 0),
 }
 _DRAFTER = {
     "config.json": '{"model_type": "dflash", "hidden_size": 64, "block_size": 4, "dflash_config": '
                    '{"target_layer_ids": [0, 2], "mask_token_id": 5, "block_size": 4}}',
-    "model.safetensors": "\1" * 64,
+    "model.safetensors": _safetensors("fc.weight", (64, 128), 1),
 }
-PINNED_PLANS = [
+PINNED_PLANS = [  # the set key of each node (a per-sample node's covers its partition and every sample key)
     (["--completions", "server", "--server", "http://127.0.0.1:9", "--tree-budget", "4"],
-     [("prompts", "fa0a6f0f687ba65dcb2a160b3ab2548c"), ("completions", "287dab0570d991e3a4391330080becb7"),
-      ("tokens", "b9afd9e9477ba262bc0c7e3ba2c84a78"), ("hidden_states", "7bf0a430644e74233b56083bc08c83d8"),
-      ("hidden_states", "d3375152767db94aed128af485ef250e"), ("drafter_eval", "3ac0559f8ecdb8a55ea6f307b1cf6225"),
-      ("report", "23e9f948947bc13db3baebf575771c9c")]),
+     [("prompts", "518b5ab8232407c0ba3cd76d6d86e497"), ("completions", "5c19e4cfd3eb69ff4b3a802f24c3bebd"),
+      ("tokens", "dd2db03a9d3becbe3b870332a4e1fefa"), ("hidden_states", "9540ba095679fef48fab5985e7590297"),
+      ("hidden_states", "a8d3e6137146ca2fc2722c1cbcd10d60"), ("drafter_eval", "155ae649f38e9996d11dcd2ec66b5e8f"),
+      ("report", "0cf8d8099962226839430ee17ed519a7")]),
     (["--completions", "local", "--num-prompts", "2", "--max-new-tokens", "8", "--dtype", "float32",
       "--max-blocks", "3", "--tree-budget", "8", "--tree-budget", "2"],
-     [("prompts", "bae03ff98e28ed985750a4ab3f5008b3"), ("completions", "68068ef816bdf8f720d6f53fc1cea386"),
-      ("tokens", "8eefe0ad955f4c0b939a18118da31206"), ("hidden_states", "ff297cb1a697d8f9ff50b02a99004fcc"),
-      ("hidden_states", "be572cb3c4d33d30af0d8105e3123fa3"), ("drafter_eval", "29b35b06f6522212bc24cfff81272509"),
-      ("report", "2da0d9d5c6d92b402faa6de1c530db86")]),
+     [("prompts", "e09e2daa5d6a2c2d0683949e9218f00f"), ("completions", "d57de10d8fe86e7a3a37eea3d3be5e77"),
+      ("tokens", "3e285e6ed8545bd6d1eaf0361ef99095"), ("hidden_states", "49e953319727595ed040851c0b152e60"),
+      ("hidden_states", "d2dedc96eecbabda06fc073d74ebcbef"), ("drafter_eval", "b0abd7888e1efadbe460c24857ef69be"),
+      ("report", "b6d57723779afba9083e03127f36ac7c")]),
 ]
 
 
-@pytest.mark.xfail(reason="the up-front safetensors header check (issue 12) rejects this test's hand-written "
-                   "weight files; re-pin the keys with valid files", strict=False)
 @pytest.mark.parametrize("args,keys", PINNED_PLANS, ids=["server", "local"])
 def test_plan_keys_are_pinned(args, keys, tmp_path):
     """Every stage's key for fixed model bytes: a refactor of the stages or the store must leave
     them as they are, or every cached artifact would miss. A stage whose output changes on purpose
-    bumps its version and updates its keys here (report: version 3)."""
+    bumps its version and updates its keys here (per-sample stages: version 2; report: version 5)."""
     import json
     import os
     import sys
@@ -184,9 +192,97 @@ def test_plan_keys_are_pinned(args, keys, tmp_path):
     for name, files in (("t", _TARGET), ("d", _DRAFTER)):
         (tmp_path / name).mkdir()
         for fname, text in files.items():
-            (tmp_path / name / fname).write_bytes(text.encode())
+            (tmp_path / name / fname).write_bytes(text if isinstance(text, bytes) else text.encode())
     r = dfcache("plan", "eval", "--target", tmp_path / "t", "--drafter", tmp_path / "d", *args, "--json",
                 store=tmp_path / "store", env={"DFCACHE_HOME": str(tmp_path / "home"), "DFCACHE_OFFLINE": "0",
                                                   "HF_HUB_OFFLINE": "0"})  # planning contacts nothing
     assert r.code == 0, r.err
     assert [(n["stage"], n["key"]) for n in json.loads(r.out)] == keys
+
+
+# ------------------------------------------------------------------------------ runner and CLI
+
+
+def test_runner_uses_only_public_dfcache():
+    bad = []
+    for path in sorted((REPO / "runner").rglob("*.py")):
+        for name in _imports(path):
+            if re.match(r"dfcache(\.\w+)*\._", name):
+                bad.append(f"{_rel(path)}: {name}")
+        if re.search(r"\.backend\.(root|local_root)\b", path.read_text()):
+            bad.append(f"{_rel(path)}: reaches the store's directory (use Store.local_dir)")
+    assert bad == []
+
+
+def test_graph_imports_no_stage_and_stages_are_in_one_table():
+    graph = _imports(REPO / "runner/graph.py")
+    assert not [n for n in graph if "stages" in n or "importlib" in n]
+    from runner.pipeline import STAGES
+
+    on_disk = {p.stem if p.suffix == ".py" else p.name for p in (REPO / "runner/stages").iterdir()
+               if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    assert set(STAGES) == on_disk
+
+
+def test_key_recipes_are_the_docstrings():
+    import textwrap
+
+    from runner.pipeline import STAGES
+
+    for name, mod in STAGES.items():
+        assert mod.KEY.stage == name == mod.NAME and mod.VERSION == mod.KEY.version
+        assert textwrap.indent(mod.KEY.describe(), "    ") in mod.__doc__, f"{name}: regenerate its docstring"
+
+
+def test_key_recipe_refuses_undeclared_inputs():
+    from dfcache.errors import InternalError
+    from runner.graph import KeyRecipe
+
+    recipe = KeyRecipe("demo", 1, inputs={"a": "x", "b": "y"}, upstream={"up": "a key"}, optional=frozenset({"b"}))
+    node = recipe.node(inputs={"a": 1}, upstream={"up": "0" * 32}, needs="cpu")
+    assert node.key == compute_key("demo", 1, {"a": 1}, {"up": "0" * 32})
+    for inputs, upstream in (({"a": 1, "c": 2}, {"up": "0" * 32}), ({"b": 1}, {"up": "0" * 32}), ({"a": 1}, {})):
+        with pytest.raises(InternalError) as e:
+            recipe.node(inputs=inputs, upstream=upstream, needs="cpu")
+        assert e.value.exit_code == 1
+    # A per-sample recipe: the partition is compute_key of the same material, each sample
+    # sample_key(partition, its upstream sample); set-level and per-sample builders do not mix.
+    from dfcache.samples import sample_key
+
+    per = KeyRecipe("demo", 2, inputs={"a": "x"}, upstream={"sample": "a partition"}, sample="upstream sample key")
+    node = per.samples(inputs={"a": 1}, upstream_samples=["1" * 32, "2" * 32], partition_upstream={"sample": "0" * 32},
+                       ids=["p1", "p2"], needs="cpu")
+    part = compute_key("demo", 2, {"a": 1}, {"sample": "0" * 32})
+    assert node.partition.key == part and node.sample_keys == [sample_key(part, "1" * 32), sample_key(part, "2" * 32)]
+    assert "sample    = sample_key(partition, upstream sample key)" in per.describe()
+    for call in (lambda: per.samples(inputs={"a": 1, "z": 0}, upstream_samples=[], partition_upstream={"sample": "0"},
+                                     ids=[], needs="cpu"),
+                 lambda: per.node(inputs={"a": 1}, upstream={"sample": "0" * 32}, needs="cpu"),
+                 lambda: recipe.samples(inputs={"a": 1}, upstream_samples=[], partition_upstream={"up": "0"}, ids=[],
+                                        needs="cpu")):
+        with pytest.raises(InternalError):
+            call()
+
+
+def _cli_without_entry_points(*argv: str, plugin: str | None = None):
+    import subprocess
+    import sys
+
+    code = ("import importlib.metadata as md, sys\n"
+            f"eps = [md.EntryPoint('p', {plugin!r}, 'dfcache.commands')] if {plugin!r} else []\n"
+            "md.entry_points = lambda **kw: eps\n"
+            "from dfcache.cli import main\n"
+            f"sys.exit(main({list(argv)!r}))\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+def test_run_and_plan_exist_without_an_installed_entry_point():
+    r = _cli_without_entry_points("--help")
+    assert r.returncode == 0 and re.search(r"^\s+run\s", r.stdout, re.M) and re.search(r"^\s+plan\s", r.stdout, re.M)
+
+
+def test_a_broken_plugin_is_never_dropped_silently(tmp_path):
+    r = _cli_without_entry_points("--store", str(tmp_path / "s"), "ls", plugin="dfcache_no_such_plugin:register")
+    assert r.returncode == 0 and "warning: command plugin dfcache_no_such_plugin:register failed to load" in r.stderr
+    r = _cli_without_entry_points("frobnicate", plugin="dfcache_no_such_plugin:register")
+    assert r.returncode == 1 and "error: command plugin dfcache_no_such_plugin:register failed" in r.stderr

@@ -3,7 +3,7 @@
 fla states cannot be computed on this CPU machine (fla's kernels need CUDA), so the fla side is
 committed into the store the way a GPU machine's push would leave it: under the key the
 hidden-state stage gives fla/cuda states of the same tokens samples (the key recipe of
-runner/stages/hidden_states.py), with the torch states' values plus a small perturbation standing
+runner/stages/hidden_states/), with the torch states' values plus a small perturbation standing
 in for the kernel difference. Everything else (torch states, both evals, the diffs) is computed
 by the command itself.
 """
@@ -19,8 +19,9 @@ import pytest
 from dfcache import open_store
 from dfcache.errors import BadInputError
 from runner.compare_backends import run_compare
-from runner.graph import RunContext, execute, resolve
-from runner.models.target import resolve_backend
+from runner.graph import RunContext, resolve
+from runner.pipeline import execute
+from runner.models.target import resolve_kernel
 from runner.options import EvalOptions
 from runner.pipeline import build_graph
 from runner.stages import hidden_states
@@ -51,7 +52,7 @@ def commit_fake_fla_states(store, opts):
     nodes = resolve(ctx, build_graph(ctx, "eval"))
     with single_thread():
         execute(ctx, nodes)
-    fla = resolve_backend("fla", "auto", opts.dtype, "sdpa", has_linear_attention=True, check=False)
+    fla = resolve_kernel("fla", "auto", opts.dtype, "sdpa", has_linear_attention=True, check=False)
     rng = np.random.default_rng(0)
     out = {}
     for n in nodes:
@@ -106,7 +107,7 @@ def test_tau_side_by_side_with_per_layer_diffs(setup, tmp_path, capsys):
 
     # The command line, everything cached now.
     from dfcache.cli import main
-    from dfcache.cli._common import state
+    from dfcache.cli.common import state
 
     saved = dataclasses.replace(state)
     try:

@@ -263,7 +263,8 @@ def _tokenizer(target):
 
 
 def test_preflight_checks_the_server_once_before_any_work(tiny_target, tmp_path):
-    from runner.graph import RunContext, execute, resolve
+    from runner.graph import RunContext, resolve
+    from runner.pipeline import execute
     from runner.options import EvalOptions
     from runner.pipeline import build_graph
     from runner.stages import completions

@@ -36,8 +36,8 @@ def extracted(tiny_target, tmp_path_factory):
     """Layer 3 of the same tokens in fp32 and in bf16, through the real stage."""
     store = open_store(tmp_path_factory.mktemp("diff") / "store")
     tok = write_tokens(store, tiny_target)
-    f32, _ = run_layers(store, tok, [3], {}, dtype="float32")
-    b16, _ = run_layers(store, tok, [3], {}, dtype="bfloat16")
+    f32, _ = run_layers(store, tok, [3], None, dtype="float32")
+    b16, _ = run_layers(store, tok, [3], None, dtype="bfloat16")
     return dict(store=store, tokens=tok, f32=segment(store, f32[3]), b16=segment(store, b16[3]))
 
 
@@ -92,7 +92,7 @@ def test_chunked_metrics_match_a_direct_computation(tmp_path, monkeypatch):
 def test_different_rows_are_bad_input(extracted, tiny_target, tmp_path):
     store = extracted["store"]
     other = write_tokens(store, tiny_target, lengths=[23, 40, 17], seed=1)
-    k_other = segment(store, run_layers(store, other, [3], {}, dtype="float32")[0][3])
+    k_other = segment(store, run_layers(store, other, [3], None, dtype="float32")[0][3])
     with pytest.raises(BadInputError, match="hold different samples") as e:
         diff_artifacts(store, extracted["f32"], k_other)
     assert e.value.exit_code == 6
@@ -121,7 +121,7 @@ def test_cli_table_json_prefixes_and_exit_codes(extracted, tiny_target):
     r = dfcache("--json", "diff", a, b, store=store.url)  # the global --json flag
     assert r.code == 0 and not math.isclose(json.loads(r.out)["arrays"][0]["rel_l2"], 0.0)
     other = write_tokens(store, tiny_target, lengths=[23, 40, 17], seed=1)
-    k_other = segment(store, run_layers(store, other, [3], {}, dtype="float32")[0][3])
+    k_other = segment(store, run_layers(store, other, [3], None, dtype="float32")[0][3])
     r = dfcache("diff", a, k_other, store=store.url)
     assert r.code == 6 and "hold different samples" in r.err and "Traceback" not in r.err
     r = dfcache("diff", a, "ffffffffffff", store=store.url)

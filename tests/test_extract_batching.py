@@ -1,5 +1,5 @@
 """Equal-length batching must not change stored bits: each batch shape is checked against a
-one-sample forward and a shape that changes bits is split (runner/extract.py).
+one-sample forward and a shape that changes bits is split (runner/stages/hidden_states/extract.py).
 
 The tiny real Qwen3.5 target on the CPU in fp32 batches exactly. A GPU GEMM that picks another
 kernel for more rows (what an H200 does at hidden 4096) is reproduced by a wrapper around that
@@ -21,11 +21,11 @@ LAYERS = [1, 3]
 def target(tiny_target):
     import torch
 
-    from runner.models.target import load_target, resolve_backend
+    from runner.models.target import load_target, resolve_kernel
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield load_target(tiny_target, resolve_backend("torch", "cpu", "float32", "sdpa"))
+    yield load_target(tiny_target, resolve_kernel("torch", "cpu", "float32", "sdpa"))
     torch.set_num_threads(before)
 
 
@@ -48,7 +48,7 @@ class BatchVariant:
 
 
 def _extract(store, target, tag):
-    from runner.extract import LayerSink, extract
+    from runner.stages.hidden_states.extract import LayerSink, extract
 
     rng = np.random.default_rng(0)
     ids = np.concatenate([rng.integers(3, 500, n) for n in LENGTHS]).astype(np.int32)

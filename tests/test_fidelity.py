@@ -7,7 +7,7 @@ runs on users' models), written the way z-lab/dflash HEAD's ``dflash_generate`` 
 draft a block from the context features committed so far, verify it with a target forward,
 accept the matching prefix plus the bonus token, append the accepted positions' target features
 to the context, repeat. The offline side instead takes one full target forward over prompt +
-completion and scores every candidate root with ``score_roots``; ``runner.metrics`` walks them.
+completion and scores every candidate root with ``score_roots``; ``runner.stages.drafter_eval.metrics`` walks them.
 
 The target here has gated-DeltaNet layers whose recurrent state cannot be cropped back after a
 rejected draft, so the loop re-runs the target over the whole prefix each round instead of
@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from runner import metrics
+from runner.stages.drafter_eval import metrics
 from runner.models.dflash import DFlashDrafter, load_target_head, score_roots
 from runner.parity import greedy_continuation, online_dflash
 from runner.tiny import build_tiny_target
@@ -190,6 +190,20 @@ def test_compare_blocks_counts_roots_and_values():
                             {"response": "r", "block": 2, "root": 12, "online": 2, "offline": None}]
 
 
+def test_parity_options_are_the_eval_options_checks(tmp_path):
+    """Refused before any store or model is touched, with the messages `dfcache run` gives."""
+    from dfcache import open_store
+    from dfcache.errors import UsageError
+    from runner.parity import ParityOptions, run_parity
+
+    store = open_store(tmp_path / "store")
+    for bad, says in (({"tree_budgets": [4, 0]}, "--tree-budget 0"), ({"num_prompts": 0}, "--num-prompts 0"),
+                      ({"dtype": "fp8"}, "--dtype 'fp8'"), ({"device": "auto"}, "--device 'auto'")):
+        with pytest.raises(UsageError, match=says):
+            run_parity(store, ParityOptions(target=str(tmp_path / "absent"), drafter=str(tmp_path / "absent"), **bad))
+    assert store.keys() == []
+
+
 @pytest.fixture(scope="module")
 def parity_store(tmp_path_factory):
     from dfcache import open_store
@@ -216,7 +230,7 @@ def test_parity_cli_json_reuses_the_store(tiny, parity_store, capsys):
     import dataclasses
 
     from dfcache.cli import main
-    from dfcache.cli._common import state
+    from dfcache.cli.common import state
 
     path, _ = parity_store
     saved = dataclasses.replace(state)

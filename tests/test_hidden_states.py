@@ -18,7 +18,8 @@ import pytest
 
 from dfcache import fingerprint_path, open_store
 from dfcache.errors import BadInputError
-from runner.graph import Node, RunContext, execute, resolve
+from runner.graph import Node, RunCache, RunContext, RunHooks, resolve
+from runner.pipeline import execute
 from runner.options import EvalOptions
 
 REPO = Path(__file__).resolve().parents[1]
@@ -77,22 +78,23 @@ def states_of(store, node):
     return SampleSet(open_store(store.url), node.partition.key, node.sample_keys).read_many("hidden", raw=True)
 
 
-def run_layers(store, tokens_node, layers, shared, **opts):
-    """Plan and execute hidden_states for ``layers``; returns (nodes by layer, ctx)."""
+def run_layers(store, tokens_node, layers, cache: RunCache | None, hooks: RunHooks | None = None, **opts):
+    """Plan and execute hidden_states for ``layers``; returns (nodes by layer, ctx). Runs given
+    one ``cache`` share the loaded target, as the stages of one run do."""
     from runner.stages import hidden_states as hs
 
     o = EvalOptions(layers=list(layers), backend="torch", device="cpu", progress=False,
                     **{"dtype": "float32", "batch_tokens": 64, **opts})
-    ctx = RunContext(store, o, argv=["run", "hidden-states"])
-    ctx.shared = shared
+    ctx = RunContext(store, o, argv=["run", "hidden-states"], cache=cache, hooks=hooks)
     nodes = hs.build(ctx, tokens_node, hs.requested_layers(ctx, []))
     resolve(ctx, list(nodes.values()))
     execute(ctx, list(nodes.values()))
     return nodes, ctx
 
 
-def loaded_target(shared):
-    return next(v for k, v in shared.items() if isinstance(k, tuple) and k[0] == "hidden_states.target")
+def loaded_target(cache: RunCache):
+    (target,) = cache.targets.values()
+    return target
 
 
 @pytest.fixture(scope="module")
@@ -100,19 +102,19 @@ def fp32_run(tiny_target, tmp_path_factory):
     """Layers {1,3} then {1,3,5} in fp32; records the decoder-layer executions of each run."""
     store = open_store(tmp_path_factory.mktemp("hs") / "store")
     tok = write_tokens(store, tiny_target)
-    shared: dict = {}
-    first, ctx1 = run_layers(store, tok, [1, 3], shared)
-    target = loaded_target(shared)
+    cache = RunCache()
+    first, ctx1 = run_layers(store, tok, [1, 3], cache)
+    target = loaded_target(cache)
     after_first = (target.layers_executed, target.tokens_forwarded, list(ctx1.work_done))
     # The second run goes down to the last layer: the final norm and lm_head must still not run.
     head_calls = []
     hooks = [m.register_forward_hook(lambda *a, name=name: head_calls.append(name))
              for name, m in (("norm", target.base.norm), ("lm_head", target.model.lm_head))]
-    second, ctx2 = run_layers(store, tok, [1, 3, 5], shared)
+    second, ctx2 = run_layers(store, tok, [1, 3, 5], cache)
     for h in hooks:
         h.remove()
     after_second = (target.layers_executed, target.tokens_forwarded, list(ctx2.work_done))
-    return dict(store=store, tokens=tok, first=first, second=second, shared=shared, head_calls=head_calls,
+    return dict(store=store, tokens=tok, first=first, second=second, cache=cache, head_calls=head_calls,
                 after_first=after_first, after_second=after_second, target=target)
 
 
@@ -157,7 +159,7 @@ def test_second_request_computes_only_the_new_layer(fp32_run):
     assert layers2 - layers1 == 6 * batches and tokens2 - tokens1 == total
     assert fp32_run["head_calls"] == []  # no final norm, no lm_head, even for the last layer
     # Asking again does no work at all.
-    _, ctx3 = run_layers(fp32_run["store"], fp32_run["tokens"], [1, 5], fp32_run["shared"])
+    _, ctx3 = run_layers(fp32_run["store"], fp32_run["tokens"], [1, 5], fp32_run["cache"])
     assert ctx3.work_done == [] and fp32_run["target"].layers_executed == layers2
 
 
@@ -183,7 +185,7 @@ def test_bf16_keeps_the_model_dtype_and_has_its_own_key(fp32_run, tiny_target, t
     from runner.stages.hidden_states import read_layer
 
     store = fp32_run["store"]
-    nodes, _ = run_layers(store, fp32_run["tokens"], [5], {}, dtype="bfloat16", compression="zstd")
+    nodes, _ = run_layers(store, fp32_run["tokens"], [5], None, dtype="bfloat16", compression="zstd")
     m = next(iter(segments_of(store, nodes[5]).values()))
     assert nodes[5].partition.key != fp32_run["second"][5].partition.key
     assert m.arrays["hidden"].dtype == "bfloat16" and m.arrays["hidden"].codec == "zstd"
@@ -204,7 +206,7 @@ def test_interrupted_extraction_keeps_committed_segments_and_computes_only_the_r
     store = open_store(tmp_path / "store")
     tok = write_tokens(store, tiny_target)
     assert tok.key == fp32_run["tokens"].key
-    shared: dict = {}
+    cache = RunCache()
     done_at = {}
 
     def stop_after_two(segment, tokens_done):
@@ -212,9 +214,8 @@ def test_interrupted_extraction_keeps_committed_segments_and_computes_only_the_r
             done_at["tokens"] = tokens_done
             raise KeyboardInterrupt  # what Ctrl-C does; a kill loses the segment in flight only
 
-    shared[hs.ON_CHECKPOINT] = stop_after_two
     with pytest.raises(KeyboardInterrupt):
-        run_layers(store, tok, [1, 3], shared)
+        run_layers(store, tok, [1, 3], cache, RunHooks(on_extract_checkpoint=stop_after_two))
     nodes = fp32_run["first"]
     kept = done_at["tokens"]
     assert 0 < kept < sum(LENGTHS)
@@ -222,10 +223,9 @@ def test_interrupted_extraction_keeps_committed_segments_and_computes_only_the_r
 
     have = {k: len(index_of(open_store(store.url)).partition(nodes[k].partition.key)) for k in (1, 3)}
     assert have[1] == have[3] and 0 < have[1] < len(LENGTHS)
-    target = loaded_target(shared)
+    target = loaded_target(cache)
     before = target.tokens_forwarded
-    del shared[hs.ON_CHECKPOINT]
-    again, ctx = run_layers(open_store(store.url), tok, [1, 3], shared)
+    again, ctx = run_layers(open_store(store.url), tok, [1, 3], cache)
     assert {k: again[k].samples_dict()["cached"] for k in (1, 3)} == have
     assert target.tokens_forwarded - before == sum(LENGTHS) - kept
     for k in (1, 3):  # same bytes as the uninterrupted extraction
@@ -242,19 +242,17 @@ def test_interrupted_layers_then_more_layers(fp32_run, tiny_target, tmp_path, mo
     monkeypatch.setenv("DFCACHE_SEGMENT_BYTES", str(100 * 128 * 4))
     store = open_store(tmp_path / "store")
     tok = write_tokens(store, tiny_target)
-    shared: dict = {}
+    cache = RunCache()
 
     def stop(segment, tokens_done):
         if segment == 2:
             raise RuntimeError("simulated crash")
 
-    shared[hs.ON_CHECKPOINT] = stop
     with pytest.raises(RuntimeError, match="simulated crash"):
-        run_layers(store, tok, [1, 3], shared)
-    del shared[hs.ON_CHECKPOINT]
-    target = loaded_target(shared)
+        run_layers(store, tok, [1, 3], cache, RunHooks(on_extract_checkpoint=stop))
+    target = loaded_target(cache)
     before = target.tokens_forwarded
-    nodes, ctx = run_layers(open_store(store.url), tok, [1, 3, 5], shared)
+    nodes, ctx = run_layers(open_store(store.url), tok, [1, 3, 5], cache)
     assert sorted(ctx.work_done) == sorted(n.key for n in nodes.values())
     assert target.tokens_forwarded - before == sum(LENGTHS)  # one pass per sample, all layers it lacks
     for k in (1, 3, 5):
@@ -271,25 +269,25 @@ def test_subset_superset_and_order_reuse_every_sample(fp32_run, tiny_target, tmp
 
     lengths = LENGTHS[:5]
     five = write_tokens(open_store(tmp_path / "all"), tiny_target, lengths)
-    at_once, _ = run_layers(open_store(tmp_path / "all"), five, [1, 3], {})
+    at_once, _ = run_layers(open_store(tmp_path / "all"), five, [1, 3], None)
     store = open_store(tmp_path / "store")
     four = subset(write_tokens(store, tiny_target, lengths), [0, 1, 2, 3])
-    shared: dict = {}
-    run_layers(store, four, [1, 3], shared)
-    target = loaded_target(shared)
+    cache = RunCache()
+    run_layers(store, four, [1, 3], cache)
+    target = loaded_target(cache)
     before = target.tokens_forwarded
     ctx = RunContext(open_store(store.url), EvalOptions(layers=[1, 3], backend="torch", device="cpu",
                                                         dtype="float32", progress=False), argv=[])
     planned = resolve(ctx, list(hs.build(ctx, five, [1, 3]).values()))
     assert [(n.samples_dict()["cached"], n.samples_dict()["missing"]) for n in planned] == [(4, 1), (4, 1)]
-    nodes, ctx = run_layers(open_store(store.url), five, [1, 3], shared)
+    nodes, ctx = run_layers(open_store(store.url), five, [1, 3], cache)
     assert target.tokens_forwarded - before == lengths[4]
     assert [n.samples_dict()["produced"] for n in nodes.values()] == [1, 1]
     for k in (1, 3):
         assert all(np.array_equal(a, b) for a, b in zip(states_of(store, nodes[k]),
                                                         states_of(open_store(tmp_path / "all"), at_once[k])))
     for order in ([4, 2], [3, 1, 0, 4, 2]):
-        again, ctx = run_layers(open_store(store.url), subset(five, order), [1, 3], shared)
+        again, ctx = run_layers(open_store(store.url), subset(five, order), [1, 3], cache)
         assert ctx.work_done == [] and all(n.status == "cached" for n in again.values())
 
 
@@ -325,22 +323,22 @@ def test_requested_layers_union_and_missing(fp32_run):
 
 
 def test_fla_backend_without_cuda_is_bad_input(fp32_run):
-    from runner.models.target import resolve_backend
+    from runner.models.target import resolve_kernel
     from runner.stages import hidden_states as hs
 
     with pytest.raises(BadInputError, match="--backend fla .* need a CUDA GPU") as e:
-        resolve_backend("fla", "auto", "bfloat16")
+        resolve_kernel("fla", "auto", "bfloat16")
     assert e.value.exit_code == 6 and "--backend torch" in str(e.value)
     with pytest.raises(BadInputError, match="--backend fla with --device cpu"):
-        resolve_backend("fla", "cpu", "bfloat16", check=False)
+        resolve_kernel("fla", "cpu", "bfloat16", check=False)
     with pytest.raises(BadInputError, match="--device cuda: no CUDA GPU"):
-        resolve_backend("torch", "cuda", "bfloat16")
+        resolve_kernel("torch", "cuda", "bfloat16")
     ctx = RunContext(fp32_run["store"], EvalOptions(layers=[1], backend="fla"), argv=[])
     with pytest.raises(BadInputError, match=r"12 sample\(s\) of hidden_states\[1\] are in no store and cannot be "
                                             r"computed here\. \(hidden states for fla/cuda/bfloat16/sdpa\) --backend fla"):
         resolve(ctx, list(hs.build(ctx, fp32_run["tokens"], [1]).values()))
     # auto on a machine without a GPU is the torch fallback on cpu
-    b = resolve_backend("auto", "auto", "bfloat16")
+    b = resolve_kernel("auto", "auto", "bfloat16")
     assert (b.kernel, b.device) == ("torch", "cpu")
 
 
@@ -448,8 +446,9 @@ import torch
 torch.set_num_threads(1)
 import transformers.models.qwen3_5.modeling_qwen3_5 as mq
 from dfcache import open_store
-from runner.graph import Node, RunContext, execute, resolve
-from runner.models.target import implementation_of, resolve_backend
+from runner.graph import Node, RunCache, RunContext, RunHooks, resolve
+from runner.pipeline import execute
+from runner.models.target import implementation_of, resolve_kernel
 from runner.options import EvalOptions
 from runner.stages import hidden_states as hs
 
@@ -457,7 +456,7 @@ store_dir, target_dir = sys.argv[1:3]
 from tests.test_hidden_states import write_tokens
 # control: with triton importable, transformers bound fla's kernel at import time
 control = implementation_of(mq.torch_chunk_gated_delta_rule).__module__
-auto = resolve_backend("auto", "auto", "float32")
+auto = resolve_kernel("auto", "auto", "float32")
 store = open_store(store_dir)
 tok = write_tokens(store, target_dir)
 ctx = RunContext(store, EvalOptions(layers=[1, 3], backend="torch", device="cpu", dtype="float32",
@@ -465,7 +464,7 @@ ctx = RunContext(store, EvalOptions(layers=[1, 3], backend="torch", device="cpu"
 nodes = list(hs.build(ctx, tok, [1, 3]).values())
 resolve(ctx, nodes)
 execute(ctx, nodes)
-target = next(v for k, v in ctx.shared.items() if k[0] == "hidden_states.target")
+(target,) = ctx.cache.targets.values()
 fla_forward = "ran"
 try:  # prove fla's kernel would have run (and failed) had dfcache not rebound the torch path
     import traceback

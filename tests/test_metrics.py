@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from runner import metrics
-from runner.metrics import (HEAD, WITHIN_OUTPUT, RootScores, aggregate, build_ddtree, candidate_roots,
+from runner.stages.drafter_eval import metrics
+from runner.stages.drafter_eval.metrics import (HEAD, WITHIN_OUTPUT, RootScores, aggregate, build_ddtree, candidate_roots,
                             chain_accept, evaluate_response, summarize, topk_log_probs, tree_accept, walk)
 
 

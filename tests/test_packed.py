@@ -8,9 +8,9 @@ import torch
 
 @pytest.fixture(scope="module")
 def target(tiny_target):
-    from runner.models.target import load_target, resolve_backend
+    from runner.models.target import load_target, resolve_kernel
 
-    return load_target(tiny_target, resolve_backend("torch", "cpu", "float32"))
+    return load_target(tiny_target, resolve_kernel("torch", "cpu", "float32"))
 
 
 def test_packed_rows_equal_one_sample_forwards(target):

@@ -419,8 +419,8 @@ def test_fully_cached_tokens_run_does_no_work_and_imports_no_torch(local_run, ti
     assert r.json()["computed"] == [] and r.heavy == []
 
 
-_NO_EVAL = pytest.mark.skipif(not (REPO / "runner" / "stages" / "drafter_eval.py").exists(),
-                              reason="runner/stages/drafter_eval.py is not there yet")
+_NO_EVAL = pytest.mark.skipif(not (REPO / "runner" / "stages" / "drafter_eval" / "__init__.py").exists(),
+                              reason="runner/stages/drafter_eval/ is not there yet")
 
 
 @_NO_EVAL

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
-from s3server import S3Server  # noqa: E402
+from s3server import s3_in_env  # noqa: E402
 
 from dfcache.errors import ConnectionRefused, NetworkError, OfflineModeIsEnabled, UsageError  # noqa: E402
 from dfcache.store import open_store  # noqa: E402
@@ -21,11 +21,7 @@ from dfcache.testing.store_conformance import StoreConformance, write_example  #
 
 @pytest.fixture(scope="module")
 def s3():
-    with pytest.MonkeyPatch.context() as mp, S3Server() as server:
-        for k, v in server.env.items():
-            mp.setenv(k, v)
-        for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT", "DFCACHE_OFFLINE", "HF_HUB_OFFLINE"):
-            mp.delenv(k, raising=False)
+    with s3_in_env() as server:
         yield server
 
 

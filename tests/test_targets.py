@@ -110,7 +110,8 @@ def test_target_architecture_runs_the_eval(kind, attn, expect, tokenizer_dir, tm
     import torch
 
     from runner.doctor import run_doctor
-    from runner.graph import RunContext, execute, resolve
+    from runner.graph import RunContext, resolve
+    from runner.pipeline import execute
     from runner.options import EvalOptions
     from runner.pipeline import build_graph
     from runner.stages.drafter_eval import read_summary

@@ -26,7 +26,7 @@ from runner import api  # noqa: E402
 @pytest.fixture(autouse=True)
 def fresh_cli_state():
     # dfcache.cli.main keeps global options (--json, --store) in a module-level state.
-    from dfcache.cli._common import GlobalState, state
+    from dfcache.cli.common import GlobalState, state
 
     yield
     for k, v in vars(GlobalState()).items():

@@ -16,7 +16,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from cli_util import dfcache  # noqa: E402
-from s3server import S3Server  # noqa: E402
+from s3server import S3Server, s3_in_env  # noqa: E402
 
 from dfcache.errors import (IntegrityError, NetworkError, OfflineModeIsEnabled,  # noqa: E402
                             UntrustedManifestError, UsageError)
@@ -30,11 +30,7 @@ from dfcache.transfer import compare, list_remote, open_remote, pull_keys, push_
 
 @pytest.fixture(scope="module")
 def s3():
-    with pytest.MonkeyPatch.context() as mp, S3Server() as server:
-        for k, v in server.env.items():
-            mp.setenv(k, v)
-        for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT", "DFCACHE_OFFLINE", "HF_HUB_OFFLINE"):
-            mp.delenv(k, raising=False)
+    with s3_in_env() as server:
         yield server
 
 

@@ -94,7 +94,7 @@ def watched(training, env, tmp_path_factory):
     import io
 
     from dfcache.cli import main
-    from dfcache.cli._common import state
+    from dfcache.cli.common import state
 
     # In this process, whose torch and transformers are already imported (the training above):
     # that is most of a first run's time. The other tests run the command line in subprocesses.

@@ -1,9 +1,13 @@
 """The `dfcache` command line: a thin layer over the Python API.
 
-Commands live in modules that each define ``register(app)``; the runner's ``plan``/``run`` come
-in through the ``dfcache.commands`` entry point group, so this package knows nothing about
-DFlash. Errors print one line (no traceback unless ``--debug``) and exit with the code the
-design assigns (see ``dfcache.errors``).
+Commands live in modules that each define ``register(app)``: this package's own, the runner's
+``runner.cli`` (``plan``/``run``, registered here by module, so a plain checkout has them without
+an installed entry point; this package still knows nothing about DFlash), and any plugin in the
+``dfcache.commands`` entry point group. A command module that fails to import is never dropped
+silently: a bundled one is an error, a plugin is a warning on stderr (its traceback under
+``--debug``), and asking for a command it would have provided is an error naming why it is not
+there. Errors print one line (no traceback unless ``--debug``) and exit with the code the design
+assigns (see ``dfcache.errors``).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import typer
 
 from .. import __version__
 from ..errors import EXIT_INTERNAL, EXIT_USAGE, DfcacheError
-from ._common import GLOBAL_OPTIONS, GlobalState, apply_global, emit_json, err, state, with_global_options
+from .common import GLOBAL_OPTIONS, GlobalState, apply_global, emit_json, err, state, with_global_options
 
 app = typer.Typer(name="dfcache", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False, rich_markup_mode=None,
@@ -43,25 +47,37 @@ def _global(store: Optional[str] = GLOBAL_OPTIONS["store"][1](),
 
 
 def _register_all() -> None:
-    from . import _cache_cmds
+    from . import _cache_cmds, _diff_cmd, _transfer_cmds
 
-    _cache_cmds.register(app)
-    for mod in ("_diff_cmd", "_transfer_cmds"):
-        try:
-            m = __import__(f"dfcache.cli.{mod}", fromlist=["register"])
-        except ImportError:
-            continue
-        m.register(app)
+    for module in (_cache_cmds, _diff_cmd, _transfer_cmds):
+        module.register(app)
+    registered = {"runner.cli"}
+    try:
+        from runner import cli as runner_cli
+    except ModuleNotFoundError as e:
+        if e.name != "runner":  # the runner is there but broken: that is a bug to show, not hide
+            raise
+        registered = set()  # only dfcache is installed: no run/plan
+    else:
+        runner_cli.register(app)
     from importlib.metadata import entry_points
 
     for ep in entry_points(group="dfcache.commands"):
+        if ep.value.split(":")[0] in registered:
+            continue  # an older install's entry point for a bundled module
         try:
             ep.load()(app)
         except Exception as e:  # a broken plugin must not take `ls`/`verify` down with it
+            if state.debug:
+                raise
             _plugin_errors.append(f"command plugin {ep.value} failed to load: {type(e).__name__}: {e}")
     # Global options work after any command name too (docs/cli.md), plugins' commands included.
     for info in app.registered_commands:
         info.callback = with_global_options(info.callback)
+
+
+def _known_commands() -> set[str]:
+    return {c.name or c.callback.__name__ for c in app.registered_commands}
 
 
 _plugin_errors: list[str] = []
@@ -82,10 +98,13 @@ def main(argv: list[str] | None = None) -> int:
         state.debug = True
     try:
         _register_all()
-        if _plugin_errors and any(a in ("run", "plan") for a in argv):
+        if _plugin_errors:
+            known = _known_commands()
+            unknown = any(not a.startswith("-") for a in argv) and not any(a in known for a in argv)
             for line in _plugin_errors:
-                err(f"error: {line}")
-            return _json_error(" ".join(_plugin_errors), EXIT_INTERNAL, "PluginError")
+                err(f"{'error' if unknown else 'warning'}: {line}")
+            if unknown:
+                return _json_error(" ".join(_plugin_errors), EXIT_INTERNAL, "PluginError")
         rv = app(args=argv, prog_name="dfcache", standalone_mode=False)
         if isinstance(rv, int) and not isinstance(rv, bool):
             # typer turns Ctrl-C (KeyboardInterrupt) into Exit(130) and, outside standalone mode,

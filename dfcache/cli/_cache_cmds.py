@@ -11,7 +11,7 @@ import typer
 from ..errors import IntegrityError, UsageError
 from ..maintenance import backend_summary, gc_plan, input_summary, manifest_row, missing_upstream, where_scope
 from ..query import filter_manifests
-from ._common import check_kernel, check_stage, emit_json, get_store, human_bytes, progress_enabled, state
+from .common import check_kernel, check_stage, emit_json, get_store, human_bytes, progress_enabled, state
 
 
 def register(app: typer.Typer) -> None:

@@ -6,7 +6,7 @@ from typing import List, Optional
 
 import typer
 
-from ._common import emit_json, get_store, state
+from .common import emit_json, get_store, state
 
 
 def register(app: typer.Typer) -> None:

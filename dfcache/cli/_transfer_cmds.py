@@ -7,7 +7,7 @@ from typing import List, Optional
 
 import typer
 
-from ._common import check_stage, emit_json, err, get_store, human_bytes, progress_enabled, state
+from .common import check_stage, emit_json, err, get_store, human_bytes, progress_enabled, state
 
 
 def _offline() -> bool:

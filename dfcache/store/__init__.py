@@ -10,8 +10,8 @@ the suite every backend passes.
 
 from . import format
 from ._backend import Backend, Staging, Temporary
-from ._store import (ArrayReader, ArrayWriter, Artifact, ArtifactWriter, Store, default_chunk_rows,
+from ._store import (ArrayReader, ArrayWriter, Artifact, ArtifactWriter, CommitOnExit, Store, default_chunk_rows,
                      open_store)
 
-__all__ = ["ArrayReader", "ArrayWriter", "Artifact", "ArtifactWriter", "Backend", "Staging", "Store", "Temporary",
-           "default_chunk_rows", "format", "open_store"]
+__all__ = ["ArrayReader", "ArrayWriter", "Artifact", "ArtifactWriter", "Backend", "CommitOnExit", "Staging", "Store",
+           "Temporary", "default_chunk_rows", "format", "open_store"]

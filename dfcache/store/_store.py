@@ -135,7 +135,35 @@ class ArrayWriter:
                 "tail_digest": fmt.chunk_digest(self._tail) if len(self._tail) else None}
 
 
-class ArtifactWriter:
+class CommitOnExit:
+    """``with writer:`` commits when the block ends normally and aborts when it raises (or when
+    the commit itself fails); a writer implements ``commit()`` and ``abort()``, and may keep
+    something before aborting in :meth:`_on_failure`."""
+
+    def commit(self):
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def _on_failure(self, exc_type) -> None:
+        self.abort()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            try:
+                self.commit()
+            except BaseException:
+                self.abort()
+                raise
+        else:
+            self._on_failure(exc_type)
+
+
+class ArtifactWriter(CommitOnExit):
     """Stages one artifact privately and publishes it atomically, manifest last.
 
     Use as a context manager: leaving the block normally commits; an exception aborts (a
@@ -308,23 +336,13 @@ class ArtifactWriter:
         """Abort and drop resumable progress too."""
         self._staging.discard()
 
-    def __enter__(self) -> "ArtifactWriter":
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
+    def _on_failure(self, exc_type) -> None:
+        if self.resumable and issubclass(exc_type, Exception):
             try:
-                self.commit()
-            except BaseException:
-                self.abort()
-                raise
-        else:
-            if self.resumable and exc_type is not None and issubclass(exc_type, Exception):
-                try:
-                    self.checkpoint()
-                except Exception:
-                    pass
-            self.abort()
+                self.checkpoint()
+            except Exception:
+                pass
+        self.abort()
 
 
 # ------------------------------------------------------------------------------------ reading

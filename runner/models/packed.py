@@ -1,7 +1,7 @@
 """Packed (varlen) forwards: samples of different lengths in one forward, no padding.
 
-Equal-length batching (``runner.extract``) runs a set of distinct lengths one sample per forward,
-which leaves a GPU mostly idle on short samples. Here the samples of a batch are concatenated
+Equal-length batching (``runner.stages.hidden_states.extract``) runs a set of distinct lengths
+one sample per forward, which leaves a GPU mostly idle on short samples. Here the samples of a batch are concatenated
 into one row of ``sum(lengths)`` tokens with cumulative boundaries ``cu_seqlens`` (the layout
 flash-attention's varlen kernels and fla's ``cu_seqlens`` use), and every layer keeps them
 apart:

@@ -231,13 +231,13 @@ class ResolvedTarget:
 
 
 def resolved_target(ctx) -> ResolvedTarget:
-    """Resolve and fingerprint ``ctx.options.target`` once per run (cached in ``ctx.shared``)."""
+    """Resolve and fingerprint ``ctx.options.target`` once per run (cached in ``ctx.cache``)."""
     opts = ctx.options
-    cache_key = ("resolved_target", opts.target, opts.target_revision)
-    hit = ctx.shared.get(cache_key)
+    cache_key = (opts.target, opts.target_revision)
+    hit = ctx.cache.resolved_targets.get(cache_key)
     if hit is None:
         d = resolve_target(opts.target, opts.target_revision)
         hit = ResolvedTarget(dir=d, fingerprint=fingerprint_path(d), chat_template_hash=chat_template_hash(d),
                              tokenizer_fingerprint=tokenizer_fingerprint(d))
-        ctx.shared[cache_key] = hit
+        ctx.cache.resolved_targets[cache_key] = hit
     return hit

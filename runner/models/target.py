@@ -2,7 +2,7 @@
 
 Two halves with different import rules:
 
-* Planning (:func:`resolve_backend`, :func:`read_model_info`, :func:`cuda_visible`) reads files
+* Planning (:func:`resolve_kernel`, :func:`read_model_info`, :func:`cuda_visible`) reads files
   and package metadata only. It never imports torch or transformers, because a fully cached run
   must not pay for (or depend on) them.
 * Producing (:func:`load_target`, :class:`TargetModel`) loads the model with transformers'
@@ -60,8 +60,10 @@ LINEAR_ATTENTION_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_mo
 
 
 @dataclass(frozen=True)
-class BackendClass:
-    """What changes the numerics of hidden states by design; every field is key material."""
+class KernelSpec:
+    """How the target runs: what changes the numerics of hidden states by design; every field is
+    key material. (Keys and manifests call it ``backend``, the name it had first: renaming the
+    field would change every key. In dfcache, "backend" means a storage backend.)"""
 
     kernel: str  # fla | torch
     device: str  # cuda | cpu
@@ -184,9 +186,9 @@ def fla_available() -> tuple[bool, str]:
     return True, ""
 
 
-def resolve_backend(kernel: str = "auto", device: str = "auto", dtype: str = "bfloat16",
+def resolve_kernel(kernel: str = "auto", device: str = "auto", dtype: str = "bfloat16",
                     attn_implementation: str = "sdpa", *, has_linear_attention: bool = True,
-                    check: bool = True) -> BackendClass:
+                    check: bool = True) -> KernelSpec:
     """The backend class a run will use, decided at planning time without importing torch.
 
     ``auto`` device is ``cuda`` when a GPU is visible (always ``cuda`` with ``--backend fla``, the
@@ -195,7 +197,7 @@ def resolve_backend(kernel: str = "auto", device: str = "auto", dtype: str = "bf
     so its kernel family is ``torch`` whatever was asked.
 
     ``check=True`` raises :class:`BadInputError` (exit 6) when this machine cannot run the class
-    (see :func:`backend_problem`). Planning passes ``check=False``: keys of an explicit class
+    (see :func:`kernel_problem`). Planning passes ``check=False``: keys of an explicit class
     must be computable anywhere, so that states extracted with fla on a GPU machine are found
     on a CPU machine; it is computing them here that needs the hardware.
     """
@@ -221,15 +223,15 @@ def resolve_backend(kernel: str = "auto", device: str = "auto", dtype: str = "bf
     if k == "fla" and not has_linear_attention:
         k = "torch"
         note = "the model has no linear-attention layers, so no fla kernel runs: its states are torch states"
-    backend = BackendClass(kernel=k, device=dev, dtype=dtype, attn_implementation=attn_implementation, note=note)
+    backend = KernelSpec(kernel=k, device=dev, dtype=dtype, attn_implementation=attn_implementation, note=note)
     if check:
-        problem = backend_problem(backend)
+        problem = kernel_problem(backend)
         if problem:
             raise BadInputError(problem)
     return backend
 
 
-def backend_problem(backend: BackendClass) -> str | None:
+def kernel_problem(backend: KernelSpec) -> str | None:
     """Why this machine cannot compute with ``backend`` (a message ending with the fix), or None."""
     if backend.device == "cuda":
         visible, why_not = cuda_visible()
@@ -347,7 +349,7 @@ class TargetModel:
     ``tokens_forwarded`` the token positions run through the model; tests read both.
     """
 
-    def __init__(self, model, base, layers, info: ModelInfo, backend: BackendClass, modeling_module,
+    def __init__(self, model, base, layers, info: ModelInfo, backend: KernelSpec, modeling_module,
                  bound: dict[str, str], provenance: dict) -> None:
         self.model = model
         self.base = base
@@ -464,7 +466,7 @@ def _check_fla_importable() -> None:
                             "or use --backend torch.") from None
 
 
-def load_target(target_dir: str | os.PathLike, backend: BackendClass, *,
+def load_target(target_dir: str | os.PathLike, backend: KernelSpec, *,
                 info: ModelInfo | None = None) -> TargetModel:
     """Load the target from a local directory and bind it to ``backend``; verify what is bound.
 

@@ -1,9 +1,14 @@
 """Stage `prompts`: one sample per prompt record, keyed by its content.
 
-Key recipe (per sample, see docs/format.md "Samples and segments")::
+Key recipe (per sample, see docs/format.md "Samples and segments"; ``KEY`` below, ``build()``
+makes its nodes through it)::
 
-    partition = compute_key("prompts", VERSION, inputs={}, upstream={})
+    partition = compute_key('prompts', 2, inputs, upstream)
     sample    = sample_key(partition, record_digest({"messages": messages}))
+    inputs:
+        (none)
+    upstream:
+        (none)
 
 The path of a prompt file is never key material, nor is a record's id: the same messages from
 two files, or under two ids, are one sample (ids name prompts in messages and reports, they do
@@ -17,13 +22,14 @@ import json
 from importlib import resources
 from pathlib import Path
 
-from dfcache.errors import BadInputError, UsageError
+from dfcache.errors import BadInputError
 from dfcache.samples import record_digest
 
-from ..graph import Node, RunContext
+from ..graph import KeyRecipe, Node, RunContext
 
-NAME = "prompts"
-VERSION = 2
+KEY = KeyRecipe("prompts", 2, inputs={}, sample='record_digest({"messages": messages})')
+NAME = KEY.stage
+VERSION = KEY.version
 
 BUILTIN_SETS = {"coding": "coding.jsonl", "reasoning": "reasoning.jsonl"}
 
@@ -99,19 +105,17 @@ def build(ctx: RunContext) -> Node:
     opts = ctx.options
     records = load_records(opts.prompts)
     if opts.num_prompts is not None:
-        # A malformed value is a usage error (2), like --max-new-tokens 0; more prompts than the
-        # set holds is a well-formed value that the content contradicts (6, docs/cli.md).
-        if isinstance(opts.num_prompts, bool) or not isinstance(opts.num_prompts, int) or opts.num_prompts < 1:
-            raise UsageError(f"--num-prompts {opts.num_prompts}: give a positive number.")
+        # More prompts than the set holds is a well-formed value (EvalOptions.validate checks
+        # the form) that the content contradicts (6, docs/cli.md).
         if opts.num_prompts > len(records):
             raise BadInputError(f"--num-prompts {opts.num_prompts}, but {opts.prompts} holds only {len(records)} "
                                 f"prompt(s); pass --num-prompts {len(records)} or fewer, or leave it out to "
                                 "use them all.")
         records = records[: opts.num_prompts]
     upstream = [record_digest({"messages": r["messages"]}) for r in records]
-    return Node.make_samples(NAME, VERSION, inputs={}, upstream_samples=upstream, ids=[r["id"] for r in records],
-                             needs="cpu", label="prompts", payload=records,
-                             summary=f"{len(records)} prompts from {opts.prompts}")
+    return KEY.samples(inputs={}, upstream_samples=upstream, ids=[r["id"] for r in records],
+                       needs="cpu", label="prompts", payload=records,
+                       summary=f"{len(records)} prompts from {opts.prompts}")
 
 
 def produce(ctx: RunContext, nodes: list[Node]) -> None:

@@ -1,11 +1,14 @@
 """Stage `report`: the drafters side by side — JSON, a markdown table, PNG plots and HTML.
 
-Key recipe (a set-level artifact: the one stage whose key depends on the prompt set and its order)::
+Key recipe (a set-level artifact, the one stage whose key depends on the prompt set and its order;
+``KEY`` below, ``build()`` makes its nodes through it)::
 
-    key = xxh3_128(canonical({stage: "report", stage_version: VERSION,
-        inputs: {drafters: [display names, in --drafter order],
-                 steps:    [training steps, same order (null where unknown)]},
-        upstream: {evals: [set key of each drafter_eval node, same order]}}))
+    key = compute_key('report', 5, inputs, upstream)
+    inputs:
+        drafters      display names, in --drafter order
+        steps         training steps, same order (null where unknown)
+    upstream:
+        evals         the set key of each drafter_eval node, same order
 
 where a per-sample node's set key is ``xxh3_128(canonical({"partition": P, "set":
 xxh3_128(",".join(sample keys in prompt order))}))``. The manifest's ``sample_refs`` name the eval
@@ -26,10 +29,16 @@ import json
 import os
 from pathlib import Path
 
-from ..graph import Node, RunContext
+from ..graph import KeyRecipe, Node, RunContext
 
-NAME = "report"
-VERSION = 5  # 2: steps, report.html, tau_by_step.png; 3: "latest" is the highest step; 4: "definitions", the legend; 5: per-sample evals
+# version 2: steps, report.html, tau_by_step.png; 3: "latest" is the highest step; 4: "definitions", the
+# legend; 5: per-sample evals
+KEY = KeyRecipe("report", 5, inputs={
+    "drafters": "display names, in --drafter order",
+    "steps": "training steps, same order (null where unknown)",
+}, upstream={"evals": "the set key of each drafter_eval node, same order"})
+NAME = KEY.stage
+VERSION = KEY.version
 
 FILES = {"report.json": "report", "report.md": "markdown", "histogram.png": "png_histogram",
          "acceptance_by_position.png": "png_position", "tau_by_step.png": "png_tau_by_step",
@@ -39,8 +48,8 @@ FILES = {"report.json": "report", "report.md": "markdown", "histogram.png": "png
 def build(ctx: RunContext, evals: list[Node]) -> Node:
     names = [e.payload["drafter"].name for e in evals]
     steps = [getattr(e.payload["drafter"], "step", None) for e in evals]
-    return Node.make(NAME, VERSION, inputs={"drafters": names, "steps": steps},
-                     upstream={"evals": [e.key for e in evals]}, needs="cpu", deps=list(evals), label="report",
+    return KEY.node(inputs={"drafters": names, "steps": steps}, upstream={"evals": [e.key for e in evals]},
+                     needs="cpu", deps=list(evals), label="report",
                      payload={"target_dir": evals[0].payload["target_dir"] if evals else None},
                      summary="report: " + " vs ".join(names))
 

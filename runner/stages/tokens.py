@@ -1,14 +1,16 @@
 """Stage `tokens`: prompt + completion token ids of every sample, as the target sees them.
 
-Key recipe (per sample)::
+Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
 
-    partition = compute_key("tokens", VERSION,
-        inputs={target:          fingerprint of the target directory,
-                tokenizer:       xxh3_128 over the tokenizer files' names and contents,
-                chat_template:   xxh3_128 of the chat template text,
-                enable_thinking: bool},
-        upstream={sample: completions partition})
+    partition = compute_key('tokens', 2, inputs, upstream)
     sample    = sample_key(partition, completions sample key)
+    inputs:
+        target           fingerprint of the target directory
+        tokenizer        xxh3_128 over the tokenizer files' names and contents
+        chat_template    xxh3_128 of the chat template text
+        enable_thinking  bool
+    upstream:
+        sample           the completions partition
 
 Prompt ids: ``apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
 enable_thinking=...)``, then the tokenizer on that text without added special tokens (the
@@ -34,12 +36,18 @@ import numpy as np
 
 from dfcache.errors import BadInputError
 
-from ..graph import Node, RunContext
+from ..graph import KeyRecipe, Node, RunContext
 from ..summaries import samples_origin
 from ..models.resolve import eos_token_ids, resolved_target
 
-NAME = "tokens"
-VERSION = 2
+KEY = KeyRecipe("tokens", 2, inputs={
+    "target": "fingerprint of the target directory",
+    "tokenizer": "xxh3_128 over the tokenizer files' names and contents",
+    "chat_template": "xxh3_128 of the chat template text",
+    "enable_thinking": "bool",
+}, upstream={"sample": "the completions partition"}, sample="completions sample key")
+NAME = KEY.stage
+VERSION = KEY.version
 
 
 def build(ctx: RunContext, completions_node: Node) -> Node:
@@ -47,12 +55,12 @@ def build(ctx: RunContext, completions_node: Node) -> Node:
     target = resolved_target(ctx)
     inputs = {"target": target.fingerprint, "tokenizer": target.tokenizer_fingerprint,
               "chat_template": target.chat_template_hash, "enable_thinking": bool(opts.enable_thinking)}
-    return Node.make_samples(NAME, VERSION, inputs=inputs, upstream_samples=completions_node.sample_keys,
-                             partition_upstream={"sample": completions_node.partition.key}, ids=completions_node.ids,
-                             needs="cpu", deps=[completions_node], label="tokens",
-                             payload={"target_dir": str(target.dir), "completions": completions_node,
-                                      "prompts": completions_node.payload["prompts"]},
-                             summary=f"prompt + completion ids ({completions_node.label or 'completions'})")
+    return KEY.samples(inputs=inputs, upstream_samples=completions_node.sample_keys,
+                       partition_upstream={"sample": completions_node.partition.key}, ids=completions_node.ids,
+                       needs="cpu", deps=[completions_node], label="tokens",
+                       payload={"target_dir": str(target.dir), "completions": completions_node,
+                                "prompts": completions_node.payload["prompts"]},
+                       summary=f"prompt + completion ids ({completions_node.label or 'completions'})")
 
 
 COMMIT_EVERY = 4096
@@ -61,7 +69,7 @@ COMMIT_EVERY = 4096
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
     from dfcache.samples import SampleArray, SampleSet, SampleSink
 
-    from ..completion_sources import encode_prompt, load_tokenizer
+    from .completions.sources import encode_prompt, load_tokenizer
     from . import prompts as prompts_stage
 
     for node in nodes:
@@ -72,7 +80,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         comps_node = node.payload["completions"]
         messages = prompts_stage.read_messages(ctx.store, node.payload["prompts"], todo)
         comps = SampleSet(ctx.store, comps_node.partition.key, [comps_node.sample_keys[i] for i in todo]).docs()
-        tok = load_tokenizer(target_dir, ctx.shared)
+        tok = load_tokenizer(target_dir, ctx.cache)
         eos = eos_token_ids(target_dir) or ([tok.eos_token_id] if tok.eos_token_id is not None else [])
         enable_thinking = bool(node.inputs["enable_thinking"])
         with SampleSink(ctx.store, node.partition, arrays={"ids": SampleArray((), "int32")},

@@ -35,12 +35,12 @@ LIGHT = ["dfcache.cli", "dfcache.cli._cache_cmds", "dfcache.cli._transfer_cmds",
          "numpy", "ml_dtypes", "zarr", "numcodecs", "typer", "tqdm", "children",
          # what typer and the entry-point scan import lazily on every command
          "pydantic", "importlib.metadata", "typer._adapters", "email.message", "zipfile", "tempfile", "csv"]
-HEAVY = LIGHT + ["torch", "transformers", "runner.models.target", "runner.extract",
+HEAVY = LIGHT + ["torch", "transformers", "runner.models.target", "runner.stages.hidden_states.extract",
                  # transformers imports these lazily, at the first from_pretrained: ~4 s per process
                  "transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.auto.modeling_auto",
-                 "transformers.tokenization_utils_fast", "safetensors.torch", "runner.completion_sources",
+                 "transformers.tokenization_utils_fast", "safetensors.torch", "runner.stages.completions.sources",
                  "runner.stages.hidden_states", "runner.stages.drafter_eval", "runner.models.dflash",
-                 "runner.metrics"]
+                 "runner.stages.drafter_eval.metrics"]
 
 
 

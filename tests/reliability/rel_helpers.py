@@ -16,7 +16,7 @@ MAX_NEW = 8
 
 
 def has_stage(name: str) -> bool:
-    return (STAGES / f"{name}.py").exists()
+    return (STAGES / f"{name}.py").exists() or (STAGES / name / "__init__.py").exists()
 
 
 def clean_env(home: Path) -> dict:

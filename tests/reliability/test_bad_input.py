@@ -429,7 +429,7 @@ def _tmpfs(path: Path, size: str) -> bool:
     return r.returncode == 0
 
 
-@pytest.mark.skipif(not has_stage("hidden_states"), reason="runner/stages/hidden_states.py (the hidden-states "
+@pytest.mark.skipif(not has_stage("hidden_states"), reason="runner/stages/hidden_states/ (the hidden-states "
                     "stage) is not there yet")
 def test_full_disk(heavy_zygote, base_store, tmp_path, figures):
     """A store on a nearly full 2 MB tmpfs (or, where mounting is not allowed, a process whose file
@@ -506,7 +506,7 @@ def test_sigint_mid_run_exits_130_keeps_progress_and_resumes(base_store, env, tm
         "exit": 130, "requests_before": first, "requests_after_resume": second, "new_artifacts": len(new)}})
 
 
-@pytest.mark.skipif(not has_stage("hidden_states"), reason="runner/stages/hidden_states.py (the hidden-states "
+@pytest.mark.skipif(not has_stage("hidden_states"), reason="runner/stages/hidden_states/ (the hidden-states "
                     "stage) is not there yet")
 def test_sigint_mid_hidden_states_resumes(heavy_zygote, base_store, tmp_path, figures):
     """SIGINT once extraction has committed a segment: exit 130, every committed segment kept,

@@ -219,7 +219,7 @@ def test_run_tokens_refuses_corrupt_completions(heavy_zygote, base_store, tmp_pa
 HS = has_stage("hidden_states")
 
 
-@pytest.mark.skipif(not HS, reason="runner/stages/hidden_states.py (the hidden-states stage) is not there yet")
+@pytest.mark.skipif(not HS, reason="runner/stages/hidden_states/ (the hidden-states stage) is not there yet")
 @pytest.mark.parametrize("damage", ["flipped token_ids chunk", "offsets dtype edited"])
 def test_run_hidden_states_refuses_corrupt_tokens(damage, heavy_zygote, base_store, tmp_path, figures):
     store = copy_store(base_store, tmp_path / "store")

@@ -280,7 +280,7 @@ def test_sigkill_dfcache_pull_at_random_instants(zygote, fast_tmp, stress, figur
 # ------------------------------------------------------------------------------ real hidden-states runs
 
 
-@pytest.mark.skipif(not has_stage("hidden_states"), reason="runner/stages/hidden_states.py (the hidden-states "
+@pytest.mark.skipif(not has_stage("hidden_states"), reason="runner/stages/hidden_states/ (the hidden-states "
                     "stage) is not there yet")
 def test_sigkill_dfcache_run_hidden_states(heavy_zygote, base_store, tmp_path, stress, figures):
     """`dfcache run hidden-states` on the tiny target, committing one sample a segment, SIGKILLed at

@@ -16,7 +16,7 @@ from dfcache.errors import EXIT_BAD_INPUT
 from dfcache.store import open_store
 
 FLA_CUDA = {"kernel": "fla", "device": "cuda", "dtype": "float32", "attn_implementation": "sdpa"}
-pytestmark = pytest.mark.skipif(not has_stage("drafter_eval"), reason="needs runner/stages/drafter_eval.py")
+pytestmark = pytest.mark.skipif(not has_stage("drafter_eval"), reason="needs runner/stages/drafter_eval/")
 
 
 def _as_fla_cuda(store, key: str) -> tuple[str, str]:

@@ -96,7 +96,7 @@ def test_offline_run_tokens_under_strace_makes_no_network_syscall(base_store, en
     assert calls == [], calls[:20]
 
 
-@pytest.mark.skipif(not has_stage("drafter_eval"), reason="runner/stages/drafter_eval.py (the eval stage) is not "
+@pytest.mark.skipif(not has_stage("drafter_eval"), reason="runner/stages/drafter_eval/ (the eval stage) is not "
                     "there yet")
 def test_run_eval_example_offline_opens_no_socket(env, tmp_path_factory, stress, figures):
     """`dfcache run eval --example` offline: building the example, computing everything, and then

@@ -1,15 +1,19 @@
 """Stage `hidden_states`: the target's per-layer hidden states over every token, one partition per layer.
 
-Key recipe (per sample)::
+Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
 
-    partition = compute_key("hidden_states", VERSION,
-        inputs={target:  fingerprint of the target directory (the tokens node's "target"),
-                layer:   k  (output of decoder layer k = HF hidden_states[k+1], before the final norm;
-                             the last layer too),
-                backend: {kernel: "fla"|"torch", device: "cuda"|"cpu",
-                          dtype: "bfloat16"|"float32", attn_implementation: "sdpa"|...}},
-        upstream={sample: tokens partition})
+    partition = compute_key('hidden_states', 2, inputs, upstream)
     sample    = sample_key(partition, tokens sample key)
+    inputs:
+        target        fingerprint of the target directory (the tokens node's "target")
+        layer         k: output of decoder layer k = HF hidden_states[k+1], before the final norm
+                      (the last layer too)
+        backend       the KernelSpec: {kernel: fla|torch, device: cuda|cpu, dtype: bfloat16|float32,
+                      attn_implementation: sdpa|...}
+        versions      {package: installed version} for each --key-versions package (only some runs
+                      have it)
+    upstream:
+        sample        the tokens partition
 
 Sample- and layer-granular on purpose: a drafter needing layers [1, 16, 31] reuses every layer
 of every sample already stored for the same tokens, model and backend class, whatever set it was
@@ -32,19 +36,21 @@ import numpy as np
 from dfcache.errors import BadInputError, UsageError
 from dfcache.keys import fingerprint_path
 
-from ..graph import Node, RunContext
-from ..summaries import samples_origin
-from ..models.target import BackendClass, backend_problem, check_layer_ids, read_model_info, resolve_backend
-from ..provenance_keys import key_version_inputs
+from ...graph import KeyRecipe, Node, RunContext
+from ...summaries import samples_origin
+from ...models.target import KernelSpec, kernel_problem, check_layer_ids, read_model_info, resolve_kernel
+from ...provenance_keys import key_version_inputs
 
-NAME = "hidden_states"
-VERSION = 2
-
-# ctx.shared key of an optional callable(segment_index, tokens_done), run after each committed
-# segment (tests use it to interrupt an extraction at a known point).
-ON_CHECKPOINT = "hidden_states.on_checkpoint"
-# ctx.shared key where produce() leaves the last extraction's ExtractStats (bench and tests).
-LAST_STATS = "hidden_states.last_stats"
+KEY = KeyRecipe("hidden_states", 2, inputs={
+    "target": 'fingerprint of the target directory (the tokens node\'s "target")',
+    "layer": "k: output of decoder layer k = HF hidden_states[k+1], before the final norm (the last "
+             "layer too)",
+    "backend": "the KernelSpec: {kernel: fla|torch, device: cuda|cpu, dtype: bfloat16|float32, "
+               "attn_implementation: sdpa|...}",
+    "versions": "{package: installed version} for each --key-versions package",
+}, upstream={"sample": "the tokens partition"}, optional=frozenset({"versions"}), sample="tokens sample key")
+NAME = KEY.stage
+VERSION = KEY.version
 
 
 def requested_layers(ctx: RunContext, drafters) -> list[int]:
@@ -78,21 +84,16 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
     info = read_model_info(target_dir)
     layers = check_layer_ids(list(layers), info.num_layers)
     target_fp = tokens_node.inputs.get("target") or fingerprint_path(target_dir)
-    backend = resolve_backend(opts.backend, opts.device, opts.dtype,
-                              getattr(opts, "attn_implementation", "sdpa"),
-                              has_linear_attention=info.has_linear_attention, check=False)
-    if opts.compression not in ("none", "zstd"):
-        raise UsageError(f"--compression {opts.compression!r} is not one of none, zstd.")
-    if not isinstance(opts.batch_tokens, int) or opts.batch_tokens < 1:
-        raise UsageError(f"--batch-tokens {opts.batch_tokens!r}: give a positive number of tokens.")
+    backend = resolve_kernel(opts.backend, opts.device, opts.dtype,
+                             getattr(opts, "attn_implementation", "sdpa"),
+                             has_linear_attention=info.has_linear_attention, check=False)
     needs = "gpu" if backend.device == "cuda" else "cpu"
     group = f"{NAME}/{tokens_node.partition.key}/{target_fp}/{backend.label}"
-    problem = backend_problem(backend)
+    problem = kernel_problem(backend)
     nodes = {}
     for k in layers:
-        nodes[k] = Node.make_samples(
-            NAME, VERSION, inputs={"target": target_fp, "layer": k, "backend": backend.to_key(),
-                                   **key_version_inputs(opts)},
+        nodes[k] = KEY.samples(
+            inputs={"target": target_fp, "layer": k, "backend": backend.to_key(), **key_version_inputs(opts)},
             upstream_samples=tokens_node.sample_keys, partition_upstream={"sample": tokens_node.partition.key},
             ids=tokens_node.ids, needs=needs, deps=[tokens_node],
             label=f"hidden_states[{k}]", group=group,
@@ -108,21 +109,21 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
 
 
 def _require_weights(target_dir) -> None:
-    from ..models.resolve import require_weights
+    from ...models.resolve import require_weights
 
     require_weights(target_dir, "extracting hidden states runs the model: pass the directory that holds "
                                 "its weights with --target.")
 
 
-def get_target(ctx: RunContext, target_dir: str, backend: BackendClass):
-    """The loaded target for ``backend``, loaded once per run (kept in ``ctx.shared``)."""
-    from ..models.target import load_target
+def get_target(ctx: RunContext, target_dir: str, backend: KernelSpec):
+    """The loaded target for ``backend``, loaded once per run (kept in ``ctx.cache``)."""
+    from ...models.target import load_target
 
-    key = ("hidden_states.target", str(target_dir), backend.label)
-    t = ctx.shared.get(key)
+    key = (str(target_dir), backend.label)
+    t = ctx.cache.targets.get(key)
     if t is None:
         t = load_target(target_dir, backend)
-        ctx.shared[key] = t
+        ctx.cache.targets[key] = t
     return t
 
 
@@ -189,8 +190,8 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
 def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
     from dfcache.samples import SampleArray, SegmentWriter, index_of
 
-    from ..extract import LayerSink, extract
-    from .tokens import read_tokens
+    from ..tokens import read_tokens
+    from .extract import LayerSink, extract
 
     nodes = sorted(nodes, key=lambda n: n.payload["layer"])
     # Which layers each missing tokens sample lacks (another process may have committed some since
@@ -205,7 +206,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
         return
     p = nodes[0].payload
     tokens_node = p["tokens"]
-    backend = BackendClass(**p["backend"])
+    backend = KernelSpec(**p["backend"])
     if p.get("note"):
         ctx.log(f"hidden states: {p['note']}")
     target = get_target(ctx, p["target_dir"], backend)
@@ -269,7 +270,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
             total_tokens += int(toks.offsets[stop] - toks.offsets[first])
             segments += 1
             state["segment"] = seg + 1
-            hook = ctx.shared.get(ON_CHECKPOINT)
+            hook = ctx.hooks.on_extract_checkpoint
             if hook is not None:
                 hook(segments - 1, total_tokens)
 
@@ -291,7 +292,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
                 w.abort()
             raise
     wall = time.perf_counter() - t0
-    ctx.shared[LAST_STATS] = stats
+    ctx.last_extract_stats = stats
     ctx.log(f"hidden states: {len(lacking)} sample(s), layers {[n.payload['layer'] for n in nodes]} "
             f"({backend.label}): {total_tokens} tokens in {segments} segment(s), {wall:.1f} s "
             f"({total_tokens / wall if wall > 0 else 0:,.0f} tok/s)")

@@ -1,4 +1,10 @@
-"""State shared by CLI commands: global options, the store, output helpers."""
+"""What every command of the `dfcache` command line shares: the global options, the store they
+name, and output helpers.
+
+Public: command modules outside this package (the runner's ``run``/``plan``) use it too, so that
+``--store``, ``--json``, ``--debug`` and ``--offline`` mean the same everywhere and JSON output
+has one shape.
+"""
 
 from __future__ import annotations
 

@@ -1,17 +1,23 @@
 """Stage `completions`: the target's completion of every prompt, from a server or local greedy.
 
-Key recipe (per sample)::
+Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
 
-    partition = compute_key("completions", VERSION,
-        inputs={target:          fingerprint of the target directory (config, tokenizer, weights),
-                served_model:    --served-model, or null for "the server's only model" (server),
-                endpoint:        "openai" | "sglang" | "local",
-                chat_template:   xxh3_128 of the target's chat template text,
-                enable_thinking, temperature, top_p, max_new_tokens, seed,
-                backend:         local only: {kernel, device, dtype, attn_implementation}, the
-                                 backend class greedy generation runs with (it changes ids)},
-        upstream={sample: prompts partition})
+    partition = compute_key('completions', 2, inputs, upstream)
     sample    = sample_key(partition, prompts sample key)
+    inputs:
+        target           fingerprint of the target directory (config, tokenizer, weights)
+        served_model     --served-model, or null for the server's only model (null for local)
+        endpoint         "openai" | "sglang" | "local"
+        chat_template    xxh3_128 of the target's chat template text
+        enable_thinking  bool
+        temperature      float
+        top_p            float
+        max_new_tokens   int
+        seed             int or null
+        backend          local only: the KernelSpec greedy generation runs with ({kernel, device,
+                         dtype, attn_implementation}; it changes the ids) (only some runs have it)
+    upstream:
+        sample           the prompts partition
 
 The server URL is not key material (the same model behind another address gives the same
 completions), and a server completion and a local one for the same target are different
@@ -37,38 +43,37 @@ from dataclasses import dataclass
 
 from dfcache.errors import UsageError
 
-from ..graph import Node, RunContext
-from ..models.resolve import require_weights, resolved_target
-from . import prompts as prompts_stage
+from ...graph import KeyRecipe, Node, RunContext
+from ...models.resolve import require_weights, resolved_target
+from .. import prompts as prompts_stage
 
-NAME = "completions"
-VERSION = 2
+KEY = KeyRecipe("completions", 2, inputs={
+    "target": "fingerprint of the target directory (config, tokenizer, weights)",
+    "served_model": "--served-model, or null for the server's only model (null for local)",
+    "endpoint": '"openai" | "sglang" | "local"',
+    "chat_template": "xxh3_128 of the target's chat template text",
+    "enable_thinking": "bool",
+    "temperature": "float",
+    "top_p": "float",
+    "max_new_tokens": "int",
+    "seed": "int or null",
+    "backend": "local only: the KernelSpec greedy generation runs with ({kernel, device, dtype, "
+               "attn_implementation}; it changes the ids)",
+}, upstream={"sample": "the prompts partition"}, optional=frozenset({"backend"}), sample="prompts sample key")
+NAME = KEY.stage
+VERSION = KEY.version
 ENDPOINTS = ("openai", "sglang", "local")
 COMMIT_EVERY = 256  # samples a segment (at most)
 COMMIT_EVERY_S = 5.0  # a segment at least this often while answers arrive
 
 
 def endpoint_kind(opts) -> str:
-    if opts.completions == "local":
-        return "local"
-    if opts.completions != "server":
-        raise UsageError(f"--completions {opts.completions}: choose server or local.")
-    if opts.server_api not in ("openai", "sglang"):
-        raise UsageError(f"--server-api {opts.server_api}: choose openai or sglang.")
-    return opts.server_api
+    return "local" if opts.completions == "local" else opts.server_api
 
 
 def build(ctx: RunContext, prompts_node: Node) -> Node:
     opts = ctx.options
-    kind = endpoint_kind(opts)
-    if kind != "local" and not opts.server:
-        raise UsageError("--completions server needs --server URL (e.g. --server http://127.0.0.1:30000), "
-                         "or use --completions local.")
-    if kind == "local" and float(opts.temperature) != 0.0:
-        raise UsageError(f"local completions are greedy, but --temperature is {opts.temperature:g}; pass "
-                         "--temperature 0, or use --completions server to sample.")
-    if int(opts.max_new_tokens) < 1:
-        raise UsageError(f"--max-new-tokens {opts.max_new_tokens}: give a positive number.")
+    kind = endpoint_kind(opts)  # options are valid here: EvalOptions.validate() ran
     target = resolved_target(ctx)
     inputs = {
         "target": target.fingerprint,
@@ -84,21 +89,21 @@ def build(ctx: RunContext, prompts_node: Node) -> Node:
     samples = dict(upstream_samples=prompts_node.sample_keys, ids=prompts_node.ids,
                    partition_upstream={"sample": prompts_node.partition.key})
     if kind == "local":
-        from ..completion_sources import local_backend
+        from .sources import local_kernel
 
         require_weights(target.dir, "local completions run the model: pass the directory that holds its "
                                     "weights with --target, or take completions from a server with --server URL.")
-        backend = local_backend(opts, target.dir)
+        backend = local_kernel(opts, target.dir)
         inputs["backend"] = backend.to_key()
-        return Node.make_samples(NAME, VERSION, inputs=inputs, **samples,
-                         needs="gpu" if backend.device == "cuda" else "cpu", deps=[prompts_node],
-                         label=f"completions (local, {backend.label})",
-                         payload={"target_dir": str(target.dir), "prompts": prompts_node},
-                         summary=f"local greedy completions, {opts.max_new_tokens} new tokens max")
-    from ..completion_sources import server_url
+        return KEY.samples(inputs=inputs, **samples,
+                           needs="gpu" if backend.device == "cuda" else "cpu", deps=[prompts_node],
+                           label=f"completions (local, {backend.label})",
+                           payload={"target_dir": str(target.dir), "prompts": prompts_node},
+                           summary=f"local greedy completions, {opts.max_new_tokens} new tokens max")
+    from .sources import server_url
 
     server = server_url(opts.server)
-    return Node.make_samples(NAME, VERSION, inputs=inputs, **samples, needs="network",
+    return KEY.samples(inputs=inputs, **samples, needs="network",
                      deps=[prompts_node], label=f"completions ({kind} server)", contacts=server,
                      fix=ctx.command_with(drop=("--offline",)),
                      payload={"target_dir": str(target.dir), "server": server, "prompts": prompts_node},
@@ -113,7 +118,7 @@ def preflight(ctx: RunContext, nodes: list[Node]) -> None:
     stages spend time. ``produce`` reuses the result and does not check again. Without this call
     the same check runs when the stage starts, still before any generation request.
     """
-    from ..completion_sources import make_source
+    from .sources import make_source
 
     for node in nodes:
         if node.stage == NAME and node.status == "network" and node.inputs["endpoint"] != "local":
@@ -132,7 +137,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
 def _produce_one(ctx: RunContext, node: Node) -> None:
     from dfcache.samples import SampleSink
 
-    from ..completion_sources import make_source
+    from .sources import make_source
 
     todo = node.positions_distinct(node.produce)
     if not todo:

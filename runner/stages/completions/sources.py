@@ -28,10 +28,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from dfcache.errors import BadInputError, ServerHTTPError, UsageError
 from dfcache.http import HttpClient, normalize_base_url, wait_ready
+
+from ...graph import RunCache
+from ...values import int_list
 
 FINISH_REASONS = ("stop", "length")
 
@@ -68,11 +70,11 @@ class Completion:
 # ----------------------------------------------------------------------------- prompts
 
 
-def load_tokenizer(target_dir: str | Path, shared: dict | None = None):
-    """``AutoTokenizer`` of the target, loaded once per run when ``shared`` is given."""
-    key = ("tokenizer", str(target_dir))
-    if shared is not None and key in shared:
-        return shared[key]
+def load_tokenizer(target_dir: str | Path, cache: RunCache | None = None):
+    """``AutoTokenizer`` of the target, loaded once per run when the run's ``cache`` is given."""
+    key = str(target_dir)
+    if cache is not None and key in cache.tokenizers:
+        return cache.tokenizers[key]
     from transformers import AutoTokenizer
 
     try:
@@ -82,8 +84,8 @@ def load_tokenizer(target_dir: str | Path, shared: dict | None = None):
         first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
         raise BadInputError(f"the tokenizer of {target_dir} cannot be loaded ({first}); pass a model "
                             "directory with a complete tokenizer (tokenizer.json).") from None
-    if shared is not None:
-        shared[key] = tok
+    if cache is not None:
+        cache.tokenizers[key] = tok
     return tok
 
 
@@ -158,19 +160,13 @@ def check_served_model(client: HttpClient, base: str, wanted: str | None, api: s
                           "choose one with --served-model NAME.", url=base + "/v1/models")
 
 
-def _int_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and value and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
-        return [int(x) for x in value]
-    return None
-
-
 class _ServerSource:
     kind = "server"
 
     def __init__(self, base_url: str, params: SamplingParams, *, served_model: str | None = None,
                  client: HttpClient | None = None, wait_seconds: float = 0.0, progress=True,
-                 out=None, request_timeout: float | None = None, shared: dict | None = None) -> None:
-        self.shared = shared if shared is not None else {}
+                 out=None, request_timeout: float | None = None, cache: RunCache | None = None) -> None:
+        self.cache = cache if cache is not None else RunCache()
         self.base = server_url(base_url)
         self.params = params
         self.wanted_model = served_model
@@ -183,11 +179,11 @@ class _ServerSource:
 
     def check_server(self) -> str:
         """Readiness, then the model name: once per run and server, before any generation request."""
-        key = ("server_checked", self.base, self.kind, self.wanted_model)
-        if key not in self.shared:
+        key = (self.base, self.kind, self.wanted_model)
+        if key not in self.cache.served_models:
             wait_ready(self.base, self.wait_seconds, self.progress, client=self.client, out=self.out)
-            self.shared[key] = check_served_model(self.client, self.base, self.wanted_model, self.kind)
-        self.model = self.shared[key]
+            self.cache.served_models[key] = check_served_model(self.client, self.base, self.wanted_model, self.kind)
+        self.model = self.cache.served_models[key]
         return self.model
 
     def prepare(self) -> None:
@@ -235,7 +231,7 @@ class OpenAIChatSource(_ServerSource):
             raise self._bad(url, f"finish_reason {finish!r} (expected stop or length)", rid)
         if not isinstance(content, str) or not content:
             raise self._bad(url, "an empty completion", rid)
-        ids = _int_list(choice.get("token_ids"))  # vLLM's return_token_ids; others send none
+        ids = int_list(choice.get("token_ids"))  # vLLM's return_token_ids; others send none
         usage = resp.get("usage") if isinstance(resp.get("usage"), dict) else {}
         extra = {}
         reasoning = message.get("reasoning_content") or message.get("reasoning")
@@ -273,7 +269,7 @@ class SGLangNativeSource(_ServerSource):
 
     def prepare(self) -> None:
         super().prepare()
-        self.tokenizer = load_tokenizer(self.target_dir, self.shared)
+        self.tokenizer = load_tokenizer(self.target_dir, self.cache)
 
     def request_body(self, record: dict) -> dict:
         p = self.params
@@ -298,7 +294,7 @@ class SGLangNativeSource(_ServerSource):
         if ftype not in FINISH_REASONS:
             detail = fr.get("message") if isinstance(fr, dict) and fr.get("message") else fr
             raise self._bad(url, f"finish_reason {detail!r} (expected stop or length)", rid)
-        ids = _int_list(resp.get("output_ids")) or _int_list(meta.get("output_ids"))
+        ids = int_list(resp.get("output_ids")) or int_list(meta.get("output_ids"))
         text = resp.get("text")
         extra: dict = {}
         if ids is not None and ftype == "stop" and isinstance(fr, dict):
@@ -337,28 +333,25 @@ class LocalGreedySource:
     kind = "local"
 
     def __init__(self, target_dir: str | Path, params: SamplingParams, backend, *,
-                 shared: dict | None = None) -> None:
-        if params.temperature != 0:
-            raise UsageError(f"local completions are greedy, but --temperature is {params.temperature:g}; "
-                             "pass --temperature 0, or use --completions server to sample.")
+                 cache: RunCache | None = None) -> None:
         self.target_dir = Path(target_dir)
         self.params = params
         self.backend = backend
-        self.shared = shared if shared is not None else {}
+        self.cache = cache if cache is not None else RunCache()
         self.target = None
         self.tokenizer = None
         self.eos_ids: list[int] = []
 
     def prepare(self) -> None:
-        from .models.resolve import eos_token_ids
-        from .models.target import load_target
+        from ...models.resolve import eos_token_ids
+        from ...models.target import load_target
 
-        # Same ctx.shared key as the hidden-states stage: one copy of the target per run.
-        key = ("hidden_states.target", str(self.target_dir), self.backend.label)
-        if key not in self.shared:
-            self.shared[key] = load_target(self.target_dir, self.backend)
-        self.target = self.shared[key]
-        self.tokenizer = load_tokenizer(self.target_dir, self.shared)
+        # The same cache entry as the hidden-states stage: one copy of the target per run.
+        key = (str(self.target_dir), self.backend.label)
+        if key not in self.cache.targets:
+            self.cache.targets[key] = load_target(self.target_dir, self.backend)
+        self.target = self.cache.targets[key]
+        self.tokenizer = load_tokenizer(self.target_dir, self.cache)
         self.eos_ids = eos_token_ids(self.target_dir)
         if not self.eos_ids and self.tokenizer.eos_token_id is not None:
             self.eos_ids = [int(self.tokenizer.eos_token_id)]
@@ -393,12 +386,12 @@ class LocalGreedySource:
         pass
 
 
-def local_backend(opts, target_dir: str | Path):
+def local_kernel(opts, target_dir: str | Path):
     """The backend class local generation runs with, resolved without importing torch."""
-    from .models.target import read_model_info, resolve_backend
+    from ...models.target import read_model_info, resolve_kernel
 
     info = read_model_info(target_dir)
-    return resolve_backend(opts.backend, opts.device, opts.dtype,
+    return resolve_kernel(opts.backend, opts.device, opts.dtype,
                            getattr(opts, "attn_implementation", "sdpa"),
                            has_linear_attention=info.has_linear_attention, check=False)
 
@@ -409,20 +402,15 @@ def make_source(ctx, target_dir: str | Path, client: HttpClient | None = None):
     params = SamplingParams(temperature=float(o.temperature), top_p=float(o.top_p),
                             max_new_tokens=int(o.max_new_tokens), seed=o.seed,
                             enable_thinking=bool(o.enable_thinking))
+    # The options are valid here (EvalOptions.validate): local, or a server with --server given.
     if o.completions == "local":
-        return LocalGreedySource(target_dir, params, local_backend(o, target_dir), shared=ctx.shared)
-    if o.completions != "server":
-        raise UsageError(f"--completions {o.completions}: choose server or local.")
-    if not o.server:
-        raise UsageError("--completions server needs --server URL (e.g. --server http://127.0.0.1:30000).")
+        return LocalGreedySource(target_dir, params, local_kernel(o, target_dir), cache=ctx.cache)
     client = client or HttpClient(offline=o.offline, timeout=o.request_timeout,
                                   pool_size=max(1, int(o.concurrency)), fixes=SERVER_FIXES)
     # The readiness wait is reported even without progress bars: it is the one place a run may
     # sit still, and the user must see why.
     kw = dict(served_model=o.served_model, client=client, wait_seconds=o.wait_server,
-              progress=True, out=ctx.out, request_timeout=o.request_timeout, shared=ctx.shared)
-    if o.server_api == "openai":
-        return OpenAIChatSource(o.server, params, **kw)
+              progress=True, out=ctx.out, request_timeout=o.request_timeout, cache=ctx.cache)
     if o.server_api == "sglang":
         return SGLangNativeSource(o.server, params, target_dir=target_dir, **kw)
-    raise UsageError(f"--server-api {o.server_api}: choose openai or sglang.")
+    return OpenAIChatSource(o.server, params, **kw)

@@ -1,17 +1,23 @@
 """Stage `drafter_eval`: offline chain and DDTree acceptance of one DFlash drafter, per response.
 
-Key recipe (per sample)::
+Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
 
-    partition = compute_key("drafter_eval", VERSION,
-        inputs={drafter:      fingerprint of the checkpoint directory (config + weights),
-                target_head:  fingerprint of the target (its embeddings and lm_head are used),
-                block_size, target_layer_ids, mask_token_id   (from the drafter's config),
-                tree_budgets: sorted unique budgets, max_blocks, end_rule,
-                dtype:        compute dtype of the drafter,
-                device:       cpu|cuda, where the eval runs (--eval-device; not the states' device)},
-        upstream={sample: tokens partition,
-                  hidden_states: [hidden-state partitions in the drafter's target_layer_ids order]})
+    partition = compute_key('drafter_eval', 2, inputs, upstream)
     sample    = sample_key(partition, tokens sample key)
+    inputs:
+        drafter           fingerprint of the checkpoint directory (config + weights)
+        target_head       fingerprint of the target (its embeddings and lm_head are used)
+        block_size        from the drafter's config
+        target_layer_ids  from the drafter's config
+        mask_token_id     from the drafter's config
+        tree_budgets      sorted unique --tree-budget values
+        max_blocks        --max-blocks, or null
+        end_rule          within (continuation is refused)
+        dtype             compute dtype of the drafter
+        device            cpu | cuda, where the eval runs (--eval-device; not the states' device)
+    upstream:
+        sample            the tokens partition
+        hidden_states     hidden-state partitions in the drafter's target_layer_ids order
 
 The hidden-state partitions are upstream, so the backend class that produced the states (fla or
 torch, device, dtype) is part of this key through them; a response's eval reads the states of
@@ -19,7 +25,7 @@ its own tokens sample in each of them. The eval's own numerics (its device and d
 here, apart from them: states extracted with fla on a GPU are evaluated on any machine
 (``--eval-device auto`` is CUDA where one is usable, else the CPU).
 
-What it computes (docs/metrics.md, ``runner/metrics.py``): for each response,
+What it computes (docs/metrics.md, ``metrics.py`` beside this module): for each response,
 the draft logits of every candidate block root are scored in batched drafter passes
 (``score_roots``: context features of positions < p only), then the greedy walk runs once for the
 chain and once per tree budget. ``--max-blocks N`` scores only the roots the first N blocks can
@@ -39,10 +45,25 @@ from pathlib import Path
 from dfcache.errors import BadInputError, ModelNotFoundError
 from dfcache.keys import fingerprint_path
 
-from ..graph import Node, RunContext
+from ...graph import KeyRecipe, Node, RunContext
+from ...values import int_list
 
-NAME = "drafter_eval"
-VERSION = 2
+KEY = KeyRecipe("drafter_eval", 2, inputs={
+    "drafter": "fingerprint of the checkpoint directory (config + weights)",
+    "target_head": "fingerprint of the target (its embeddings and lm_head are used)",
+    "block_size": "from the drafter's config",
+    "target_layer_ids": "from the drafter's config",
+    "mask_token_id": "from the drafter's config",
+    "tree_budgets": "sorted unique --tree-budget values",
+    "max_blocks": "--max-blocks, or null",
+    "end_rule": "within (continuation is refused)",
+    "dtype": "compute dtype of the drafter",
+    "device": "cpu | cuda, where the eval runs (--eval-device; not the states' device)",
+}, upstream={"sample": "the tokens partition",
+             "hidden_states": "hidden-state partitions in the drafter's target_layer_ids order"},
+   sample="tokens sample key")
+NAME = KEY.stage
+VERSION = KEY.version
 
 
 @dataclass
@@ -60,10 +81,6 @@ class DrafterRef:
     step: int | None = None  # training step (runner/checkpoints.py), when the checkpoint says
 
 
-def _int_list(v) -> bool:
-    return isinstance(v, list) and v and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
-
-
 def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
     """Read a DFlash checkpoint's config; every problem is a BadInputError naming the field."""
     path = Path(path_str).expanduser()
@@ -75,7 +92,7 @@ def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
         raise BadInputError(f"drafter {path_str} has no config.json; pass a DFlash checkpoint directory.")
     if not any(path.glob("*.safetensors")):
         raise BadInputError(f"drafter {path_str} has no *.safetensors weights; pass a complete checkpoint.")
-    from ..models.resolve import check_weight_files
+    from ...models.resolve import check_weight_files
 
     check_weight_files(path, f"drafter {path_str}", "re-download or re-save the checkpoint (a copy or "
                        "download that stopped half-way leaves such a file).")
@@ -87,7 +104,7 @@ def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
     if not isinstance(dcfg, dict):
         raise BadInputError(f"{cfg_path}: dflash_config must be an object.")
     ids = dcfg.get("target_layer_ids")
-    if not _int_list(ids):
+    if int_list(ids) is None:
         raise BadInputError(f"{cfg_path}: dflash_config.target_layer_ids is missing or not a list of "
                             "integers; the drafter's tap layers must come from its checkpoint (guessing "
                             "them is wrong for most published drafters). Add the ids it was trained with.")
@@ -110,7 +127,7 @@ def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
     if not opts.drafters:
         raise BadInputError("run eval needs at least one drafter: pass --drafter DIR (repeatable), or "
                             "--example for the embedded one.")
-    from ..checkpoints import expand_drafter_arg, incomplete_reason
+    from ...checkpoints import expand_drafter_arg, incomplete_reason
 
     refs = []
     for value in opts.drafters:  # a directory, a glob, or a training-output directory
@@ -139,7 +156,7 @@ def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
 
 def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter: DrafterRef) -> Node:
     opts = ctx.options
-    from ..models.target import read_model_info
+    from ...models.target import read_model_info
 
     # Checked here, before any work: a drafter for another target must not cost an extraction.
     width = read_model_info(tokens_node.payload["target_dir"]).hidden_size
@@ -149,10 +166,6 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
     layers = [hs_nodes[k] for k in drafter.target_layer_ids]
     backend = layers[0].inputs["backend"]
     budgets = sorted({int(b) for b in opts.tree_budgets})
-    if any(b < 1 for b in budgets):
-        raise BadInputError(f"--tree-budget {budgets}: budgets are positive numbers of drafted nodes.")
-    if opts.max_blocks is not None and opts.max_blocks < 1:
-        raise BadInputError(f"--max-blocks {opts.max_blocks}: give a positive number.")
     device = eval_device(getattr(opts, "eval_device", "auto"))
     inputs = {"drafter": drafter.fingerprint, "target_head": tokens_node.inputs["target"],
               "block_size": drafter.block_size, "target_layer_ids": drafter.target_layer_ids,
@@ -161,21 +174,21 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
               "device": device}
     problem = None
     if device == "cuda":
-        from ..models.target import cuda_visible
+        from ...models.target import cuda_visible
 
         visible, why = cuda_visible()
         if not visible:
             # Only responses this run must evaluate need the GPU: resolve() refuses before any work.
             problem = (f"--eval-device cuda: no CUDA GPU is usable here ({why}); pass --eval-device cpu or auto "
                        "(stored hidden states of any backend evaluate on the CPU).")
-    return Node.make_samples(NAME, VERSION, inputs=inputs, upstream_samples=tokens_node.sample_keys,
-                             partition_upstream={"sample": tokens_node.partition.key,
-                                                 "hidden_states": [n.partition.key for n in layers]},
-                             ids=tokens_node.ids, needs="gpu" if device == "cuda" else "cpu",
-                             deps=[tokens_node, *layers], label=f"drafter_eval {drafter.name}", problem=problem,
-                             payload={"drafter": drafter, "target_dir": tokens_node.payload["target_dir"],
-                                      "backend": backend, "tokens": tokens_node, "layers": layers},
-                             summary=f"{drafter.name}: budgets {budgets or '-'}, layers {drafter.target_layer_ids}")
+    return KEY.samples(inputs=inputs, upstream_samples=tokens_node.sample_keys,
+                       partition_upstream={"sample": tokens_node.partition.key,
+                                           "hidden_states": [n.partition.key for n in layers]},
+                       ids=tokens_node.ids, needs="gpu" if device == "cuda" else "cpu",
+                       deps=[tokens_node, *layers], label=f"drafter_eval {drafter.name}", problem=problem,
+                       payload={"drafter": drafter, "target_dir": tokens_node.payload["target_dir"],
+                                "backend": backend, "tokens": tokens_node, "layers": layers},
+                       summary=f"{drafter.name}: budgets {budgets or '-'}, layers {drafter.target_layer_ids}")
 
 
 COMMIT_EVERY = 1024
@@ -186,7 +199,7 @@ def eval_device(choice: str | None) -> str:
     device made the states (decided without importing torch)."""
     if choice not in (None, "auto"):
         return choice
-    from ..models.target import cuda_visible
+    from ...models.target import cuda_visible
 
     return "cuda" if cuda_visible()[0] else "cpu"
 
@@ -200,10 +213,10 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
 
     from dfcache.samples import SampleSet, SampleSink
 
-    from ..metrics import RootScores, candidate_roots, effective_completion_len, evaluate_response
-    from ..models.dflash import DFlashDrafter, iter_score_roots, load_target_head
-    from ..models.resolve import eos_token_ids
-    from .tokens import read_tokens
+    from .metrics import RootScores, candidate_roots, effective_completion_len, evaluate_response
+    from ...models.dflash import DFlashDrafter, iter_score_roots, load_target_head
+    from ...models.resolve import eos_token_ids
+    from ..tokens import read_tokens
 
     opts = ctx.options
     dtype = torch.float32 if opts.dtype == "float32" else torch.bfloat16
@@ -283,7 +296,7 @@ def read_responses(store, node: Node) -> list[dict]:
 
 def read_summary(store, node: Node) -> dict:
     """What the report shows for one drafter: metrics over its responses plus who/what."""
-    from ..metrics import aggregate
+    from .metrics import aggregate
 
     docs = read_responses(store, node)
     ref: DrafterRef = node.payload["drafter"]

@@ -370,7 +370,7 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
                     raise writer.error
                 starts = [int(offsets[s]) for s in b.samples]
                 if b.lengths is not None:
-                    from .models.packed import forward_layers_packed
+                    from ...models.packed import forward_layers_packed
 
                     ids = torch.from_numpy(np.concatenate(
                         [token_ids[a:a + n] for a, n in zip(starts, b.lengths)]).astype(np.int64))[None]
