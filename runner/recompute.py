@@ -142,7 +142,7 @@ def recompute(store, keys: list[str], n: int, *, target: str | None = None, prog
     """Recompute ``n`` samples of each imported set among ``keys`` (see the module docstring)."""
     import torch
 
-    from .extract import _storage_view
+    from .stages.hidden_states.extract import _storage_view
     from .models.target import KernelSpec, kernel_problem, load_target
     from .samples import stored_selection
 
