@@ -298,14 +298,28 @@ def test_server_stopped_mid_pull_is_network_error_and_leaves_nothing(tmp_path, m
             except Exception as e:
                 outcome.append(e)
 
+        # Kill the server once the pull has staged a file, not before, and before it goes on:
+        # the pull waits at its first staged file until the server is dead.
+        from dfcache.store import _local
+
+        staged, killed = threading.Event(), threading.Event()
+        real_put = _local._LocalStaging.put
+
+        def put(self, relpath, data):
+            n = real_put(self, relpath, data)
+            if not staged.is_set():
+                staged.set()
+                assert killed.wait(120), "the server was never killed"
+            return n
+
+        monkeypatch.setattr(_local._LocalStaging, "put", put)
         t = threading.Thread(target=pull)
         t.start()
-        deadline = time.monotonic() + 30
-        # Kill the server once the pull has committed files into its staging, not before.
-        while time.monotonic() < deadline and not any(p.is_file() for p in staging.rglob("*")):
-            time.sleep(0.002)
+        assert staged.wait(120), outcome
+        assert any(p.is_file() for p in staging.rglob("*"))
         server.kill()
-        t.join(60)
+        killed.set()
+        t.join(120)
     assert len(outcome) == 1 and isinstance(outcome[0], NetworkError), outcome
     assert outcome[0].exit_code == 4 and url in str(outcome[0])
     assert no_leftovers(b)
@@ -341,14 +355,12 @@ def test_cli_push_status_pull_exit_codes(s3, tmp_path):
 
 
 def test_cli_network_offline_and_usage_exit_codes(s3, tmp_path):
-    import socket
+    from servers import ClosedPort
 
     a = open_store(tmp_path / "a")
     keys = write_chain(a, n=1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    res = dfcache("push", "s3://bkt/r", keys[0], "--endpoint-url", dead, store=tmp_path / "a")
+    with ClosedPort() as closed:  # held bound: no other test's server can take the port meanwhile
+        res = dfcache("push", "s3://bkt/r", keys[0], "--endpoint-url", closed.url, store=tmp_path / "a")
     assert res.code == 4 and "connection refused" in res.err and "s3://bkt/r" in res.err
     res = dfcache("pull", f"s3://{s3.create_bucket()}/r", "--all", "--offline", store=tmp_path / "b",
                   env={"AWS_ENDPOINT_URL": s3.endpoint})
