@@ -43,6 +43,7 @@ import json
 import re
 import threading
 import time
+from itertools import repeat
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -107,8 +108,9 @@ class Partition:
         return sample_key(self.key, upstream)
 
     def sample_keys(self, upstream: Iterable[str]) -> list[str]:
-        p = self.key
-        return [sample_key(p, u) for u in upstream]
+        # sample_key inlined: a plan computes one per sample and stage.
+        head, h = '{"partition":"%s","sample":"' % self.key, xxhash.xxh3_128_hexdigest
+        return [h((head + u + '"}').encode()) for u in upstream]
 
     @classmethod
     def of_segment(cls, m: Manifest) -> "Partition":
@@ -401,10 +403,11 @@ class SampleIndex:
             if not m.samples or m.samples["partition"] != partition:
                 continue
             segs[key] = m
-        for key in sorted(segs):  # ascending: the first holder of a sample is the smallest key
-            for pos, k in enumerate(segs[key].samples["keys"]):
-                if k not in where:
-                    where[k] = (key, pos)
+        # Descending, each segment overwriting: a sample held by several resolves to the smallest
+        # key. zip/repeat/range keep the 100,000-sample loop in C.
+        for key in sorted(segs, reverse=True):
+            keys = segs[key].samples["keys"]
+            where.update(zip(keys, zip(repeat(key), range(len(keys)))))
         self._parts[partition] = where
         self._segments[partition] = segs
         return where

@@ -36,7 +36,6 @@ def _backend_graph(ctx: RunContext, tokens_node, drafters, layers):
 def run_compare(store, opts: EvalOptions, backends: list[str], *, completions_backend: str | None = None,
                 remotes=None, argv=None) -> dict:
     """Plan every backend's nodes first (so an impossible one fails before work), then run them."""
-    from .models.target import cuda_visible
     from .pipeline import build_graph, execute
     from .stages import drafter_eval, hidden_states
 
@@ -46,8 +45,6 @@ def run_compare(store, opts: EvalOptions, backends: list[str], *, completions_ba
     for b in backends:
         if b not in ("fla", "torch"):
             raise UsageError(f"--backend {b!r}: compare fla and torch (auto would pick one of them).")
-    if opts.eval_device is None and not cuda_visible()[0]:
-        opts = dataclasses.replace(opts, eval_device="cpu")
     # Local completions are keyed by the backend that generated them; all states must cover the
     # same tokens, so one backend's completions serve every backend.
     cb = completions_backend or backends[0]

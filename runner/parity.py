@@ -336,7 +336,10 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
                         num_prompts=opts.num_prompts, completions="local", max_new_tokens=opts.max_new_tokens,
                         backend=opts.backend, device=opts.device, dtype=opts.dtype, tree_budgets=budgets,
                         enable_thinking=opts.enable_thinking, progress=opts.progress,
-                        attn_implementation=opts.attn_implementation).validate()
+                        attn_implementation=opts.attn_implementation,
+                        # the offline side runs where the online loop does: float32 parity is exact
+                        # only on one device's numerics
+                        eval_device=opts.device).validate()
     ctx = RunContext(store, eopts, argv=["run", "eval", "--target", opts.target, "--drafter", opts.drafter])
     nodes = resolve(ctx, build_graph(ctx, "eval"))
     check_offline(ctx, nodes)

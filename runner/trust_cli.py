@@ -90,7 +90,7 @@ def register(app: typer.Typer) -> None:
         wait_server: float = typer.Option(0.0, "--wait-server"),
         enable_thinking: bool = typer.Option(False, "--enable-thinking/--no-enable-thinking"),
         device: str = typer.Option("auto", "--device", help="auto|cuda|cpu for extraction."),
-        eval_device: Optional[str] = typer.Option(None, "--eval-device", help="cpu|cuda for the evals (default: the states' device, the CPU without a GPU)."),
+        eval_device: str = typer.Option("auto", "--eval-device", help="auto|cuda|cpu: where drafters are evaluated (auto: CUDA where usable, else CPU), whatever device made the states."),
         dtype: str = typer.Option("bfloat16", "--dtype"),
         attn_implementation: str = typer.Option("sdpa", "--attn-implementation"),
         tree_budget: Optional[List[int]] = typer.Option(None, "--tree-budget"),
@@ -113,7 +113,7 @@ def register(app: typer.Typer) -> None:
         for name, value, allowed in (("--device", device, ("auto", "cuda", "cpu")),
                                      ("--dtype", dtype, ("bfloat16", "float32")),
                                      ("--attn-implementation", attn_implementation, ("sdpa", "eager", "flash_attention_2")),
-                                     ("--eval-device", eval_device or "cpu", ("cpu", "cuda"))):
+                                     ("--eval-device", eval_device, ("auto", "cuda", "cpu"))):
             if value not in allowed:
                 raise UsageError(f"{name} {value!r} is not one of {', '.join(allowed)}.")
         opts = EvalOptions(target=target, target_revision=revision, drafters=list(drafter), trained_on=trained_on,

@@ -41,9 +41,16 @@ class ClosedPort:
     free for a moment; on a machine running other tests (CI beside other work) another server may
     take it before the client connects, which made "connection refused" cases flaky."""
 
-    def __init__(self) -> None:
+    def __init__(self, ports: range | None = None) -> None:
         self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
+        for port in ports or [0]:  # (``ports``: the first free one of them)
+            try:
+                self.sock.bind(("127.0.0.1", port))
+                break
+            except OSError:
+                continue
+        else:
+            raise OSError(f"no free port in {ports}")
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -306,11 +313,15 @@ class ScriptedServer(_Server):
     ``"loading"`` (HTTP 503 while loading), ``"ok"`` (a short answer), ``"slow"`` (a short answer
     after 0.2 s; ``max_in_flight`` records the most requests served at once).
     ``health``: ``"ok"``, ``"loading"`` (503) or ``"missing"`` (404, so clients use /v1/models).
+    ``hold_after=N``: chat requests after the N-th wait until ``released`` is set (or the server
+    stops), so that a test can interrupt a client at a known request, whatever the load.
     """
 
     def __init__(self, chat: str = "ok", health: str = "ok", models: tuple[str, ...] = ("scripted-model",),
-                 port: int = 0):
+                 port: int = 0, hold_after: int | None = None):
         super().__init__(port)
+        self.hold_after = hold_after
+        self._chats = 0
         self.chat = chat
         self.health = health
         self.models = list(models)
@@ -328,6 +339,11 @@ class ScriptedServer(_Server):
             return 200, {"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]}
         if path == "/v1/chat/completions":
             mode = self.chat
+            with self._lock:
+                self._chats += 1
+                held = self.hold_after is not None and self._chats > self.hold_after
+            if held:
+                self.released.wait(300)
             if mode == "500":
                 return 500, {"error": {"message": "CUDA out of memory (scripted)", "type": "InternalError"}}
             if mode == "garbage":
@@ -376,9 +392,25 @@ class RecordingListener:
             self.connections += 1
             conn.close()
 
+    def settle(self) -> int:
+        """Every connection made so far, counted without waiting: stop the accept loop, then take
+        what is still in the kernel's backlog. A client's connect() returns only once the
+        handshake is done, so a client that has returned (or exited) is in one or the other."""
+        if not self._stop.is_set():
+            self._stop.set()
+            self._thread.join()
+            self.sock.setblocking(False)
+            while True:
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:  # (BlockingIOError: the backlog is empty)
+                    break
+                self.connections += 1
+                conn.close()
+        return self.connections
+
     def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
+        self.settle()
         self.sock.close()
 
     def __enter__(self) -> "RecordingListener":

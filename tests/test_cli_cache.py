@@ -152,6 +152,7 @@ def test_gc_refuses_dependents_force_removes_and_verify_reports_the_broken_chain
     assert code == 0 and not s.has(up) and s.has(down)
     code, out, err = _main(capsys, "--store", store, "verify")
     assert code == 0 and f"BROKEN CHAIN {down} (conformance2): upstream {up} is not in this store" in out
+    assert err.count("warning:") == 1 and "1 artifact(s) depend on upstream artifacts" in err and "error" not in err
     code, out, err = _main(capsys, "--store", store, "verify", "--json")
     assert json.loads(out)["missing_upstream"] == [{"key": down, "stage": "conformance2", "upstream": up}]
 

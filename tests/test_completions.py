@@ -89,8 +89,7 @@ def test_server_completions_are_cached_and_replayed_without_the_server(serve, lo
     with RecordingListener() as listener:
         ctx2, nodes2 = run_pipeline(tmp_path / "store", "tokens",
                                     **_server_opts(tiny_target, listener.url, wait_server=5))
-        time.sleep(0.2)
-        assert listener.connections == 0
+        assert listener.settle() == 0
     assert nodes2["completions"].key == nodes["completions"].key
     assert nodes2["completions"].status == "cached"
     assert ctx2.work_done == [nodes2["tokens"].key]
@@ -152,8 +151,7 @@ def test_killed_server_keeps_finished_and_resume_fetches_only_the_rest(servers, 
     with RecordingListener(port=dying.port) as listener:
         _, nodes2 = run_pipeline(store, "completions",
                                  **_server_opts(tiny_target, dying.url, num_prompts=n, wait_server=3))
-        time.sleep(0.2)
-        assert listener.connections == 0
+        assert listener.settle() == 0
     assert nodes2["completions"].status == "cached"
 
 
@@ -188,10 +186,9 @@ def test_requests_run_concurrently_within_the_bound(tiny_target, tmp_path):
 def test_closed_port_fails_at_once_and_wait_server_waits(tiny_target, tmp_path, capsys):
     closed = ClosedPort()  # refused for the whole test (held until it ends)
     url = closed.url
-    t = time.monotonic()
     with pytest.raises(ConnectionRefused):
         run_pipeline(tmp_path / "store", "completions", **_server_opts(tiny_target, url))
-    assert time.monotonic() - t < 2
+    assert "waiting for server" not in capsys.readouterr().err  # one check, no wait
     t = time.monotonic()
     with pytest.raises(ConnectionRefused):
         run_pipeline(tmp_path / "store", "completions", **_server_opts(tiny_target, url, wait_server=2))
@@ -220,8 +217,7 @@ def test_offline_makes_no_connection(tiny_target, tmp_path, monkeypatch):
         monkeypatch.setenv("DFCACHE_OFFLINE", "1")
         with pytest.raises(OfflineModeIsEnabled):
             run_pipeline(tmp_path / "store", "completions", **_server_opts(tiny_target, listener.url))
-        time.sleep(0.2)
-        assert listener.connections == 0
+        assert listener.settle() == 0
 
 
 def test_sglang_native_gives_server_token_ids_equal_to_local_greedy(tiny_target, local_greedy, tmp_path):

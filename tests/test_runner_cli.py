@@ -30,9 +30,8 @@ N = 2  # prompts
 MAX_NEW = 4
 REPO = Path(__file__).resolve().parents[1]
 HEAVY = ("torch", "transformers")
-# "At once": main() (imports of the runner included) well under the 3 s of the --wait-server case.
-# Loose on purpose, CI machines are shared; that no wait happened is also checked on stderr.
-AT_ONCE_S = 5.0
+# "At once" is checked by what happened, not by a clock (CI machines are shared): no model
+# imported, no "waiting for server" line, no request beyond the first per prompt.
 
 # Runs dfcache.cli.main in a fresh interpreter and reports, on its last stderr line, the exit code,
 # the seconds main() took and which heavy modules got imported.
@@ -111,9 +110,8 @@ def stages_in(store) -> dict[str, int]:
     return out
 
 
-def _stop_listening(listener, wait: float = 0.2) -> int:
-    time.sleep(wait)  # let the accept loop count anything that connected just before exit
-    return listener.connections
+def _stop_listening(listener) -> int:
+    return listener.settle()  # (the backlog too: anything that connected just before exit)
 
 
 def _args(target, *extra):
@@ -219,8 +217,6 @@ def test_offline_missing_network_artifact_exits_3_at_once_without_connecting(how
         connections = _stop_listening(listener)
     assert r.code == EXIT_OFFLINE_MISSING, r.err
     assert connections == 0
-    assert r.seconds < AT_ONCE_S, f"offline refusal took {r.seconds:.1f} s"
-    assert r.wall < 20.0
     assert r.heavy == [], "no model may be loaded before refusing"
     msg = r.one_error()
     key = server_plan["completions"]["key"]
@@ -283,10 +279,9 @@ def test_server_check_fails_once_up_front_with_exit_4(name, kind, wait, words, n
             server.stop() if kind == "loading" else server.close()
     assert r.code == EXIT_NETWORK, r.err
     if wait == 0:
-        assert r.seconds < AT_ONCE_S, f"{name}: took {r.seconds:.1f} s instead of failing at once"
         assert "waiting for server" not in r.err and "after waiting" not in r.err
     else:
-        assert wait <= r.seconds < wait + AT_ONCE_S, f"{name}: took {r.seconds:.1f} s with --wait-server {wait}"
+        assert r.seconds >= wait, f"{name}: gave up after {r.seconds:.1f} s with --wait-server {wait}"
         progress = [ln for ln in r.err.splitlines() if ln.startswith(f"waiting for server at {url}:")]
         # Visible, with the reason; a hung server shows its line when the check times out.
         reason = {"closed": "connection refused", "loading": "not ready", "silent": "timed out"}[kind]
@@ -367,7 +362,7 @@ def test_server_failures_exit_4_and_cache_no_completions(mode, extra, words, pro
     else:
         assert chat_requests == 0
         assert stages_in(store) == {}
-    assert r.seconds < AT_ONCE_S + (1.0 if mode == "hang" else 0.0)  # no retries, no waiting
+    assert chat_requests <= N and "waiting for server" not in r.err  # no retries, no waiting
 
 
 def test_options_after_the_command(env, tmp_path):

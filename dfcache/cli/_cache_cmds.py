@@ -11,7 +11,7 @@ import typer
 from ..errors import IntegrityError, UsageError
 from ..maintenance import backend_summary, gc_plan, input_summary, manifest_row, missing_upstream, where_scope
 from ..query import filter_manifests
-from .common import check_kernel, check_stage, emit_json, get_store, human_bytes, progress_enabled, state
+from .common import check_kernel, check_stage, emit_json, err, get_store, human_bytes, progress_enabled, state
 
 
 def register(app: typer.Typer) -> None:
@@ -127,7 +127,8 @@ def register(app: typer.Typer) -> None:
         bad = {k: [msg] for k, msg in errors}
         # A missing upstream artifact is a broken chain, not corrupt data: the dependent's own
         # bytes are fine, and a store may hold an artifact without its inputs on purpose (pulled
-        # with --no-upstream, or a run that pulled only the eval it needed). Reported, exit 0.
+        # with --no-upstream, or a run that pulled only the eval it needed). A warning, exit 0,
+        # as `pull` warns of an upstream that neither store has.
         wanted = set(targets)
         broken = [(m, u) for m, u in missing_upstream(store, everything) if m.key in wanted]
         progress = None
@@ -160,6 +161,10 @@ def register(app: typer.Typer) -> None:
                   + (f", {len(broken)} missing upstream artifact(s)" if broken else ""))
             for line in (recomputed or {}).get("lines", []):
                 print(line)
+        if broken:
+            err(f"warning: {len({m.key for m, _ in broken})} artifact(s) depend on upstream artifacts that are not "
+                "in this store (their own data was checked); recompute or pull the upstream if you need it, "
+                "or leave it if it was left out on purpose (`pull --no-upstream`).")
         if bad:
             names = ", ".join(k[:12] for k in list(bad)[:5]) + (", ..." if len(bad) > 5 else "")
             one = next(iter(bad))[:12]

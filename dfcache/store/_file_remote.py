@@ -40,6 +40,9 @@ class FileRemoteBackend(LocalBackend):
         super().__init__(path, create=create)
         self.url = f"file://{self.root}"
 
+    def _url_for_refusal(self) -> str:
+        return f"file://{self.root}"
+
     def _refuse_link(self, rel: str) -> IntegrityError:
         return IntegrityError(f"file://{self.root}/{rel} is a symbolic link; dfcache never follows links in a "
                               "remote store. Replace it with the real file (or remove the artifact there) "

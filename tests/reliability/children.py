@@ -10,6 +10,16 @@ a line, and the test reads the last marker to know where the kill landed:
     H i KEY    artifact i was already in the store (a rerun)
     R ROWS RESUMED    a resumable writer started with ROWS rows kept (RESUMED: 0/1)
     K ROWS / k ROWS   a resumable writer's checkpoint at ROWS rows started / finished
+    Z N OP     stopped (SIGSTOP) just before store operation N, OP; the test SIGKILLs it there
+    O N OP     (counting only) store operation N was OP
+
+Where a kill lands is decided by the child, not by timing: a *pause* (``{"op": N}``, or
+``{"after": MARKER, "op": N}`` to count from a marker, ``{"after_op": OP, "op": N}`` from an
+operation) stops the process with SIGSTOP just before
+its N-th store operation (a staged file, a rename or replace, a directory fsync), and a pause
+counted from a marker stops at the end of that phase at the latest (just before the next
+marker). The test waits for the ``Z`` marker and sends SIGKILL (or SIGINT then SIGCONT): the
+kill lands at exactly that point, however loaded the machine is.
 
 The data of every artifact is a pure function of its spec, so any process can regenerate what
 an artifact must hold and compare bytes.
@@ -19,14 +29,115 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
+import threading
 import time
 
 import numpy as np
 
+_MARK_FD = [1]
+_PAUSE: dict = {"op": None, "after": None, "after_op": None, "only": "", "counting": False, "count": 0, "list": False, "frozen": False}
+_PAUSE_LOCK = threading.RLock()
+
 
 def mark(line: str) -> None:
-    os.write(1, (line + "\n").encode())
+    p = _PAUSE
+    if p["counting"] and p["after"] is not None and not p["frozen"]:
+        _freeze("end of phase")  # the phase ended before its N-th operation: stop at its end
+    if p["after"] is not None and line == p["after"] and not p["frozen"]:
+        with _PAUSE_LOCK:
+            p["counting"], p["count"] = True, 0
+    os.write(_MARK_FD[0], (line + "\n").encode())
+
+
+def _freeze(what: str) -> None:
+    with _PAUSE_LOCK:
+        if _PAUSE["frozen"]:
+            return
+        _PAUSE["frozen"] = True
+        os.write(_MARK_FD[0], f"Z {_PAUSE['count']} {what}\n".encode())
+    os.kill(os.getpid(), signal.SIGSTOP)  # the whole process, every thread, until killed
+
+
+def _done(what: str) -> None:
+    """After an operation returned: an ``after_op`` pause counts from here on (not from the call,
+    so that another thread's next operation cannot overtake it)."""
+    p = _PAUSE
+    if p["after_op"] is not None and not p["counting"] and what.startswith(p["after_op"]):
+        with _PAUSE_LOCK:
+            p["counting"], p["count"] = True, 0
+
+
+def _point(what: str) -> None:
+    p = _PAUSE
+    if not p["counting"] or p["frozen"] or not what.startswith(p["only"]):
+        return
+    with _PAUSE_LOCK:
+        p["count"] += 1
+        n = p["count"]
+        if p["list"]:
+            os.write(_MARK_FD[0], f"O {n} {what}\n".encode())
+        hit = p["op"] is not None and n >= p["op"]
+    if hit:
+        _freeze(what)
+
+
+def install_pause(pause: dict | None, fd: int = 1) -> None:
+    """Count the store's operations in this process and stop at the one ``pause`` names
+    (``{"op": N}``; ``{"after": MARKER, "op": N}`` counts from a marker, ``{"after_op": OP, "op": N}``
+    from the first operation whose name starts with OP, and ``"only": PREFIX`` counts only the
+    operations named so (deterministic where several threads write); ``{"list": true}`` prints them all)."""
+    _MARK_FD[0] = fd
+    if not pause:
+        return
+    # A SIGINT sent while the process is stopped is delivered, on SIGCONT, to any thread that does
+    # not block it; in a writer thread it only sets Python's flag while the main thread sleeps in a
+    # join, and the run went on to finish. Threads started from here on block it, so Ctrl-C reaches
+    # the main thread, as it does when the terminal sends it to a busy process.
+    real_inner = threading.Thread._bootstrap_inner
+
+    def inner(self):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        return real_inner(self)
+
+    threading.Thread._bootstrap_inner = inner
+    from dfcache.store import _local
+
+    _PAUSE.update(op=pause.get("op"), after=pause.get("after"), after_op=pause.get("after_op"), only=pause.get("only", ""),
+                  list=bool(pause.get("list")), counting=pause.get("after") is None and pause.get("after_op") is None)
+    real_put, real_fsync_dir = _local._LocalStaging.put, _local._fsync_dir
+    real_rename, real_replace = os.rename, os.replace
+
+    def op(what, real, *a, **kw):
+        _point(what)
+        result = real(*a, **kw)
+        _done(what)
+        return result
+
+    def put(self, relpath, data):
+        return op(f"put {relpath}", real_put, self, relpath, data)
+
+    def fsync_dir(path):
+        return op("fsync_dir", real_fsync_dir, path)
+
+    def in_store(dst) -> bool:  # not the libraries' own renames (caches, memo files)
+        d = os.fspath(dst)
+        return f"{os.sep}staging{os.sep}" in d or f"{os.sep}artifacts{os.sep}" in d
+
+    def rename(src, dst, *a, **kw):
+        if in_store(dst):
+            return op(f"rename {os.path.basename(os.fspath(dst))}", real_rename, src, dst, *a, **kw)
+        return real_rename(src, dst, *a, **kw)
+
+    def replace(src, dst, *a, **kw):
+        if in_store(dst):
+            return op(f"replace {os.path.basename(os.fspath(dst))}", real_replace, src, dst, *a, **kw)
+        return real_replace(src, dst, *a, **kw)
+
+    _local._LocalStaging.put = put
+    _local._fsync_dir = fsync_dir
+    os.rename, os.replace = rename, replace
 
 
 def slow_fsync(delay: float) -> None:
@@ -117,6 +228,7 @@ def writer_job(store_path: str, job_json: str) -> int:
     from dfcache.store import open_store
 
     job = json.loads(job_json)
+    install_pause(job.get("pause"))
     slow_fsync(job.get("slow_fsync", 0.0))
     slow_put(job.get("slow_put", 0.0))
     if job.get("start_at"):
@@ -156,11 +268,12 @@ def boundaries_of(spec: dict) -> list[int]:
     return out
 
 
-def resumable_job(store_path: str, spec_json: str) -> int:
+def resumable_job(store_path: str, spec_json: str, pause_json: str = "") -> int:
     """One artifact written in steps with a checkpoint after each; resumes what it finds."""
     from dfcache.store import open_store
 
     spec = json.loads(spec_json)
+    install_pause(json.loads(pause_json) if pause_json else None)
     slow_fsync(spec.get("slow", 0.0))
     store = open_store(store_path)
     key = key_of(spec)
@@ -263,6 +376,13 @@ def slow_cli(delay: str, *argv: str) -> int:
         return result
 
     os.unlink = unlink
+    return cli_main(*argv)
+
+
+def paused_cli(pause_json: str, *argv: str) -> int:
+    """``dfcache ARGV`` stopped just before the store operation ``pause_json`` names (markers on
+    stderr, so that stdout stays the command's own)."""
+    install_pause(json.loads(pause_json), fd=2)
     return cli_main(*argv)
 
 

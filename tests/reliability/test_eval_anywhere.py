@@ -75,10 +75,15 @@ def test_fla_cuda_states_evaluate_on_the_cpu(heavy_zygote, base_store, tmp_path)
     # --no-progress: none of transformers' bars or kernel-fallback notices on stderr.
     for noise in ("Loading weights", "falling back", "it/s]"):
         assert noise not in r.err and noise not in torch_run.err, f"{noise!r} on stderr:\n{r.err}"
+    assert "Torch not compiled with CUDA" not in r.err
 
     from runner.models.target import cuda_visible
 
     if not cuda_visible()[0]:
+        # auto is the CPU here: --eval-device cpu names the same eval, found in the store.
+        again = heavy_zygote.cli(*common, "--backend", "fla", "--device", "cuda", "--eval-device", "cpu", timeout=300)
+        assert again.code == 0, again.err
+        assert json.loads(again.out)["computed"] == [] and json.loads(again.out)["drafters"][0]["key"] == d["key"]
         r = heavy_zygote.cli(*common, "--backend", "fla", "--device", "cuda", "--eval-device", "cuda",
                              "--tree-budget", "3", timeout=300)
         assert r.code == EXIT_BAD_INPUT, r.err
