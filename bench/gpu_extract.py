@@ -118,6 +118,8 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--label", default="", help="model label in the rows (e.g. 8B-shaped)")
     ap.add_argument("--budget-s", type=float, default=480.0)
+    ap.add_argument("--probe", action="store_true",
+                    help="also sweep batch sizes (speed, bits) and take the pipeline apart (contention, variants)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="check this script on a CPU machine: tiny sizes, torch backend only, no GPU figures")
     args = ap.parse_args()
@@ -184,7 +186,6 @@ def main() -> int:
 def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> int:
     args = b.args
     from dfcache import fingerprint_path, open_store
-    from dfcache.diff import diff_artifacts
     from runner.stages.hidden_states.extract import plan_windows
     from runner.graph import Node, RunCache, RunContext, resolve
     from runner.pipeline import execute
@@ -226,18 +227,32 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
     fp = fingerprint_path(model_dir)
 
     def write_tokens(name: str, lengths: list[int], seed: int) -> Node:
+        """A tokens node whose samples have the tokens stage's names and layout (per sample)."""
+        from dfcache.samples import SampleArray, SampleSink, record_digest
+        from runner.stages import tokens as tokens_stage
+
         rng = np.random.default_rng(seed)
-        ids = np.concatenate([rng.integers(3, args.vocab, n) for n in lengths]).astype(np.int32)
+        arrs = [rng.integers(3, args.vocab, n).astype(np.int32) for n in lengths]
+        ups = [record_digest({"bench": name, "seed": seed, "i": i}) for i in range(len(lengths))]
+        node = Node.make_samples("tokens", tokens_stage.VERSION, inputs={"target": fp, "tokenizer": fp, "bench": name,
+                                                                         "seed": seed},
+                                 upstream_samples=ups, ids=[str(i) for i in range(len(lengths))], needs="cpu",
+                                 payload={"target_dir": str(model_dir)}, label="tokens")
+        with SampleSink(store, node.partition, arrays={"ids": SampleArray((), "int32")}) as sink:
+            for u, x in zip(ups, arrs):
+                sink.add(u, {"ids": x}, {"prompt_len": 0, "completion_len": len(x), "finish_reason": "length",
+                                         "tokens_source": "local", "eos_appended": False})
         offsets = np.zeros(len(lengths) + 1, np.int64)
         offsets[1:] = np.cumsum(lengths)
-        node = Node.make("tokens", 1, inputs={"target": fp, "bench": name, "seed": seed}, needs="cpu",
-                         payload={"target_dir": str(model_dir)}, label="tokens")
-        with store.writer(node.key, stage="tokens", stage_version=1, inputs=node.inputs) as w:
-            w.write_array("token_ids", ids)
-            w.write_array("offsets", offsets)
-            w.write_array("prompt_lens", np.zeros(len(lengths), np.int32))
-        node.payload["offsets"], node.payload["ids"] = offsets, ids
+        # in position order, for the bench's own forwards (the stage orders samples its own way)
+        node.payload["offsets"], node.payload["ids"] = offsets, np.concatenate(arrs)
         return node
+
+    def read_rows(key: str, start: int, stop: int):
+        """Rows [start, stop) of a plain artifact's ``hidden`` array (the bench's direct extractions)."""
+        arr = store.open(key).array("hidden")
+        raw = arr.read_raw(start, stop)
+        return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16) if arr.dtype == "bfloat16" else torch.from_numpy(raw)
 
     equal = write_tokens("equal", [args.seq_len] * args.samples, 1)
     mixed = None
@@ -307,12 +322,14 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         execute(ctx, list(nodes.values()))
         dt = time.perf_counter() - t
         st = ctx.last_extract_stats
-        row(f"dfcache extract ({label})", kernel, st.tokens if st else 0, dt, bare_rate)
+        row(f"dfcache extract ({label})", kernel, int(tok.payload["offsets"][-1]), dt, bare_rate)
         if st:
             b.res.setdefault("extract_stats", {})[f"{kernel}/{label}"] = {
                 "tokens": st.tokens, "batches": st.batches, "windows": st.windows, "wall_s": st.wall_s,
-                "compute_loop_s": st.forward_s, "writer_wait_s": st.writer_wait_s}
-        keys.setdefault(f"{kernel}/{label}", {}).update({k: n.key for k, n in nodes.items()})
+                "compute_loop_s": st.forward_s, "forward_gpu_s": st.forward_gpu_s, "writer_wait_s": st.writer_wait_s,
+                "shape_checks": st.checks, **st.extra}
+            log(f"extract stats {kernel}/{label}: {b.res['extract_stats'][f'{kernel}/{label}']}")
+        keys.setdefault(f"{kernel}/{label}", {}).update(nodes)  # layer -> node
 
     caches = {"fla": RunCache(), "torch": RunCache()}  # one loaded target per kernel, reused by every run
     targets: dict = {}
@@ -338,6 +355,14 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
                     seen.add(shape)
                     target = targets[kernel]
                     target.forward_layers(x.to(DEV), layers)
+                    if tok is equal:
+                        # the batch-shape check may fall back to halves down to one sample: warm those too
+                        n = x.shape[0] // 2
+                        while n >= 1:
+                            if (n, x.shape[1]) not in seen:
+                                seen.add((n, x.shape[1]))
+                                target.forward_layers(x[:n].to(DEV), layers)
+                            n //= 2
             sync()
             b.res["timings"][f"warmup_{kernel}"] = round(time.perf_counter() - t, 3)
             log(f"{kernel}: warm-up {time.perf_counter() - t:.1f} s over shapes {sorted(seen)[:4]}")
@@ -413,45 +438,131 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         log(f"disk: dd {dd_rate or 0:.2f} GB/s, numpy.save+fsync {np_rate:.2f} GB/s -> "
             f"{rate * 1e9 / bytes_per_token:,.0f} tok/s at {bytes_per_token} B/token")
 
-    def store_only():
-        """The extraction pipeline (copies, window buffers, writer threads, store) with the
-        forward replaced by ready-made GPU tensors: what the store path alone sustains."""
+    class Fake:
+        """Ready-made GPU tensors in place of the forward (same rows whatever the batch)."""
+        device = torch.device(DEV)
+        hidden_size = args.hidden
+        torch_dtype = torch.bfloat16
+
+        def __init__(self):
+            g = torch.Generator(device=DEV).manual_seed(0)
+            self.t = torch.randn((max(1, args.batch_tokens // args.seq_len), args.seq_len, args.hidden),
+                                 device=DEV, generator=g).to(torch.bfloat16)
+
+        def forward_layers(self, ids, want):
+            return {k: self.t[: ids.shape[0], : ids.shape[1]] for k in want}
+
+    def direct_extract(model, offsets, ids, tag: str, stage: str = "bench_direct", keep: bool = False):
+        """runner.stages.hidden_states.extract.extract into fresh artifacts of ``layers`` (deleted after, unless ``keep``)."""
         from runner.stages.hidden_states.extract import LayerSink, extract
         from dfcache import compute_key
 
-        class Fake:
-            device = torch.device(DEV)
-            hidden_size = args.hidden
-            torch_dtype = torch.bfloat16
-
-            def __init__(self):
-                g = torch.Generator(device=DEV).manual_seed(0)
-                self.t = torch.randn((args.batch_tokens // args.seq_len, args.seq_len, args.hidden),
-                                     device=DEV, generator=g).to(torch.bfloat16)
-
-            def forward_layers(self, ids, want):
-                return {k: self.t[: ids.shape[0], : ids.shape[1]] for k in want}
-
-        offsets, ids = equal.payload["offsets"], equal.payload["ids"]
-        fake = Fake()
         writers, sinks = [], []
         for k in layers:
-            key = compute_key("bench_store_only", 1, {"layer": k, "run": time.time()})
-            w = store.writer(key, stage="bench_store_only", stage_version=1, inputs={"layer": k}, resumable=True)
+            key = compute_key(stage, 1, {"layer": k, "tag": tag, "run": time.time()})
+            w = store.writer(key, stage=stage, stage_version=1, inputs={"layer": k, "tag": tag}, resumable=True)
             writers.append(w)
             sinks.append(LayerSink(layer=k, writer=w, array=w.create_array("hidden", (int(offsets[-1]), args.hidden),
                                                                             "bfloat16")))
         sync()
         t = time.perf_counter()
-        st = extract(fake, ids, offsets, sinks, batch_tokens=args.batch_tokens)
+        st = extract(model, ids, offsets, sinks, batch_tokens=args.batch_tokens)
         for w in writers:
             w.commit()
         dt = time.perf_counter() - t
+        if not keep:
+            for w in writers:
+                store.delete(w.key)
+        return st, dt, [w.key for w in writers]
+
+    def store_only():
+        """The extraction pipeline (copies, window buffers, writer threads, store) with the
+        forward replaced by ready-made GPU tensors: what the store path alone sustains."""
+        offsets, ids = equal.payload["offsets"], equal.payload["ids"]
+        st, dt, _ = direct_extract(Fake(), offsets, ids, "store-only", stage="bench_store_only")
         r = row("store path only (no forward)", "none", st.tokens, dt)
         b.res["store_only"] = {"tok_per_s": r["tok_per_s"], "gbps": st.tokens * bytes_per_token / dt / 1e9,
                                "writer_wait_s": st.writer_wait_s, "compute_loop_s": st.forward_s}
-        for w in writers:
-            store.delete(w.key) if hasattr(store, "delete") else None
+
+    def batch_sweep():
+        """Bare forwards of the same samples in batches of 1, 2, 4, ... and whether each size gives
+        sample 0 a one-sample forward's bits: what the extraction's batch-shape check decides on."""
+        target = targets["fla" if "fla" in targets else "torch"]
+        ids = equal.payload["ids"]
+        L = args.seq_len
+        per = max(1, args.batch_tokens // L)
+        n = min(args.samples, 2 * per)
+        x_all = torch.from_numpy(ids[: n * L].reshape(n, L).astype(np.int64))
+        one = target.forward_layers(x_all[:1].to(DEV), layers)
+        out = {}
+        bsz = 1
+        while bsz <= per:
+            target.forward_layers(x_all[:bsz].to(DEV), layers)  # warm (autotune) outside the clock
+            sync()
+            t = time.perf_counter()
+            for i in range(0, n - bsz + 1, bsz):
+                target.forward_layers(x_all[i:i + bsz].to(DEV), layers)
+            sync()
+            dt = time.perf_counter() - t
+            got = target.forward_layers(x_all[:bsz].to(DEV), layers)
+            eq = {str(k): (got[k][0].view(torch.int16) == one[k][0].view(torch.int16)).float().mean().item()
+                  for k in layers}
+            out[str(bsz)] = {"tok_per_s": round((n // bsz) * bsz * L / dt, 1), "bitwise_equal_to_one_sample": eq,
+                             "min_equal": min(eq.values())}
+            log(f"batch {bsz} x {L}: {out[str(bsz)]['tok_per_s']:,.0f} tok/s bare; sample 0 bitwise-equal to "
+                f"a one-sample forward: min {min(eq.values()):.4f} over layers")
+            del got
+            bsz *= 2
+        b.res["batch_sweep"] = out
+
+    def pipeline_probe():
+        """Where the extraction's time goes beside the bare forward, on the first 64 samples:
+        the bare forward alone and beside the store path (ready tensors, in a thread), then the
+        extraction with its defaults, with 2 writer threads, with a 0.5 ms GIL switch interval,
+        and batched without the batch-shape check (not exact where the check refuses)."""
+        import threading
+
+        import runner.stages.hidden_states.extract as rx
+
+        target = targets["fla" if "fla" in targets else "torch"]
+        m = min(args.samples, 64)
+        offsets = equal.payload["offsets"][: m + 1]
+        ids = equal.payload["ids"][: int(offsets[-1])]
+        eb = batches_of(equal)[: max(1, (m * args.seq_len) // args.batch_tokens)]
+        out = {}
+        n, alone = bare_forward(target, eb)
+        big = np.concatenate([offsets, offsets[1:] + offsets[-1]])
+        box = {}
+        th = threading.Thread(target=lambda: box.update(r=direct_extract(Fake(), big, np.concatenate([ids, ids]), "bg")))
+        th.start()
+        n2, beside = bare_forward(target, eb)
+        th.join()
+        out["bare"] = {"tokens": n, "alone_s": alone, "beside_store_path_s": beside,
+                       "store_path_s": box["r"][1] if "r" in box else None}
+        log(f"probe: bare forward {alone:.3f} s alone, {beside:.3f} s beside the store path "
+            f"({beside / alone:.3f}x)")
+        variants = (("default", {}), ("2 writer threads", {"threads": 2}), ("switchinterval 0.5 ms", {"switch": 5e-4}),
+                    ("batched, no shape check", {"trust": True}))
+        for name, v in variants:
+            old_t, old_sw = rx.WRITER_THREADS, sys.getswitchinterval()
+            old_verdicts = dict(rx._verdicts(target))
+            rx.WRITER_THREADS = v.get("threads", old_t)
+            if v.get("switch"):
+                sys.setswitchinterval(v["switch"])
+            if v.get("trust"):
+                rx._verdicts(target).update({(len(bt.samples), bt.length): True for bt, _ in eb})
+            try:
+                st, dt, _ = direct_extract(target, offsets, ids, name)
+            finally:
+                rx.WRITER_THREADS = old_t
+                sys.setswitchinterval(old_sw)
+                rx._verdicts(target).clear()
+                rx._verdicts(target).update(old_verdicts)
+            out[name] = {"tok_per_s": round(st.tokens / dt, 1), "wall_s": round(dt, 3), "compute_loop_s": st.forward_s,
+                         "forward_gpu_s": st.forward_gpu_s, "writer_wait_s": st.writer_wait_s,
+                         "vs_bare": round(alone / dt, 3), **st.extra}
+            log(f"probe {name}: {out[name]}")
+        b.res["pipeline_probe"] = out
 
     if args.disk_gb:
         b.phase("disk", disk)
@@ -497,7 +608,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
                 x = torch.from_numpy(ids[offsets[s]:offsets[s + 1]].astype(np.int64))[None].to(DEV)
                 one = target.forward_layers(x, layers)
                 for k in layers:
-                    stored = hs.read_layer(store, keys[f"{kernel}/packed-{label}"][k], int(offsets[s]), int(offsets[s + 1]))
+                    stored = read_rows(keys[f"{kernel}/packed-{label}"][k], int(offsets[s]), int(offsets[s + 1]))
                     o = one[k][0].cpu()
                     eq = (stored.view(torch.int16) == o.view(torch.int16)).float().mean().item()
                     rel = ((stored.float() - o.float()).norm() / o.float().norm()).item()
@@ -515,6 +626,9 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
     if DEV == "cuda":
         b.phase("load_fla", load("fla"))
         bare_fla = b.phase("measure_fla", measure("fla")) if "fla" in targets else None
+        if "fla" in targets and args.probe:
+            b.phase("batch_sweep", batch_sweep, optional=True)
+            b.phase("pipeline_probe", pipeline_probe, optional=True)
         if "fla" in targets and mixed is not None and not args.skip_packed:
             eq_rate = next((r["tok_per_s"] for r in b.res["throughput"]
                             if r["what"] == "dfcache extract (equal)" and r["backend"] == "fla"), None)
@@ -529,6 +643,9 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         b.phase("load_torch", load("torch"))
         if "torch" in targets:
             bare_torch = b.phase("measure_torch", measure("torch"))
+            if DEV == "cpu" and args.probe:
+                b.phase("batch_sweep", batch_sweep, optional=True)
+                b.phase("pipeline_probe", pipeline_probe, optional=True)
             if DEV == "cpu":  # smoke: exercise the naive loop, packing and diff on the only backend there is
                 b.phase("naive_torch", naive("torch", bare_torch), optional=True)
                 if mixed is not None and not args.skip_packed:
@@ -541,11 +658,15 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         fla_keys = keys.get("fla/equal", {}) if DEV == "cuda" else torch_keys
         for k in layers:
             if k in fla_keys and k in torch_keys:
-                (a,) = diff_artifacts(store, fla_keys[k], torch_keys[k]).arrays
-                b.res["diff"][str(k)] = {"rel_l2": a.rel_l2, "max_abs": a.max_abs, "cos_mean": a.cos_mean,
-                                         "cos_min": a.cos_min, "equal": a.equal, "equal_kind": a.equal_kind}
-                log(f"diff fla vs torch layer {k:>2}: rel L2 {a.rel_l2:.4f}  max|d| {a.max_abs:.3f}  "
-                    f"cos mean {a.cos_mean:.5f} min {a.cos_min:.5f}  bitwise equal {100 * a.equal:.1f}%")
+                a = hs.read_layer(store, fla_keys[k]).float()
+                t = hs.read_layer(store, torch_keys[k]).float()
+                cos = torch.nn.functional.cosine_similarity(a, t, dim=-1)
+                d = {"rel_l2": ((a - t).norm() / t.norm().clamp_min(1e-30)).item(), "max_abs": (a - t).abs().max().item(),
+                     "cos_mean": cos.mean().item(), "cos_min": cos.min().item(), "equal": (a == t).float().mean().item(),
+                     "equal_kind": "values"}
+                b.res["diff"][str(k)] = d
+                log(f"diff fla vs torch layer {k:>2}: rel L2 {d['rel_l2']:.4f}  max|d| {d['max_abs']:.3f}  "
+                    f"cos mean {d['cos_mean']:.5f} min {d['cos_min']:.5f}  bitwise equal {100 * d['equal']:.1f}%")
 
     b.phase("diff_fla_vs_torch", diffs)
 
@@ -561,7 +682,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
                 with torch.no_grad():
                     plain = target.model(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states
                 for k in layers:
-                    stored = hs.read_layer(store, keys[f"{kernel}/equal"][k], int(offsets[s]), int(offsets[s + 1]))
+                    stored = hs.read_layer(store, keys[f"{kernel}/equal"][k], [s])
                     o = one[k][0].cpu()
                     p = plain[k + 1][0].cpu()
                     out[f"sample{s}/layer{k}"] = {
@@ -597,6 +718,7 @@ def suite_rows(b: Bench) -> list[dict]:
         rows.append({"measure": measure, "dfcache": dfc, "competitor": comp, "ratio": ratio, "unit": "x",
                      "target": target, "direction": direction, "status": status, "note": note})
 
+    st = (res.get("extract_stats") or {}).get("fla/equal") or {}
     if bare and ext and disk.get("ceiling_tok_per_s"):
         ceiling = min(bare["tok_per_s"], disk["ceiling_tok_per_s"])
         bound = "disk" if disk["ceiling_tok_per_s"] < bare["tok_per_s"] else "forward"
@@ -606,7 +728,10 @@ def suite_rows(b: Bench) -> list[dict]:
             note=f"{gpu}; bare forward {bare['tok_per_s']:,.0f} tok/s; disk {disk['ceiling_gbps']:.2f} GB/s "
                  f"(dd {disk.get('dd_fdatasync_gbps') or 0:.2f}, numpy.save+fsync {disk['numpy_save_fsync_gbps']:.2f}) "
                  f"= {disk['ceiling_tok_per_s']:,.0f} tok/s at {disk['bytes_per_token']} B/token; "
-                 f"store path alone {(res.get('store_only') or {}).get('tok_per_s') or 0:,.0f} tok/s")
+                 f"store path alone {(res.get('store_only') or {}).get('tok_per_s') or 0:,.0f} tok/s"
+                 + (f"; batch shapes used {st.get('batch_shapes')}, refused (change bits) {st.get('shapes_changing_bits')}; "
+                    f"GPU time in forwards {st.get('forward_gpu_s', 0):.2f} s of {st.get('wall_s', 0):.2f} s"
+                    if st.get("batch_shapes") is not None else ""))
     for name, pk in (res.get("packed") or {}).items():
         add(f"{label}: mixed lengths packed ({name.split('/', 1)[1]}) vs equal-length extraction",
             f"{pk['tok_per_s']:,.0f} tok/s", f"{ext['tok_per_s']:,.0f} tok/s" if ext else "",
@@ -623,6 +748,25 @@ def suite_rows(b: Bench) -> list[dict]:
         add(f"{label}: {r['what']} [{r['backend']}]", f"{r['tok_per_s'] or 0:,.0f} tok/s",
             f"{r['tokens']} tokens in {r['seconds']} s", r.get("vs_bare"),
             note="ratio = tokens/s / bare forward to the deepest layer")
+    sweep = res.get("batch_sweep") or {}
+    one = (sweep.get("1") or {}).get("tok_per_s")
+    for bsz, v in sweep.items():
+        add(f"{label}: bare forward, batches of {bsz} x {b.args.seq_len} [fla]", f"{v['tok_per_s']:,.0f} tok/s",
+            f"sample 0 bitwise-equal to a one-sample forward: {v['min_equal'] * 100:.2f} %",
+            round(v["tok_per_s"] / one, 3) if one else None,
+            note="ratio = / batches of 1; the batch-shape check runs a shape only where its bits are 100 %")
+    probe = res.get("pipeline_probe") or {}
+    if probe.get("bare"):
+        pb = probe["bare"]
+        add(f"{label}: bare forward beside the store path (ready tensors, in a thread) vs alone",
+            f"{pb['beside_store_path_s']:.3f} s", f"{pb['alone_s']:.3f} s",
+            round(pb["alone_s"] / pb["beside_store_path_s"], 3), note=f"{pb['tokens']} tokens; host-side contention")
+        for name, v in probe.items():
+            if name != "bare":
+                add(f"{label}: extraction variant: {name}", f"{v['tok_per_s']:,.0f} tok/s",
+                    f"GPU time in forwards {v['forward_gpu_s']:.2f} s, compute loop {v['compute_loop_s']:.2f} s, "
+                    f"wall {v['wall_s']:.2f} s", v["vs_bare"],
+                    note=f"ratio = / the bare forward alone on the same {pb['tokens']} tokens; shapes {v.get('batch_shapes')}")
     for kernel, per in (res.get("exactness") or {}).items():
         if per:
             low = min(min(v.values()) for v in per.values())

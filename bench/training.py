@@ -2,12 +2,12 @@
 speculators' own per-sample loading of the same samples, and bytes on disk of the three layouts.
 
 Data: bf16 N(0,1) states of 4 layers x 1024 (4096 per token, as storage-probe.md), cut into
-samples of 128-1024 tokens, written once (not timed) as the eval pipeline stores them (one
-tokens artifact, one artifact per layer) and exported from there with ``dfcache export``'s code
+samples of 128-1024 tokens, written once (not timed) as the eval pipeline stores them (tokens
+samples and each layer's samples in per-sample segments) and exported from there with ``dfcache export``'s code
 to SpecForge's ``rows_*/data_{i}.ckpt`` and speculators' ``hidden_states/hs_{i}.safetensors``
 (+ its prepared dataset). Loaders, each yielding one sample per step:
 
-* dfcache: ``HiddenStateDataset`` over ``runner.samples.ArtifactSamples`` (copies the sample's rows
+* dfcache: ``HiddenStateDataset`` over ``runner.samples.StoredSamples`` (copies the sample's rows
   of each layer from its memory-mapped chunks, crc32c checked when first mapped, into the
   layers' columns of the item);
 * SpecForge: ``load_feature_file`` (``torch.load(mmap=True)``) + ``normalize_offline_sample``,
@@ -42,43 +42,48 @@ HIDDEN = 1024
 
 
 def _write_store(root, states: np.ndarray, lengths: list[int], hidden: int, codec: str = "none"):
-    """The set-level layout (an import's): a tokens artifact and one hidden_states artifact per layer."""
-    from dfcache.keys import compute_key
+    """The pipeline's layout: tokens samples and each layer's hidden-state samples in per-sample
+    segments (as runner/stages write them: samples in upstream-key order, a layer's segment cut
+    at the configured segment size). Returns the store and the selection's partitions and keys."""
+    from dfcache.config import segment_bytes
+    from dfcache.samples import Partition, SampleArray, SampleSink, record_digest
     from dfcache.store import open_store
+    from runner.stages import hidden_states as hs_stage
+    from runner.stages import tokens as tokens_stage
 
     n_layers = states.shape[1] // hidden
     store = open_store(root)
     rng = np.random.default_rng(0)
-    total = int(sum(lengths))
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    prompt = np.array([n // 4 for n in lengths], dtype=np.int32)
-    tkey = compute_key("tokens", 1, {"bench": "training", "tokens": total})
-    with store.writer(tkey, stage="tokens", stage_version=1, inputs={"bench": "training"}) as w:
-        w.write_array("token_ids", rng.integers(0, 150_000, total).astype(np.int32))
-        w.write_array("offsets", offsets)
-        w.write_array("prompt_lens", prompt)
-        w.write_array("completion_lens", (np.asarray(lengths) - prompt).astype(np.int32))
-        w.put_json("samples", [{"id": str(i)} for i in range(len(lengths))])
-    keys = []
+    tpart = Partition(tokens_stage.NAME, tokens_stage.VERSION, {"bench": "training"}, {})
+    ups = [record_digest({"bench": "training", "sample": i}) for i in range(len(lengths))]
+    tkeys = tpart.sample_keys(ups)
+    with SampleSink(store, tpart, arrays={"ids": SampleArray((), "int32")}) as sink:
+        for i, n in enumerate(lengths):
+            sink.add(ups[i], {"ids": rng.integers(0, 150_000, n).astype(np.int32)},
+                     {"prompt_len": n // 4, "completion_len": n - n // 4})
+    layers = []
     for k in range(n_layers):
-        key = compute_key("hidden_states", 1, {"bench": "training", "layer": k, "codec": codec}, {"tokens": tkey})
-        with store.writer(key, stage="hidden_states", stage_version=1, inputs={"layer": k},
-                          upstream={"tokens": tkey}) as w:
-            a = w.create_array("hidden", (total, hidden), "bfloat16", codec=codec)
-            step = 8192
-            for i in range(0, total, step):
-                a.append(np.ascontiguousarray(states[i:i + step, k * hidden:(k + 1) * hidden]))
-        keys.append(key)
-    return store, tkey, keys
+        hpart = Partition(hs_stage.NAME, hs_stage.VERSION, {"bench": "training", "layer": k, "codec": codec},
+                          {"sample": tpart.key})
+        with SampleSink(store, hpart, arrays={"hidden": SampleArray((hidden,), "bfloat16", codec)}, doc=False,
+                        max_bytes=segment_bytes(), max_seconds=1e9) as sink:
+            for i in range(len(lengths)):
+                a, b = int(offsets[i]), int(offsets[i + 1])
+                sink.add(tkeys[i], {"hidden": np.ascontiguousarray(states[a:b, k * hidden:(k + 1) * hidden])})
+        layers.append((hpart.key, hpart.sample_keys(tkeys)))
+    return store, (tpart.key, tkeys), layers
 
 
-def _selection(store, tkey, keys, hidden):
+def _selection(store, tok, layers, hidden):
     from runner.options import EvalOptions
-    from runner.samples import Selection
+    from runner.samples import Selection, _Listed, _Part
 
-    return Selection(store=store, options=EvalOptions(), layers=list(range(len(keys))), tokens_key=tkey,
-                     layer_keys=keys, target_dir="", num_layers=len(keys), hidden_size=hidden,
-                     backend={"kernel": "torch", "device": "cpu", "dtype": "bfloat16", "attn_implementation": "sdpa"})
+    return Selection(store=store, options=EvalOptions(), layers=list(range(len(layers))), tokens_key=tok[0],
+                     layer_keys=[p for p, _ in layers], target_dir="", num_layers=len(layers), hidden_size=hidden,
+                     backend={"kernel": "torch", "device": "cpu", "dtype": "bfloat16", "attn_implementation": "sdpa"},
+                     tokens_node=_Listed(_Part(tok[0]), list(tok[1]), [str(i) for i in range(len(tok[1]))]),
+                     layer_nodes=[_Listed(_Part(p), list(keys)) for p, keys in layers])
 
 
 class _SpecForge:
@@ -135,8 +140,8 @@ def run(ctx: Ctx) -> Result:
     h = make_hidden(int(BASE_BYTES * ctx.factor), width=LAYERS * HIDDEN, lengths=(128, 1024), seed=5)
     nbytes = h.nbytes
     root = ctx.tmpdir("training")
-    store, tkey, keys = _write_store(root / "store", h.states, h.lengths, HIDDEN)
-    sel = _selection(store, tkey, keys, HIDDEN)
+    store, tok, layer_sets = _write_store(root / "store", h.states, h.lengths, HIDDEN)
+    sel = _selection(store, tok, layer_sets, HIDDEN)
     ctx.log(f"{len(h.lengths)} samples, {h.tokens} tokens, {nbytes / 1e6:.0f} MB of states; exporting")
     export(sel, "specforge", root / "specforge")
     ours_sd = ours_sp = True
@@ -149,10 +154,11 @@ def run(ctx: Ctx) -> Result:
         from speculators.train.data import ArrowDataset
     except ImportError:
         ours_sp = False
-    from runner.samples import ArtifactSamples
+    from runner.samples import StoredSamples
 
-    def make_ours():
-        return HiddenStateDataset(ArtifactSamples(str(root / "store"), tkey, keys))
+    def make_ours():  # its own store object: nothing mapped by the export or another reader
+        return HiddenStateDataset(StoredSamples(str(root / "store"), tok[0], tok[1], [p for p, _ in layer_sets],
+                                                [k for _, k in layer_sets], [str(i) for i in range(len(tok[1]))]))
 
     contenders = {"dfcache": make_ours(),
                   "specforge": _SpecForge([str(root / "specforge" / specforge_relpath(i))
@@ -166,6 +172,8 @@ def run(ctx: Ctx) -> Result:
     else:
         res.rows.append(skipped(NAME, "DataLoader vs speculators", "speculators (and datasets) not installed: "
                                 "pip install --no-deps speculators==0.9.0 hs-connectors==0.9.0 datasets"))
+    store._mapped.clear()  # the exports' maps: mapped pages could not be evicted for the cold runs
+    gc.collect()
     # Same bytes from every loader (the three layouts hold the same samples).
     for name, ds in contenders.items():
         hs = ds[1]["hidden_states"]

@@ -67,10 +67,22 @@ def manifest_row(m: Manifest) -> dict:
 
 
 def missing_upstream(store, manifests) -> list[tuple[Manifest, str]]:
-    """(artifact, upstream key) pairs where the upstream artifact is not in ``store``."""
+    """(artifact, what it lacks) pairs: an upstream artifact not in ``store``, or, for an artifact
+    made from samples (``sample_refs``; its upstream keys name sets of those samples, not
+    artifacts), the referenced samples no segment of ``store`` holds."""
+    from .samples import index_of
+
     present = {m.key for m in manifests}
     out = []
     for m in manifests:
+        if m.sample_refs:
+            idx = index_of(store)
+            for ref in m.sample_refs:
+                where = idx.partition(ref["partition"])
+                lost = sum(1 for k in ref["keys"] if k not in where)
+                if lost:
+                    out.append((m, f"{lost} of {len(ref['keys'])} sample(s) of partition {ref['partition']}"))
+            continue
         for u in m.upstream_keys:
             if u not in present and not store.has(u):
                 out.append((m, u))

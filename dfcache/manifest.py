@@ -226,14 +226,24 @@ def validate_manifest(data: Any, *, expect_key: str | None = None) -> Manifest:
                     summary=str(data.get("summary", ""))[:500], samples=samples, sample_refs=refs)
 
 
-_HEX = re.compile(r"[0-9a-f]*")
-
-
 def _is_key(v: Any) -> bool:
     return isinstance(v, str) and KEY_PATTERN.match(v) is not None
 
 
+_DROP_HEX = str.maketrans("", "", "0123456789abcdef")
+
+
 def _key_list(v: Any) -> bool:
-    """A list of keys, checked in two C-speed passes (a segment lists thousands)."""
-    return (isinstance(v, list) and all(isinstance(x, str) and len(x) == 32 for x in v)
-            and _HEX.fullmatch("".join(v)) is not None)
+    """A list of keys, checked in C-speed passes (a segment lists thousands): joined by commas,
+    n keys are 33n-1 characters with a comma at every 33rd place and nothing but hex digits
+    elsewhere, so no element holds a comma or is anything but one key."""
+    if not isinstance(v, list):
+        return False
+    if not v:
+        return True
+    try:
+        joined = ",".join(v)
+    except TypeError:  # an element that is not a string
+        return False
+    commas = "," * (len(v) - 1)
+    return len(joined) == 33 * len(v) - 1 and joined[32::33] == commas and joined.translate(_DROP_HEX) == commas

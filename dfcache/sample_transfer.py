@@ -28,12 +28,13 @@ import numpy as np
 from .errors import IntegrityError
 from .manifest import Manifest
 from .samples import (DOC, INDEX, Partition, SampleArray, SampleSink, _digest_rows, index_of, index_problem,
-                      sample_digest)
+                      sample_digest, sample_key)
 from .store import Store
 from .store import format as fmt
 from .transfer import damage_fix, pull_keys, push_keys, read_bounded
 
-__all__ = ["SampleTransferResult", "compare_samples", "pull_samples", "push_samples"]
+__all__ = ["SampleTransferResult", "compare_samples", "pull_samples", "push_samples", "split_selection",
+           "with_sample_upstream"]
 
 
 @dataclass
@@ -200,6 +201,67 @@ def push_samples(local, remote, wanted: dict[str, list[str]], *, progress: bool 
     remote.backend.check_offline(offline)
     local.backend.check_offline(offline)
     return _copy("push", local, remote, wanted, progress=progress, jobs=jobs)
+
+
+def split_selection(store, keys: list[str]) -> tuple[dict[str, list[str]], list[str], list[str]]:
+    """What a push or pull of artifact ``keys`` of ``store`` moves, by kind: the samples of the
+    segments among them and those other artifacts name in ``sample_refs`` ({partition: [sample
+    keys]}), the artifacts without ``sample_refs`` (moved whole, with their upstream chains when
+    asked), and those with (moved alone: their upstream are sets of samples, not artifacts)."""
+    wanted: dict[str, list[str]] = {}
+    plain, referring = [], []
+    for k in keys:
+        m = store.manifest(k)
+        if m.samples:
+            wanted.setdefault(m.samples["partition"], []).extend(m.samples["keys"])
+            continue
+        (referring if m.sample_refs else plain).append(k)
+        for ref in m.sample_refs or []:
+            wanted.setdefault(ref["partition"], []).extend(ref["keys"])
+    return {p: list(dict.fromkeys(ks)) for p, ks in wanted.items()}, plain, referring
+
+
+def with_sample_upstream(store, wanted: dict[str, list[str]]) -> dict[str, list[str]]:
+    """``wanted`` plus, transitively, every sample the wanted ones were made from (a hidden-state
+    sample's tokens sample, its completion, its prompt; an eval sample's states), as far as
+    ``store`` holds them (docs/format.md "References"). Reads each holding segment's samples
+    document once; a damaged one is refused."""
+    out = {p: list(dict.fromkeys(ks)) for p, ks in wanted.items()}
+    seen = {p: set(ks) for p, ks in out.items()}
+    todo = [(p, k) for p, ks in out.items() for k in ks]
+    idx = index_of(store)
+    docs: dict[str, list[str]] = {}
+    while todo:
+        by_part: dict[str, list[str]] = {}
+        for p, k in todo:
+            by_part.setdefault(p, []).append(k)
+        todo = []
+        for p, ks in by_part.items():
+            where, segs = idx.partition(p), idx.segments(p)
+            for k in ks:
+                loc = where.get(k)
+                if loc is None:
+                    continue  # not here: the transfer reports it
+                seg, pos = loc
+                m = segs[seg]
+                up = docs.get(seg)
+                if up is None:
+                    index = store.open(seg).json(INDEX)
+                    problem = index_problem(m, index)
+                    if problem:
+                        raise IntegrityError(f"segment {seg} in {store.url} is corrupt: {problem}. Delete it "
+                                             f"(`dfcache gc --key {seg[:12]} --force --yes`) or pull it again.", key=seg)
+                    up = docs[seg] = index["upstream"]
+                u = up[pos]
+                for role, q in (m.samples.get("partition_upstream") or {}).items():
+                    for qp in (q if isinstance(q, list) else [q]):
+                        need = u if role == "sample" else sample_key(qp, u)
+                        got = seen.setdefault(qp, set())
+                        if need not in got:
+                            got.add(need)
+                            out.setdefault(qp, []).append(need)
+                            todo.append((qp, need))
+    return out
 
 
 def compare_samples(local, remote, *, offline: bool | None = None) -> list[dict]:

@@ -43,6 +43,7 @@ import json
 import re
 import threading
 import time
+from itertools import repeat
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -107,8 +108,9 @@ class Partition:
         return sample_key(self.key, upstream)
 
     def sample_keys(self, upstream: Iterable[str]) -> list[str]:
-        p = self.key
-        return [sample_key(p, u) for u in upstream]
+        # sample_key inlined: a plan computes one per sample and stage.
+        head, h = '{"partition":"%s","sample":"' % self.key, xxhash.xxh3_128_hexdigest
+        return [h((head + u + '"}').encode()) for u in upstream]
 
     @classmethod
     def of_segment(cls, m: Manifest) -> "Partition":
@@ -401,10 +403,11 @@ class SampleIndex:
             if not m.samples or m.samples["partition"] != partition:
                 continue
             segs[key] = m
-        for key in sorted(segs):  # ascending: the first holder of a sample is the smallest key
-            for pos, k in enumerate(segs[key].samples["keys"]):
-                if k not in where:
-                    where[k] = (key, pos)
+        # Descending, each segment overwriting: a sample held by several resolves to the smallest
+        # key. zip/repeat/range keep the 100,000-sample loop in C.
+        for key in sorted(segs, reverse=True):
+            keys = segs[key].samples["keys"]
+            where.update(zip(keys, zip(repeat(key), range(len(keys)))))
         self._parts[partition] = where
         self._segments[partition] = segs
         return where
@@ -490,13 +493,18 @@ class Segment:
         off = self.offsets[name]
         return off[pos], off[pos + 1]
 
-    def read_raw(self, pos: int, name: str) -> np.ndarray:
+    def read_raw(self, pos: int, name: str, *, out: np.ndarray | None = None, mapped: bool = False) -> np.ndarray:
+        """One sample's rows in the storage dtype; ``out`` and ``mapped`` as ArrayReader.read_raw."""
         a, b = self.rows(pos, name)
-        return self.reader(name).read_raw(a, b)
+        return self.reader(name).read_raw(a, b, out=out, mapped=mapped)
 
     def read(self, pos: int, name: str) -> np.ndarray:
         a, b = self.rows(pos, name)
         return self.reader(name).read(a, b)
+
+    def prefetch(self, pos: int, name: str) -> None:
+        a, b = self.rows(pos, name)
+        self.reader(name).prefetch(a, b)
 
     def doc(self, pos: int) -> Any:
         return json.loads(self.read_raw(pos, DOC).tobytes())
@@ -606,9 +614,9 @@ class SampleSet:
         seg, pos = self.segment(i)
         return seg.read(pos, name)
 
-    def read_raw(self, i: int, name: str) -> np.ndarray:
+    def read_raw(self, i: int, name: str, *, out: np.ndarray | None = None, mapped: bool = False) -> np.ndarray:
         seg, pos = self.segment(i)
-        return seg.read_raw(pos, name)
+        return seg.read_raw(pos, name, out=out, mapped=mapped)
 
     def rows(self, i: int, name: str) -> int:
         seg, pos = self.segment(i)

@@ -22,7 +22,7 @@ Example::
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Protocol, Sequence, runtime_checkable
 
 import numpy as np
@@ -39,6 +39,9 @@ class Sample:
     key: str
     arrays: dict[str, np.ndarray]
     dtypes: dict[str, str]  # logical dtype of each array ("bfloat16", "int64", ...)
+    # Arrays that live in a torch tensor already (read into memory from ``alloc``): the tensor,
+    # bf16 as its int16 bits; the dataset hands it on as it is.
+    tensors: dict = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -58,6 +61,29 @@ class SampleSource(Protocol):
     def read(self, index: int) -> Sample:
         """One sample's arrays; reads only the chunks its rows touch."""
         ...
+
+
+_TORCH_OF = {np.dtype(np.uint16): torch.int16, np.dtype(np.int16): torch.int16, np.dtype(np.float32): torch.float32,
+             np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32, np.dtype(np.int8): torch.int8,
+             np.dtype(np.uint8): torch.uint8, np.dtype(np.float64): torch.float64}
+
+
+def shared_alloc(shape: tuple, dtype) -> tuple[np.ndarray, torch.Tensor]:
+    """An uninitialised array in shared memory and the tensor over it (bf16 bits as int16).
+
+    In a DataLoader worker an item's tensors are moved into shared memory to reach the main
+    process (a copy of every byte); rows read straight into shared memory are sent as they are,
+    as torch's own ``default_collate`` does for batches built in workers."""
+    dtype = np.dtype(dtype)
+    storage = torch.UntypedStorage._new_shared(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    t = torch.empty(0, dtype=_TORCH_OF[dtype]).set_(storage, 0, tuple(shape))
+    return t.numpy().view(dtype), t
+
+
+def _in_worker() -> bool:
+    from torch.utils.data import get_worker_info
+
+    return get_worker_info() is not None
 
 
 def to_torch(arr: np.ndarray, dtype: str) -> torch.Tensor:
@@ -107,12 +133,22 @@ class HiddenStateDataset(Dataset):
         i = int(index) + (n if index < 0 else 0)
         if not 0 <= i < n:
             raise IndexError(f"index {index} out of range for {n} samples")
-        sample = self.source.read(i)
+        # Sources that take ``alloc`` (StoredSamples) read a worker's large arrays into shared memory.
+        if getattr(self.source, "takes_alloc", False) and _in_worker():
+            sample = self.source.read(i, alloc=shared_alloc)
+        else:
+            sample = self.source.read(i)
         item: dict = {}
         for name, arr in sample.arrays.items():
+            dtype = sample.dtypes.get(name, arr.dtype.name)
+            t = sample.tensors.get(name)
+            if t is not None:
+                t = t.view(torch.bfloat16) if dtype == "bfloat16" else t
+            else:
+                t = to_torch(arr, dtype)
             if self.max_len is not None:
-                arr = arr[: self.max_len]
-            item[name] = to_torch(arr, sample.dtypes.get(name, arr.dtype.name)).unsqueeze(0)
+                t = t[: self.max_len]
+            item[name] = t.unsqueeze(0)
         item["key"] = sample.key
         return item
 

@@ -58,6 +58,7 @@ def _make_command(mode: str):
         end_rule: str = typer.Option("within", "--end-rule", help="within: how the last block of a completion counts (continuation is not wired yet; see docs/metrics.md)."),
         remote: Optional[List[str]] = typer.Option(None, "--remote", help="A remote store to look in before computing (repeatable)."),
         endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
+        shard: Optional[str] = typer.Option(None, "--shard", help="Be worker I of N (I/N, or 'slurm' in a Slurm array): make this worker's share of the samples (docs/distributed.md)."),
     ):
         # --store, --json, --debug, --offline and --no-progress are the dfcache CLI's global
         # options, which it adds to every command (dfcache.cli.common.GLOBAL_OPTIONS).
@@ -87,9 +88,12 @@ def _make_command(mode: str):
             remotes=list(remote or []), endpoint_url=endpoint_url, json=state.json,
             progress=progress_enabled(),
             attn_implementation=attn_implementation, key_versions=_key_versions(key_versions))
+        if shard is not None and mode != "run":
+            raise UsageError(f"--shard applies to `dfcache run` only (it splits the work of a run between "
+                             f"workers); drop it from `dfcache {'plan' if mode == 'plan' else ctx.info_name}`.")
         if mode == "options":  # `dfcache watch` and `dfcache export` take these options, validated the same way
             return opts.validate()
-        run_pipeline(mode, RUN_TARGETS[target], opts, argv=_run_argv(ctx, target))
+        run_pipeline(mode, RUN_TARGETS[target], opts, argv=_run_argv(ctx, target), shard=shard)
 
     command.__doc__ = ("Show the graph and each node's status; does no work." if mode == "plan" else
                        "Run the graph up to TARGET, reusing everything cached.")
@@ -141,19 +145,20 @@ def _run_argv(ctx: typer.Context, target: str) -> list[str]:
     if root is not ctx:
         add(root, skip=("version", "debug"))
     args += ["run", target]
-    add(ctx, skip=("_global_debug",))
+    add(ctx, skip=("_global_debug", "shard"))  # a fix names the whole job, not one worker's share
     return args
 
 
 # What `dfcache ls --stage` and `ls --backend` accept before the store holds any such artifact.
-STAGE_NAMES = ("prompts", "completions", "tokens", "hidden_states", "drafter_eval", "report")
+STAGE_NAMES = ("prompts", "completions", "tokens", "hidden_states", "drafter_eval", "report", "import")
 KERNELS = ("fla", "torch")
 
 
 def register(app: typer.Typer) -> None:
     state.known_stages.update(STAGE_NAMES)
     state.known_kernels.update(KERNELS)
-    state.recomputers["hidden_states"] = _recompute_hidden_states
+    state.recomputers["hidden_states"] = _recompute_hidden_states  # set-level imports
+    state.recomputers["import"] = _recompute_hidden_states
     app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
     app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
     from .cli_peers import register as register_peers
@@ -216,8 +221,12 @@ def quiet_libraries(*, bars: bool, notices: bool) -> None:
         disable_progress_bars()
 
 
-def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None = None):
-    """Plan (and for mode "run", execute) the graph through runner.api, and print. Returns (ctx, nodes)."""
+def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None = None, shard: str | None = None):
+    """Plan (and for mode "run", execute) the graph through runner.api, and print. Returns (ctx, nodes).
+
+    A run is one worker of a distributed run under torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or with
+    ``--shard I/N``: it makes its share, and only the worker that speaks for the job prints the
+    summary (docs/distributed.md); other torchrun ranks print nothing and return (None, None)."""
     from . import api
     from .graph import check_offline
 
@@ -232,19 +241,38 @@ def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None
         if opts.offline:
             check_offline(ctx, nodes)
         return ctx, nodes
-    ctx, nodes = api._run(upto, opts, get_store(), argv=argv, log=log)
-    print_run(api._result(upto, ctx, nodes, time.perf_counter() - started), opts)
-    return ctx, nodes
+    from .distributed import discover, run_worker
+
+    worker = discover(shard)
+    done = run_worker(upto, opts, get_store(), worker=worker, argv=argv, log=log)
+    if done.ctx is None:
+        return None, None
+    seconds = time.perf_counter() - started
+    if not done.complete:
+        from .api import RunResult, _node_result
+
+        result = RunResult(upto=upto, nodes=[_node_result(n, "computed" if n.key in done.ctx.work_done else "cached")
+                                             for n in done.nodes], computed=list(done.ctx.work_done), seconds=seconds)
+    else:
+        result = api._result(upto, done.ctx, done.nodes, seconds)
+    print_run(result, opts, done if worker.distributed else None)
+    return done.ctx, done.nodes
 
 
-def print_run(result, opts: EvalOptions) -> None:
-    """What `dfcache run` prints for a :class:`runner.api.RunResult`."""
+def print_run(result, opts: EvalOptions, worker=None) -> None:
+    """What `dfcache run` prints for a :class:`runner.api.RunResult` (``worker``: the
+    :class:`runner.distributed.WorkerRun` of a distributed run)."""
+    if worker is not None:
+        _print_worker(result, opts, worker)
+        if not worker.complete:
+            return
+    extra = {"worker": worker.to_dict()} if worker is not None else {}
     if result.upto == "eval":
         if opts.json:
             emit_json({**result.report, "report_key": result.report_key,
                        "files": {k: str(v) for k, v in result.files.items()},
                        "computed": result.computed, "stages": [n.stage_row() for n in result.nodes],
-                       "seconds": round(result.seconds, 3)})
+                       "seconds": round(result.seconds, 3), **extra})
             return
         for w in result.report["warnings"]:
             print(f"\n!!! {w}\n")
@@ -260,12 +288,36 @@ def print_run(result, opts: EvalOptions) -> None:
         return
     if opts.json:
         emit_json({"nodes": [n.to_dict() for n in result.nodes], "stages": [n.stage_row() for n in result.nodes],
-                   "computed": result.computed, "seconds": round(result.seconds, 3)})
+                   "computed": result.computed, "seconds": round(result.seconds, 3), **extra})
         return
     for n in result.nodes:
         print(f"{n.label:<28} {n.key[:12]}  {_sample_outcome(n) if n.samples is not None else n.outcome}")
     print(f"{len(result.computed)} node(s) did work, {len(result.nodes) - len(result.computed)} reused in "
           f"{result.seconds:.1f} s")
+
+
+def _print_worker(result, opts: EvalOptions, w) -> None:
+    """A distributed run's own lines: which worker, its share, and (when other workers' shares are
+    still missing) its part of the result; the full summary follows when the set is complete."""
+    if opts.json:
+        if not w.complete:
+            emit_json({"worker": w.to_dict(), "nodes": [n.to_dict() for n in result.nodes],
+                       "stages": [n.stage_row() for n in result.nodes], "computed": result.computed,
+                       "seconds": round(result.seconds, 3)})
+        return
+    me = w.worker
+    what = (f"{w.job_units} missing prompt(s) shared by {me.world} ranks ({me.launcher})" if w.shares_missing else
+            f"the set's {w.job_units} prompt(s) shared by {me.world} workers ({me.launcher}); each makes the missing part of its share")
+    print(f"worker {me.rank}/{me.world}: {what}; its own share was {w.my_units} prompt(s), ~{w.my_tokens} tokens.")
+    if not w.complete:
+        for n in result.nodes:
+            if n.samples is not None:
+                s = n.stage_row()["samples"]
+                print(f"{n.label:<28} {s['reused']} reused, {s['pulled']} pulled, {s['computed']} computed here of "
+                      f"{s['total']} samples")
+        print(f"{w.missing} prompt(s) of the set are still missing: other workers' shares. When every worker has "
+              "finished, the same command run once more (any --shard, or none) computes nothing stored and "
+              f"{'makes the report' if result.upto == 'eval' else 'reports the whole set'}.")
 
 
 def _sample_outcome(n) -> str:

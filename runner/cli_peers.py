@@ -124,10 +124,11 @@ def import_command(
 
 def _print_import(res) -> None:
     verb = "already in the store" if res.already else "imported"
-    print(f"{res.samples} {res.format} sample(s) {verb}, marked imported (declared, not verified):")
-    print(f"  tokens            {res.tokens_key}")
+    print(f"{res.samples} {res.format} sample(s) {verb}, marked imported (declared, not verified)"
+          + (f"; {res.reused} were in the store already" if res.reused and not res.already else "") + ":")
+    print(f"  import            {res.tokens_key}")
     for k, key in res.layer_keys.items():
-        print(f"  hidden_states[{k}]  {key}")
+        print(f"  hidden_states[{k}]  partition {key}")
     for note in res.notes:
         print(f"note: {note}")
     print(f"read them: runner.api.hidden_state_dataset(tokens_key={res.tokens_key[:12]!r}, "

@@ -37,8 +37,8 @@ from typing import Callable, Iterable, Mapping, Sequence
 
 from dfcache.errors import BadInputError, UsageError
 
-__all__ = ["Group", "StoreProgress", "Worker", "cuda_device", "discover", "parse_shard", "share", "shares",
-           "split_concurrency"]
+__all__ = ["Group", "StoreProgress", "Worker", "WorkerRun", "cuda_device", "current", "device_for", "discover",
+           "parse_shard", "run_worker", "share", "shares", "split_concurrency"]
 
 _SHARD = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 _SHARD_FIX = ("give I/N with 0 <= I < N (worker I of N; e.g. --shard 0/4), or --shard slurm in a Slurm "
@@ -384,3 +384,201 @@ class StoreProgress:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# ------------------------------------------------------------------------------------ the run
+
+_CURRENT: Worker | None = None
+
+
+def current() -> Worker:
+    """The worker this process is in the run under way (rank 0 of 1 outside a distributed run)."""
+    return _CURRENT or Worker()
+
+
+def _estimate(messages, max_new_tokens: int) -> int:
+    # About four characters a token, plus the completion's budget: only the balance depends on it,
+    # and it must come from the command alone when the workers cannot meet.
+    return sum(len(m.get("content", "")) for m in messages) // 4 + 1 + int(max_new_tokens)
+
+
+@dataclass
+class Share:
+    """This worker's part of a run: positions of the prompt set it makes, and the job's units."""
+
+    mine: set  # positions of the prompt set
+    units: list  # the whole job's units that are missing: [(needs, tokens)] (rank 0's progress)
+    job_units: int  # distinct prompts the job covers (missing, or the whole set when not meeting)
+    my_units: int
+    my_tokens: int
+
+
+def plan_share(ctx, nodes, worker: Worker, *, missing_only: bool) -> Share:
+    """Every worker computes the same shares from the same graph: one unit per distinct prompt
+    (all per-sample nodes are over the same positions, so a prompt's completion, tokens, states
+    and eval are made by one worker, in order). ``missing_only``: share the prompts some node
+    must still produce or pull (the workers listed the store before any of them commits);
+    else the whole set, weighed without looking at the store."""
+    per = [n for n in nodes if n.partition is not None]
+    prompts = next(n for n in per if n.stage == "prompts")
+    todo: dict[int, list] = {}
+    for n in per:
+        for i in set(n.produce) | set(n.pull):
+            todo.setdefault(i, []).append((n.partition.key, n.sample_keys[i]))
+    positions = sorted(todo) if missing_only else range(len(prompts.sample_keys))
+    exact: dict[int, int] = {}
+    tokens = next((n for n in per if n.stage == "tokens"), None)
+    if missing_only and tokens is not None:
+        stored = [i for i in positions if i in tokens.local]
+        if stored:
+            from dfcache.samples import SampleSet
+
+            ss = SampleSet(ctx.store, tokens.partition.key, [tokens.sample_keys[i] for i in stored])
+            exact = {i: ss.rows(j, "ids") for j, i in enumerate(stored)}
+    unit_of: dict[str, list[int]] = {}  # a set may hold one prompt twice: one unit
+    weight: dict[str, int] = {}
+    for i in positions:
+        u = prompts.sample_keys[i]
+        unit_of.setdefault(u, []).append(i)
+        if u not in weight:
+            w = exact.get(i)
+            weight[u] = w if w is not None else _estimate(prompts.payload[i]["messages"], ctx.options.max_new_tokens)
+    mine_units = share(weight.items(), worker.rank, worker.world)
+    mine = {i for u in mine_units for i in unit_of[u]}
+    units = [(todo[unit_of[u][0]], weight[u]) for u in sorted(weight) if unit_of[u][0] in todo]
+    return Share(mine=mine, units=units, job_units=len(weight), my_units=len(mine_units),
+                 my_tokens=sum(weight[u] for u in mine_units))
+
+
+def restrict(nodes, mine: set) -> None:
+    """Leave every per-sample node only the positions of this worker's share to produce or pull."""
+    for n in nodes:
+        if n.partition is not None:
+            n.produce = [i for i in n.produce if i in mine]
+            n.pull = [i for i in n.pull if i in mine]
+
+
+class _Tagged:
+    """A stream that starts every line with the worker's tag and writes whole lines at once, so
+    the logs of ranks sharing a terminal interleave by lines, not by characters."""
+
+    def __init__(self, out, tag: str) -> None:
+        self.out, self.tag, self._part = out, tag, ""
+
+    def write(self, text: str) -> int:
+        *lines, self._part = (self._part + text).split("\n")
+        if lines:
+            self.out.write("".join(f"{self.tag}{line}\n" if line else "\n" for line in lines))
+        return len(text)
+
+    def flush(self) -> None:
+        self.out.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+
+@dataclass
+class WorkerRun:
+    """What one worker of a distributed run did, and (where it could tell) the whole job."""
+
+    worker: Worker
+    ctx: object = None  # the final graph's context and nodes (None on a quiet rank)
+    nodes: list | None = None
+    complete: bool = True  # every sample of the graph is stored (and the report made)
+    missing: int = 0  # distinct prompts still missing somewhere, when not complete
+    my_units: int = 0
+    my_tokens: int = 0
+    job_units: int = 0
+    shares_missing: bool = False
+
+    def to_dict(self) -> dict:
+        return {**self.worker.to_dict(), "shares_missing": self.shares_missing, "job_prompts": self.job_units,
+                "my_prompts": self.my_units, "my_tokens": self.my_tokens, "complete": self.complete,
+                "missing_prompts": self.missing}
+
+
+def run_worker(upto: str, opts, store, *, worker: Worker, argv=None, log=None) -> WorkerRun:
+    """One worker's part of ``dfcache run`` (any world size, 1 included).
+
+    List the store and resolve the graph; meet the others (torchrun) so that nobody commits
+    before everyone has listed; make this worker's share of the missing samples (of the whole
+    set, when the workers cannot meet), committing segment by segment into the shared store;
+    meet again. Then rank 0 (or, when the workers cannot meet, whichever finds the set complete)
+    resolves the full graph, makes what is left (the report), and the caller prints its result.
+    Nothing is merged: the store holds the union of what every worker committed.
+    """
+    global _CURRENT
+    from dataclasses import replace
+
+    from . import api
+    from .graph import check_offline
+    from .pipeline import execute
+
+    _CURRENT = worker
+    log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+    if not worker.distributed:
+        ctx, nodes = api._run(upto, opts, store, argv=argv, log=log)
+        return WorkerRun(worker, ctx, nodes)
+    if opts.device == "cuda":
+        device_for(worker, "cuda")  # a LOCAL_RANK with no GPU fails first, before anything else runs
+    tagged = _Tagged(sys.stderr, worker.tag)
+    wlog = (lambda m: (tagged.write(f"{m}\n"), tagged.flush()))
+    show = opts.progress
+    # Many ranks' bars on one terminal are noise: under torchrun only rank 0 shows the whole job,
+    # read from the store; a --shard worker has a log of its own and shows its own bars.
+    own_bars = show and not worker.can_meet
+    work_opts = replace(opts, concurrency=split_concurrency(opts.concurrency, worker), progress=own_bars)
+    with Group(worker, log=wlog) as group:
+        ctx, nodes = api.resolve_graph(upto, work_opts, store, argv=argv, log=wlog)
+        if worker.can_meet:  # ranks share a terminal (a --shard worker has its own log, and its bars)
+            ctx.out = _Tagged(ctx.out, worker.tag)
+        check_offline(ctx, nodes)
+        if any(n.needs == "gpu" and n.produce for n in nodes):
+            device_for(worker, "cuda")  # a LOCAL_RANK with no GPU fails now, not after others' work
+        sh = plan_share(ctx, nodes, worker, missing_only=group.active)
+        full = {n.key: (list(n.produce), list(n.pull), n.status) for n in nodes if n.partition is not None}
+        group.barrier()  # every worker has listed the store; only now may anyone commit
+        restrict(nodes, sh.mine)
+        work = [n for n in nodes if n.partition is not None and (n.produce or n.pull)]
+        progress = StoreProgress(ctx.store.url, sh.units, enabled=show and group.active and worker.main,
+                                 desc=f"{worker.world} ranks")
+        with progress:
+            execute(ctx, work)
+        mine = {n.key: (n.pulled, n.produced) for n in nodes if n.partition is not None}
+        gathered = group.gather({"counts": mine, "work_done": list(ctx.work_done)})
+        met = group.active
+    out = WorkerRun(worker, my_units=sh.my_units, my_tokens=sh.my_tokens, job_units=sh.job_units,
+                    shares_missing=met)
+    if met and not worker.main:
+        return out  # rank 0 speaks for the job
+    from dfcache.samples import index_of
+
+    index_of(ctx.store).refresh()  # it was listed before the other workers committed
+    ctx2, nodes2 = api.resolve_graph(upto, replace(opts, progress=show), ctx.store, argv=argv, log=log)
+    left = [n for n in nodes2 if n.partition is not None and (n.produce or n.pull)]
+    if left and not met:
+        # Other workers' shares are not done (yet): this one reports its own part only.
+        out.complete = False
+        out.missing = len({i for n in left for i in n.produce + n.pull})
+        out.ctx, out.nodes = ctx, nodes
+        for n in nodes:
+            if n.partition is not None:
+                n.produce, n.pull, n.status = full[n.key]
+        return out
+    check_offline(ctx2, nodes2)
+    execute(ctx2, nodes2)  # the report; under torchrun also anything no share held (a concurrent writer)
+    by_key = {n.key: n for n in nodes}
+    counts = [g["counts"] for g in (gathered or [])]
+    for n2 in nodes2:
+        n1 = by_key.get(n2.key)
+        if n2.partition is None or n1 is None:
+            continue
+        n2.local, n2.in_remote = n1.local, n1.in_remote  # what was stored when the job started
+        n2.produce, n2.pull, n2.status = full[n1.key]
+        n2.pulled += sum(c.get(n1.key, (0, 0))[0] for c in counts)
+        n2.produced += sum(c.get(n1.key, (0, 0))[1] for c in counts)
+    done = [k for g in (gathered or []) for k in g["work_done"]]
+    ctx2.work_done = list(dict.fromkeys(done + ctx2.work_done))
+    out.ctx, out.nodes = ctx2, nodes2
+    return out

@@ -32,9 +32,17 @@ def _build_once(path: Path, build: Callable[[Path], None]) -> None:
     try:
         build(tmp)
         (tmp / DONE).write_text("ok\n")
+        # Several workers of one distributed run may build at once: the first finished copy stays
+        # (another may be reading it; the builds are deterministic), a half-built leftover goes.
+        if (path / DONE).exists():
+            return
         if path.exists():
             shutil.rmtree(path)
-        os.rename(tmp, path)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            if not (path / DONE).exists():
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -15,19 +15,20 @@ What is read (the peers' layouts, docs/cli.md):
 Nothing in the files says which layers, model or kernels made them: the user declares the
 target (``--target``), the layer ids in file order (``--layer``, dfcache numbering: output of
 decoder layer k) and the backend class (``--backend``, ``--device``). The files are loaded with
-``torch.load(weights_only=True)`` (no arbitrary unpickling). Token ids are taken from the files
-and become a new ``tokens`` artifact (keyed by the target's tokenizer and the ids' digest); each
-layer becomes a ``hidden_states`` artifact keyed exactly as the extraction stage keys it over
-those tokens. Both are marked ``imported (declared, not verified)`` in their provenance and
+``torch.load(weights_only=True)`` (no arbitrary unpickling). Samples go into the store's
+per-sample segments: each sample's ids and loss mask are a ``tokens`` sample of a root partition
+(keyed by the target's tokenizer, marked imported; the sample named by the digest of its ids and
+mask), and each layer's rows a ``hidden_states`` sample of the partition the extraction stage
+keys over those tokens with the declared backend. Only samples the store lacks are written, so a
+grown set, a subset or an overlapping directory reuses what an earlier import committed. The set
+in file order is one small ``import`` artifact (its sample keys per partition), the key the user
+reads it by. Everything is marked ``imported (declared, not verified)`` in provenance and
 summary, which `dfcache ls` shows.
 
 A sample that cannot be read whole, holds NaN or Inf, or whose lengths or width disagree with
 its input ids and the declared layers is refused with its reason; the others are imported, and
-the command then exits 6 with the list. Each artifact is committed atomically (all its samples
-or nothing).
-
-Set-level on purpose for now: one tokens artifact and one artifact per layer per imported set
-(the store's per-sample segments, once on main, make each sample reusable on its own).
+the command then exits 6 with the list. Samples are committed in segments (whole or not at all);
+the ``import`` artifact last.
 """
 
 from __future__ import annotations
@@ -63,13 +64,15 @@ class ImportResult:
     samples: int
     refused: list[Refused]
     tokens_key: str | None
-    layer_keys: dict[int, str]
+    layer_keys: dict[int, str]  # layer -> its hidden-state partition
     already: bool = False
+    reused: int = 0  # samples that were in the store already (from any earlier import)
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"format": self.format, "samples": self.samples, "tokens_key": self.tokens_key,
                 "layer_keys": {str(k): v for k, v in self.layer_keys.items()}, "already_imported": self.already,
+                "reused": self.reused,
                 "refused": [{"file": r.file, "reason": r.reason} for r in self.refused],
                 "provenance": PROVENANCE, "notes": self.notes}
 
@@ -269,73 +272,116 @@ def _reason(e: Exception) -> str:
     return f"unreadable (truncated or corrupt): {type(e).__name__}{': ' + text[:160] if text else ''}"
 
 
+IMPORT_STAGE = "import"  # the set-level artifact naming an imported set's samples, in file order
+IMPORT_VERSION = 1
+SET_DOC = "set"
+_SINK_BYTES = 64 << 20  # per layer: what a layer's sink buffers before committing a segment
+
+
+def tokens_partition(target, fmt_free: bool = True):
+    """Imported tokens samples: a root partition (no completions upstream), keyed by the target's
+    tokenizer and marked imported; a sample is identified by the digest of its ids and loss mask,
+    so the same sample imported again, from any directory or set, is the same sample."""
+    from dfcache.samples import Partition
+
+    from .stages import tokens as tokens_stage
+
+    inputs = {"target": target.fingerprint, "tokenizer": target.tokenizer_fingerprint,
+              "chat_template": target.chat_template_hash, "enable_thinking": False, "imported": PROVENANCE}
+    return Partition(tokens_stage.NAME, tokens_stage.VERSION, inputs, {})
+
+
+def _sample_upstream(ids: np.ndarray, mask: np.ndarray) -> str:
+    h = xxhash.xxh3_128()
+    h.update(b"ids:")
+    h.update(np.ascontiguousarray(ids, dtype="<i4").view(np.uint8).reshape(-1))
+    h.update(b"loss_mask:")
+    h.update(np.ascontiguousarray(mask, dtype=np.int8).view(np.uint8).reshape(-1))
+    return h.hexdigest()
+
+
 def _commit(fmt, root, good, layers, width, backend, target, store, result, masks, progress,
             tokens_stage, hs_stage) -> None:
-    from .graph import Node
+    """Samples into the store's per-sample segments (only those not there yet), then the import
+    artifact listing the set's samples in file order (the key the user reads them by)."""
+    from dfcache.keys import compute_key
+    from dfcache.samples import Partition, SampleArray, SampleSink, index_of
 
-    ids = np.concatenate([g[1] for g in good]).astype(np.int32)
-    loss = np.concatenate([g[2] for g in good]).astype(np.int8)
-    lens = np.array([len(g[1]) for g in good], dtype=np.int64)
-    offsets = np.zeros(len(good) + 1, dtype=np.int64)
-    offsets[1:] = np.cumsum(lens)
-    prompt_lens = np.array([int(np.argmax(g[2] != 0)) if g[2].any() else len(g[2]) for g in good], dtype=np.int32)
-    digest = xxhash.xxh3_128()
-    for a in (ids, offsets, loss):
-        digest.update(np.ascontiguousarray(a).view(np.uint8).reshape(-1))
-    inputs = {"target": target.fingerprint, "tokenizer": target.tokenizer_fingerprint,
-              "chat_template": target.chat_template_hash, "enable_thinking": False,
-              "imported": {"samples": digest.hexdigest()}}  # not the format: same ids, same key
+    tpart = tokens_partition(target)
+    ups = [_sample_upstream(g[1], g[2]) for g in good]
+    tkeys = tpart.sample_keys(ups)
+    hparts = {k: Partition(hs_stage.NAME, hs_stage.VERSION,
+                           {"target": target.fingerprint, "layer": k, "backend": backend.to_key()},
+                           {"sample": tpart.key}) for k in layers}
+    hkeys = {k: hparts[k].sample_keys(tkeys) for k in layers}
+    idx = index_of(store)
+    have_t = set(tkeys) - set(idx.missing(tpart.key, tkeys))
+    have_h = {k: set(hkeys[k]) - set(idx.missing(hparts[k].key, hkeys[k])) for k in layers}
     provenance = {"imported": PROVENANCE, "format": fmt, "source": str(root.resolve()), "files": len(good),
                   "target_dir": str(target.dir)}  # what `verify --recompute` loads by default
-    tok = Node.make(tokens_stage.NAME, tokens_stage.VERSION, inputs=inputs, needs="cpu")
-    result.tokens_key = tok.key
-    if not store.has(tok.key):
-        with store.writer(tok.key, stage=tokens_stage.NAME, stage_version=tokens_stage.VERSION, inputs=inputs,
-                          provenance=provenance,
-                          summary=f"{PROVENANCE} from {fmt}: {len(good)} samples") as w:
-            w.write_array("token_ids", ids)
-            w.write_array("offsets", offsets)
-            w.write_array("prompt_lens", prompt_lens)
-            w.write_array("completion_lens", (lens - prompt_lens).astype(np.int32))
-            w.write_array("loss_mask", loss)
-            w.put_json("samples", [{"id": f"{fmt}:{g[0].relative_to(root).as_posix()}", "finish_reason": None,
-                                    "tokens_source": f"imported from {fmt}", "eos_appended": False,
-                                    "prompt_len": int(p), "completion_len": int(n - p)}
-                                   for g, p, n in zip(good, prompt_lens, lens)])
-    nodes = {k: Node.make(hs_stage.NAME, hs_stage.VERSION,
-                          inputs={"target": target.fingerprint, "layer": k, "backend": backend.to_key()},
-                          upstream={"tokens": tok.key}, needs="cpu") for k in layers}
-    result.layer_keys = {k: n.key for k, n in nodes.items()}
-    todo = [k for k in layers if not store.has(nodes[k].key)]
-    if not todo:
+    set_doc = {"format": fmt, "tokens_partition": tpart.key, "tokens": tkeys,
+               "ids": [f"{fmt}:{g[0].relative_to(root).as_posix()}" for g in good],
+               "layers": list(layers), "layer_partitions": [hparts[k].key for k in layers],
+               "hidden_states": [hkeys[k] for k in layers]}
+    from dfcache.keys import canonical_encode
+
+    set_inputs = {"format": fmt, "samples": len(good), "layers": list(layers), "tokens_partition": tpart.key,
+                  "layer_partitions": set_doc["layer_partitions"],
+                  "set": xxhash.xxh3_128_hexdigest(canonical_encode(set_doc))}
+    key = compute_key(IMPORT_STAGE, IMPORT_VERSION, set_inputs)
+    result.tokens_key = key
+    result.layer_keys = {k: hparts[k].key for k in layers}
+    result.reused = sum(1 for k in tkeys if k in have_t)
+    todo = [i for i in range(len(good)) if tkeys[i] not in have_t
+            or any(hkeys[k][i] not in have_h[k] for k in layers)]
+    if not todo and store.has(key):
         result.already = True
         return
-    total = int(offsets[-1])
     dtype = backend.dtype
-    writers = {}
-    try:
-        for k in todo:
-            n = nodes[k]
-            w = store.writer(n.key, stage=hs_stage.NAME, stage_version=hs_stage.VERSION, inputs=n.inputs,
-                             upstream=n.upstream, provenance={**provenance, "declared_backend": backend.to_key()},
-                             summary=f"{PROVENANCE} from {fmt}: layer {k}")
-            writers[k] = (w, w.create_array("hidden", (total, width), dtype))
-        bar = progress(len(good), "import") if progress else None
-        for path, _, _ in good:
-            _, _, hidden = _check(fmt, *_read(fmt, path, masks), len(layers), width, None)
-            rows = _storage(hidden)
-            for j, k in enumerate(layers):
-                if k in writers:
-                    writers[k][1].append(rows[:, j * width:(j + 1) * width])
+    summary = f"{PROVENANCE} from {fmt}"
+    sinks = {"tokens": SampleSink(store, tpart, arrays={"ids": SampleArray((), "int32"),
+                                                        "loss_mask": SampleArray((), "int8")},
+                                  summary=summary, provenance=provenance)}
+    for k in layers:
+        sinks[k] = SampleSink(store, hparts[k], arrays={"hidden": SampleArray((width,), dtype)}, doc=False,
+                              summary=f"{summary}: layer {k}", max_bytes=_SINK_BYTES,
+                              provenance={**provenance, "declared_backend": backend.to_key()})
+    import contextlib
+
+    bar = progress(len(todo), "import") if progress and todo else None
+    added: set = set()
+    # Leaving the stack commits what every sink holds, also when interrupted (a finished sample is
+    # complete): a rerun imports only the rest.
+    with contextlib.ExitStack() as stack:
+        for sink in sinks.values():
+            stack.enter_context(sink)
+        for i in todo:
+            path, ids, mask = good[i]
+            if tkeys[i] in added:  # the same sample twice in the set
+                continue
+            added.add(tkeys[i])
+            if tkeys[i] not in have_t:
+                p = int(np.argmax(mask != 0)) if mask.any() else len(mask)
+                sinks["tokens"].add(ups[i], {"ids": ids.astype(np.int32), "loss_mask": mask.astype(np.int8)},
+                                    {"id": set_doc["ids"][i], "finish_reason": None,
+                                     "tokens_source": f"imported from {fmt}", "eos_appended": False,
+                                     "prompt_len": p, "completion_len": len(ids) - p})
+            want = [j for j, k in enumerate(layers) if hkeys[k][i] not in have_h[k]]
+            if want:
+                _, _, hidden = _check(fmt, *_read(fmt, path, masks), len(layers), width, None)
+                rows = _storage(hidden)
+                for j in want:
+                    sinks[layers[j]].add(tkeys[i], {"hidden": rows[:, j * width:(j + 1) * width]})
             if bar is not None:
                 bar.update(1)
-        if bar is not None:
-            bar.close()
-        for w, _ in writers.values():
-            w.commit()
-    except BaseException:
-        for w, _ in writers.values():
-            if w.manifest is None:
-                w.abort()
-        raise
+    if bar is not None:
+        bar.close()
+    with store.writer(key, stage=IMPORT_STAGE, stage_version=IMPORT_VERSION, inputs=set_inputs,
+            provenance={**provenance, "declared_backend": backend.to_key()},
+            summary=f"{summary}: {len(good)} samples, layers {list(layers)}") as w:
+        w.put_json(SET_DOC, set_doc)
 
+
+def read_import(store, key: str) -> dict:
+    """The set document of an import artifact (see :func:`_commit`)."""
+    return store.open(key).json(SET_DOC)

@@ -45,8 +45,18 @@ SAMPLE_KEY_VERSION = 1  # of ArtifactSamples' keys
 class StoredSamples:
     """:class:`dfcache.training.SampleSource` over stored tokens samples and per-layer samples.
 
-    Holds the store's location and the sample keys, not a handle: each process opens the store
-    on first read (a forked or spawned DataLoader worker reopens it).
+    Holds the store's location and the sample keys; pickled (a spawned DataLoader worker) it
+    carries no handle and the worker opens the store on first read. A *forked* worker of a local
+    store keeps the parent's handles: they are read-only memory maps of chunk files whose crc32c
+    the parent checked, valid in the child as they are, so workers neither re-map nor re-check
+    what the parent read (a remote store is reopened: its clients are not fork-safe).
+
+    Reads: every layer's chunk files of the sample are first handed to the kernel's read-ahead
+    (all at once, so a cold read loads them in parallel), then each layer's rows are copied from
+    the mapped chunks straight into its columns of the item (one copy). A chunk's crc32c is
+    checked when this process tree first maps it (``ArrayReader.read_raw(mapped=True)``); a
+    chunk corrupted after that is noticed when the store is reopened, and `dfcache verify`
+    checks everything.
     """
 
     def __init__(self, store_location: str, tokens_partition: str, tokens_keys: list[str],
@@ -68,6 +78,8 @@ class StoredSamples:
         docs = h["tokens"].docs()
         self.prompt_lens = np.asarray([d["prompt_len"] for d in docs], dtype=np.int64)
         self._lengths = np.asarray([h["tokens"].rows(i, "ids") for i in range(len(docs))], dtype=np.int64)
+        # Imported tokens carry the peer's own loss mask; the pipeline's is prompt 0, completion 1.
+        self.has_loss_mask = bool(len(docs)) and "loss_mask" in h["tokens"].segment(0)[0].artifact.manifest.arrays
         self.widths: list[int] = []
         self.dtype = None
         for ss in h["layers"]:
@@ -97,13 +109,16 @@ class StoredSamples:
         return open_store(self.store_location, create=False, endpoint_url=self.endpoint_url)
 
     def _open(self, store=None) -> dict:
-        if self._handles is None or self._pid != os.getpid():  # a forked child reopens
+        if self._handles is not None and self._pid != os.getpid() and self._handles.get("local"):
+            self._pid = os.getpid()  # a forked worker of a local store: the parent's maps serve as they are
+        if self._handles is None or self._pid != os.getpid():  # a forked child of a remote store reopens
             from dfcache.samples import SampleSet
 
             st = store if store is not None and self._handles is None and self._pid is None else self._store()
             self._handles = {"tokens": SampleSet(st, self.tokens_partition, self.tokens_keys),
                              "layers": [SampleSet(st, p, keys) for p, keys in
-                                        zip(self.layer_partitions, self.layer_sample_keys)]}
+                                        zip(self.layer_partitions, self.layer_sample_keys)],
+                             "local": st.backend.is_local}
             self._pid = os.getpid()
         return self._handles
 
@@ -124,23 +139,48 @@ class StoredSamples:
         return out
 
     def loss_mask(self, index: int) -> np.ndarray:
-        """One sample's loss mask (int64): 0 on the prompt, 1 on the completion."""
+        """One sample's loss mask (int64): 0 on the prompt, 1 on the completion (an import's: its own)."""
+        if self.has_loss_mask:
+            return self._open()["tokens"].read_raw(index, "loss_mask", mapped=True).astype(np.int64)
         mask = np.zeros(int(self._lengths[index]), dtype=np.int64)
         mask[int(self.prompt_lens[index]):] = 1
         return mask
 
-    def read(self, index: int) -> Sample:
+    takes_alloc = True  # read(i, alloc=...): see dfcache.training.shared_alloc
+
+    def read(self, index: int, alloc=None) -> Sample:
+        """Sample ``index``. ``alloc(shape, dtype) -> (array, tensor)``, when given, makes the
+        memory the hidden states are read into (a DataLoader worker's shared memory)."""
         ids = self.read_tokens(index)
         mask = self.loss_mask(index)
-        parts = self.read_layers(index)
-        hidden = parts[0] if len(parts) == 1 else np.concatenate(parts, axis=1)
+        tensors: dict = {}
         return Sample(key=self._keys[index],
-                      arrays={"input_ids": ids, "loss_mask": mask, "hidden_states": hidden},
-                      dtypes={"input_ids": "int64", "loss_mask": "int64", "hidden_states": self.dtype})
+                      arrays={"input_ids": ids, "loss_mask": mask, "hidden_states": self._hidden(index, alloc, tensors)},
+                      dtypes={"input_ids": "int64", "loss_mask": "int64", "hidden_states": self.dtype},
+                      tensors=tensors)
+
+    def _hidden(self, index: int, alloc=None, tensors: dict | None = None) -> np.ndarray:
+        sets = self._open()["layers"]
+        where = [ss.segment(index) for ss in sets]
+        for seg, pos in where:  # read-ahead of every layer's chunks before the first (blocking) read
+            seg.prefetch(pos, "hidden")
+        shape = (int(self._lengths[index]), sum(self.widths))
+        dtype = np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype)
+        if alloc is not None:
+            out, tensors["hidden_states"] = alloc(shape, dtype)
+        elif len(where) == 1:
+            return where[0][0].read_raw(where[0][1], "hidden", mapped=True)
+        else:
+            out = np.empty(shape, dtype=dtype)
+        col = 0
+        for (seg, pos), w in zip(where, self.widths):
+            seg.read_raw(pos, "hidden", out=out[:, col:col + w], mapped=True)
+            col += w
+        return out
 
     def read_tokens(self, index: int) -> np.ndarray:
         """One sample's token ids (int64)."""
-        return self._open()["tokens"].read(index, "ids").astype(np.int64)
+        return self._open()["tokens"].read_raw(index, "ids", mapped=True).astype(np.int64)
 
     def read_layers(self, index: int) -> list[np.ndarray]:
         """One sample's rows of each layer, separately (storage dtype: bf16 as uint16 bits)."""
@@ -378,9 +418,14 @@ def _quote(a: str) -> str:
 
 
 def stored_selection(store, tokens_key: str, layers: list[int], *, backend: dict | None = None) -> Selection:
-    """A selection named by its tokens key (e.g. an import's) and layer ids: the hidden-state
-    artifacts over those tokens, one per layer (``backend`` chooses when several classes exist)."""
+    """A selection named by the key `dfcache import` printed (an ``import`` artifact: its samples, in
+    file order, from whichever segments hold them) and layer ids; or, for a set-level tokens
+    artifact, the hidden-state artifacts over it, one per layer (``backend`` chooses when several
+    classes exist)."""
     tokens_key = store.resolve(tokens_key)
+    m = store.manifest(tokens_key)
+    if m.stage == "import":
+        return _import_selection(store, m, list(layers))
     by_layer: dict[int, list] = {}
     for m in store.list_manifests(stage="hidden_states"):
         if m.upstream.get("tokens") == tokens_key and (backend is None or m.inputs.get("backend") == backend):
@@ -400,6 +445,45 @@ def stored_selection(store, tokens_key: str, layers: list[int], *, backend: dict
     return Selection(store=store, options=EvalOptions(), layers=list(layers), tokens_key=tokens_key,
                      layer_keys=[m.key for m in chosen], target_dir="", num_layers=-1,
                      hidden_size=int(spec.shape[1]), backend=chosen[0].inputs.get("backend"))
+
+
+@dataclass
+class _Listed:
+    """A stored list of samples of one partition, shaped like the graph's per-sample nodes for
+    :meth:`Selection.source`."""
+
+    partition: object
+    sample_keys: list[str]
+    ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _Part:
+    key: str
+
+
+def _import_selection(store, m, layers: list[int]) -> Selection:
+    from dfcache.samples import index_of
+
+    from .imports import read_import
+
+    doc = read_import(store, m.key)
+    have = list(doc["layers"])
+    absent = [k for k in layers if k not in have]
+    if absent or not layers:
+        raise BadInputError(f"the import {m.key[:12]} holds layers {have}; layer(s) "
+                            f"{', '.join(map(str, absent)) or '(none given)'} are not among them. Pass layers={have} "
+                            "or a subset, in the order to concatenate.")
+    parts = {k: p for k, p in zip(have, doc["layer_partitions"])}
+    keys = {k: ks for k, ks in zip(have, doc["hidden_states"])}
+    segs = index_of(store).segments(parts[layers[0]])
+    width = next((int(s.arrays["hidden"].shape[1]) for s in segs.values() if "hidden" in s.arrays), -1)
+    backend = (m.provenance or {}).get("declared_backend")
+    return Selection(store=store, options=EvalOptions(), layers=layers, tokens_key=m.key,
+                     layer_keys=[parts[k] for k in layers], target_dir=(m.provenance or {}).get("target_dir", ""),
+                     num_layers=-1, hidden_size=width, backend=backend,
+                     tokens_node=_Listed(_Part(doc["tokens_partition"]), list(doc["tokens"]), list(doc["ids"])),
+                     layer_nodes=[_Listed(_Part(parts[k]), list(keys[k])) for k in layers])
 
 
 def _run_args(argv: list[str], layers: list[int]) -> list[str]:

@@ -68,7 +68,7 @@ def _raw_config(**over) -> dict:
 def test_batched_equals_one_at_a_time(kw):
     d, head = _drafter(**kw), _head()
     feats, toks = _inputs(d)
-    roots = [17, 1, 39, 5, 6, 30, 17, 2, 38, 21]            # unordered, a duplicate, first and last
+    roots = [17, 1, 39, 5, 6, 30, 17, 2, 38, 21, 0]         # unordered, a duplicate, first and last, no context
     slow = score_roots_one_at_a_time(d, head, feats, toks, roots)
     for opts in (dict(), dict(max_batch_roots=1), dict(max_batch_roots=3), dict(max_score_elems=2000)):
         fast = score_roots(d, head, feats, toks, roots, **opts)

@@ -75,3 +75,37 @@ def test_run_prompts_then_cached(tmp_path):
     r = dfcache("plan", "prompts", "--prompts", "builtin:reasoning", "--num-prompts", "5", "--json",
                 store=tmp_path / "store")
     assert json.loads(r.out)[0]["status"] == "cached"
+
+
+def test_fast_digest_is_record_digest_and_lines_parse_as_json_loads(tmp_path):
+    from dfcache.samples import record_digest
+    from runner.stages.prompts import messages_digest
+
+    tricky = ['plain', 'quote " and \\ backslash', "tab\tnewline\n\x00\x1f", "ünïcødé ✓ 𝄞", "/abs/path"]
+    for t in tricky:
+        msgs = [{"role": "system", "content": t}, {"role": "user", "content": t[::-1]}]
+        assert messages_digest(msgs) == record_digest({"messages": msgs})
+    lines = ['  {"id": "a", "prompt": "x"}  ', '{"id": 2, "prompt": "y", "extra": [1, {"k": NaN}]}']
+    assert parse_records("\n".join(lines), "x") == [{"id": "a", "messages": [{"role": "user", "content": "x"}]},
+                                                   {"id": "2", "messages": [{"role": "user", "content": "y"}]}]
+    for bad in ('{"id": "a", "prompt": "x"} {"id": "b"}', '{"id": "a", "prompt": "x"},'):
+        with pytest.raises(BadInputError, match="not valid JSON"):
+            parse_records(bad, "x")
+
+
+def test_large_prompt_file_memo_gives_the_same_set_and_follows_edits(tmp_path, monkeypatch):
+    from runner.stages import prompts
+
+    monkeypatch.setenv("DFCACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(prompts, "MEMO_MIN_RECORDS", 2)
+    f = tmp_path / "p.jsonl"
+    f.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"q {i}"}) + "\n" for i in range(3)))
+    ids, digests, records = prompts.load_set(str(f))
+    assert records is not None and list((tmp_path / "home" / "prompt-sets").iterdir())
+    again = prompts.load_set(str(f))
+    assert again[:2] == (ids, digests) and again[2] is None  # from the memo, records not parsed
+    lazy = prompts.PromptRecords(str(f), ids[:2])
+    assert len(lazy) == 2 and list(lazy) == records[:2] and lazy[1] == records[1]
+    f.write_text(f.read_text().replace("q 1", "q one"))  # an edit: another size, another memo
+    edited = prompts.load_set(str(f))
+    assert edited[2] is not None and edited[1][1] != digests[1] and edited[1][0] == digests[0]

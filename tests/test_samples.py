@@ -278,3 +278,22 @@ def test_two_processes_writing_overlapping_sets_both_succeed(tmp_path):
     gc_plan(store, tmp=False, duplicates=True).execute(store)
     ss = SampleSet(open_store(s), p.key, p.sample_keys(u))
     assert all(same(ss.read(i, "hidden"), rows_of(u[i])) for i in range(40))
+
+
+def test_an_artifact_made_from_samples_has_a_broken_chain_only_when_they_are_gone(tmp_path):
+    from dfcache.maintenance import missing_upstream
+
+    store = open_store(tmp_path / "s")
+    p = part()
+    u = ups(3)
+    sink = write(store, p, u)
+    keys = p.sample_keys(u)
+    set_key = "c" * 32  # what a report's upstream names: a set of samples, not an artifact
+    with store.writer("d" * 32, stage="report", stage_version=1, inputs={}, upstream={"evals": [set_key]},
+                      sample_refs=[{"partition": p.key, "keys": keys}]) as w:
+        w.put_json("report", {})
+    assert missing_upstream(store, store.list_manifests()) == []
+    store.delete(sink.committed[0].key)
+    store = open_store(tmp_path / "s")
+    [(m, what)] = missing_upstream(store, store.list_manifests())
+    assert m.key == "d" * 32 and what == f"3 of 3 sample(s) of partition {p.key}"

@@ -207,3 +207,20 @@ def test_offline_refuses_s3_before_any_request(s3, monkeypatch):
     monkeypatch.setenv("DFCACHE_OFFLINE", "1")
     with pytest.raises(OfflineModeIsEnabled, match="offline"):
         open_store(f"s3://{s3.create_bucket()}/p", endpoint_url=s3.endpoint)
+
+
+def test_format_1_prefix_is_refused_with_the_fix_then_migrated(s3):
+    from dfcache.store import migrate_store
+
+    bucket = s3.create_bucket()
+    url = f"s3://{bucket}/old"
+    key, _ = write_example(open_store(url, endpoint_url=s3.endpoint), rows=10, chunk_rows=10)
+    old = b'{"format_version": 1, "kind": "dfcache-store"}\n'  # what format-1 dfcache wrote
+    s3.client().put_object(Bucket=bucket, Key="old/dfcache-store.json", Body=old)
+    with pytest.raises(UsageError, match=f"has format 1.*dfcache --store {url} migrate --endpoint-url"):
+        open_store(url, endpoint_url=s3.endpoint).list_manifests()
+    res = migrate_store(url, endpoint_url=s3.endpoint)
+    assert res.migrated and (res.from_format, res.artifacts, res.unreadable) == (1, 1, [])
+    store = open_store(url, endpoint_url=s3.endpoint)
+    assert [m.key for m in store.list_manifests()] == [key] and store.verify(key) == []
+    assert not migrate_store(url, endpoint_url=s3.endpoint).migrated

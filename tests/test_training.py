@@ -138,6 +138,32 @@ def test_dataloader_workers_read_the_same_items(cached, context):
             assert _same(got[mine["key"]][name], mine[name])
 
 
+def test_a_grown_set_reads_the_cached_samples_from_several_segments(cached, tmp_path):
+    """2 prompts extracted, then 4: the 4-prompt dataset reads samples from both runs' segments,
+    in prompt order, bitwise equal to extracting all 4 at once; a subset reads the same samples."""
+    from dfcache.samples import index_of
+
+    store = tmp_path / "grown"
+    sel = {**cached["sel"], "num_prompts": 2}
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        api.run("hidden-states", store=store, layers=[1, 3], **sel)
+        api.run("hidden-states", store=store, layers=[1, 3], **cached["sel"])
+    finally:
+        torch.set_num_threads(before)
+    grown = api.hidden_state_dataset(store=store, drafters=[str(cached["drafter"])], **cached["sel"])
+    once = api.hidden_state_dataset(store=cached["store"], drafters=[str(cached["drafter"])], **cached["sel"])
+    st = open_store(store)
+    for part in grown.source.layer_partitions:
+        assert len(index_of(st).segments(part)) == 2  # each run committed its own samples
+    assert grown.keys() == once.keys()
+    _assert_same_dataset(grown, once)
+    subset = api.hidden_state_dataset(store=store, drafters=[str(cached["drafter"])], **sel)
+    assert subset.keys() == grown.keys()[:2]
+    _assert_same_dataset(subset, [once[0], once[1]])
+
+
 def test_length_bucket_sampler_covers_every_sample_once_within_the_token_budget(cached):
     ds = api.hidden_state_dataset(store=cached["store"], layers=[1], **cached["sel"])
     lengths = ds.lengths()
@@ -290,17 +316,22 @@ def test_import_of_an_export_gives_back_the_same_samples_marked_imported(cached,
     st = open_store(store)
     for m in st.list_manifests():
         assert m.provenance["imported"] == "imported (declared, not verified)"
-    # The layers are keyed as extraction keys them over those tokens: the same key as the original's
-    # layer keys would have over the same tokens, with the declared backend inside.
+    # Per-sample segments: each layer's samples in the partition extraction keys for those tokens, with
+    # the declared backend inside; the import artifact lists the set's samples in file order.
+    tokens = st.list_manifests(stage="tokens")
+    assert len(tokens) == 1 and tokens[0].samples["partition_upstream"] == {}
     hs = [m for m in st.list_manifests(stage="hidden_states")]
     assert sorted(int(m.inputs["layer"]) for m in hs) == sorted(layers)
-    assert all(m.inputs["backend"]["kernel"] == "torch" and m.upstream == {"tokens": res["tokens_key"]} for m in hs)
+    assert all(m.inputs["backend"]["kernel"] == "torch" and m.samples["partition_upstream"] ==
+               {"sample": tokens[0].samples["partition"]} for m in hs)
+    assert {str(m.inputs["layer"]): m.samples["partition"] for m in hs} == res["layer_keys"]
     assert cli_main(["--store", str(store), "ls", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert len(rows) == len(layers) + 1
-    assert all(r["summary"].startswith("imported (declared, not verified)") for r in rows)
+    assert sorted(r["stage"] for r in rows) == sorted(["import", "tokens"] + ["hidden_states"] * len(layers))
+    assert all("imported (declared, not verified)" in r["summary"] for r in rows), [r["summary"] for r in rows]
     assert _import(store, fmt, out, target_path, *layers, extra=["--json"]) == 0  # again: nothing new
-    assert json.loads(capsys.readouterr().out)["already_imported"] is True
+    again = json.loads(capsys.readouterr().out)
+    assert again["already_imported"] is True and again["reused"] == 4
 
 
 def test_import_modelopt_dumps(cached, target_path, tmp_path, capsys):
@@ -352,8 +383,9 @@ def test_import_refuses_bad_samples_one_by_one_and_keeps_the_good(cached, target
     assert "data_4.ckpt: unreadable (truncated or corrupt)" in err
     st = open_store(store)
     tokens = st.list_manifests(stage="tokens")
-    assert len(tokens) == 1 and st.open(tokens[0].key).array("offsets").shape == (3,)
-    got = api.hidden_state_dataset(store=store, tokens_key=tokens[0].key, layers=[1])
+    assert len(tokens) == 1 and len(tokens[0].samples["keys"]) == 2
+    (imp,) = st.list_manifests(stage="import")
+    got = api.hidden_state_dataset(store=store, tokens_key=imp.key, layers=[1])
     _assert_same_dataset(got, [ds[0], ds[1]])
 
 
@@ -399,6 +431,40 @@ def test_verify_recompute_agrees_on_an_honest_import_and_flags_a_wrong_declarati
     assert "positive number" in capsys.readouterr().err
     assert cli_main(["--store", str(cached["store"]), "verify", "--recompute", "1", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["recomputed"] == []  # nothing imported there
+
+
+def test_a_grown_or_subset_import_reuses_the_cached_samples(cached, target_path, tmp_path, capsys):
+    ds = api.hidden_state_dataset(store=cached["store"], layers=[1, 3], **cached["sel"])
+    full = _modelopt_dir(ds, tmp_path / "all", n=4)
+    first = tmp_path / "first"
+    first.mkdir()
+    for i in (2, 0):
+        (first / f"{i}.pt").write_bytes((full / f"{i}.pt").read_bytes())
+    store = tmp_path / "grow"
+    assert _import(store, "modelopt", first, target_path, 1, 3, extra=["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["reused"] == 0
+    st = open_store(store)
+    segments = {m.key for m in st.list_manifests() if m.samples}
+    assert _import(store, "modelopt", full, target_path, 1, 3, extra=["--json"]) == 0
+    grown = json.loads(capsys.readouterr().out)
+    assert grown["samples"] == 4 and grown["reused"] == 2
+    st = open_store(store)
+    new = [m for m in st.list_manifests() if m.samples and m.key not in segments]
+    assert len(new) == 3 and all(len(m.samples["keys"]) == 2 for m in new)  # tokens + 2 layers, 2 new samples each
+    got = api.hidden_state_dataset(store=store, tokens_key=grown["tokens_key"], layers=[3, 1])
+    assert len(got) == 4  # in file order, assembled from both imports' segments
+    for i in range(4):
+        want = torch.cat([ds[i]["hidden_states"][0, :, 128:], ds[i]["hidden_states"][0, :, :128]], dim=1)
+        assert _same(got[i]["hidden_states"][0], want) and _same(got[i]["input_ids"], ds[i]["input_ids"])
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "3.pt").write_bytes((full / "3.pt").read_bytes())
+    (sub / "1.pt").write_bytes((full / "1.pt").read_bytes())
+    assert _import(store, "modelopt", sub, target_path, 1, 3, extra=["--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["reused"] == 2
+    assert len([m for m in open_store(store).list_manifests() if m.samples]) == len(segments) + 3  # nothing new
+    one = api.hidden_state_dataset(store=store, tokens_key=json.loads(json.dumps(grown))["tokens_key"], layers=[1])
+    assert one.keys() != got.keys() and len(set(one.keys())) == 4
 
 
 def test_export_and_import_errors_are_json_under_json(cached, target_path, tmp_path, capsys):

@@ -372,3 +372,74 @@ def test_cli_network_offline_and_usage_exit_codes(s3, tmp_path):
     assert res.code == 0 and "pushed 0 artifact(s)" in res.out and "1 already there" in res.out
     res = dfcache("push", remote, store=tmp_path / "a")
     assert res.code == 2 and "--all" in res.err
+
+
+# ------------------------------------------------------------------------------ per sample
+
+
+def _per_sample_chain(store, prompts_n: int, hs_from: int, hs_to: int, *, max_samples: int = 100):
+    """Prompt samples (a root partition) and hidden-state samples made from them."""
+    from dfcache.samples import Partition, SampleArray, SampleSink, record_digest
+
+    pp = Partition("prompts", 2, {})
+    hp = Partition("hidden_states", 2, {"layer": 1}, upstream={"sample": pp.key})
+    digests = [record_digest({"p": i}) for i in range(prompts_n)]
+    with SampleSink(store, pp, max_samples=max_samples) as sink:
+        for d in digests:
+            sink.add(d, doc={"d": d})
+    pkeys = pp.sample_keys(digests)
+    with SampleSink(store, hp, arrays={"hidden": SampleArray((4,), "bfloat16")}, doc=False,
+                    max_samples=max_samples) as sink:
+        for k in pkeys[hs_from:hs_to]:
+            rng = np.random.default_rng(int(k[:8], 16))
+            sink.add(k, {"hidden": rng.standard_normal((3, 4)).astype(ml_dtypes.bfloat16)})
+    return pp, hp, pkeys
+
+
+def test_cli_status_push_pull_per_sample(remote, tmp_path):
+    from dfcache.samples import SampleSet
+
+    env = {"AWS_ENDPOINT_URL": remote.endpoint} if remote.endpoint else {}
+    a = open_store(tmp_path / "a")
+    pp, hp, pkeys = _per_sample_chain(a, 10, 0, 10, max_samples=5)  # 10 states in 2 segments of 5
+    # The remote holds 6 of the states (in one segment of its own) and none of the prompts.
+    from dfcache.samples import SampleArray, SampleSink
+
+    r = remote.open(create=True)
+
+    with SampleSink(r, hp, arrays={"hidden": SampleArray((4,), "bfloat16")}, doc=False) as sink:
+        for k in pkeys[:6]:
+            rng = np.random.default_rng(int(k[:8], 16))
+            sink.add(k, {"hidden": rng.standard_normal((3, 4)).astype(ml_dtypes.bfloat16)})
+
+    res = dfcache("status", remote.url, "--json", store=tmp_path / "a", env=env)
+    assert res.code == 0, res.err
+    rows = {x["stage"]: x for x in json.loads(res.out)["samples"]}
+    assert (rows["hidden_states"]["only_local"], rows["hidden_states"]["only_remote"], rows["hidden_states"]["both"]) \
+        == (4, 0, 6)
+    assert (rows["prompts"]["only_local"], rows["prompts"]["both"]) == (10, 0)
+
+    # Push the states: the 4 the remote lacks move (not the 2 local segments whole), with their prompts.
+    res = dfcache("push", remote.url, "--stage", "hidden_states", "--json", store=tmp_path / "a", env=env)
+    assert res.code == 0, res.err
+    s = json.loads(res.out)["samples"]
+    assert (s["present"], s["copied"], s["missing"]) == (6, 14, [])  # 4 states + 10 prompts
+    r = remote.open()
+    hkeys = hp.sample_keys(pkeys)
+    assert SampleSet(r, hp.key, hkeys).read_many("hidden", raw=True)[9].tobytes() == \
+        SampleSet(a, hp.key, hkeys).read_many("hidden", raw=True)[9].tobytes()
+    assert len(SampleSet(r, pp.key, pkeys)) == 10
+    from dfcache.sample_transfer import compare_samples
+
+    assert {x["stage"]: x["only_local"] for x in compare_samples(a, remote.open())} == \
+        {"prompts": 0, "hidden_states": 0}
+
+    # Pull only the states (no upstream) into a machine that has 3 of them.
+    b = open_store(tmp_path / "b")
+    _per_sample_chain(b, 10, 0, 3)
+    res = dfcache("pull", remote.url, "--stage", "hidden_states", "--no-upstream", store=tmp_path / "b", env=env)
+    assert res.code == 0, res.err
+    assert "pulled 7 sample(s)" in res.out and "already there" in res.out, res.out
+    b = open_store(tmp_path / "b")
+    assert [bytes(x) for x in SampleSet(b, hp.key, hkeys).read_many("hidden", raw=True)] == \
+        [bytes(x) for x in SampleSet(a, hp.key, hkeys).read_many("hidden", raw=True)]

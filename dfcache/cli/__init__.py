@@ -47,9 +47,9 @@ def _global(store: Optional[str] = GLOBAL_OPTIONS["store"][1](),
 
 
 def _register_all() -> None:
-    from . import _cache_cmds, _diff_cmd, _transfer_cmds
+    from . import _cache_cmds, _diff_cmd, _migrate_cmd, _transfer_cmds
 
-    for module in (_cache_cmds, _diff_cmd, _transfer_cmds):
+    for module in (_cache_cmds, _diff_cmd, _transfer_cmds, _migrate_cmd):
         module.register(app)
     registered = {"runner.cli"}
     try:

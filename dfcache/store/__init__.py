@@ -5,8 +5,9 @@
 (``_local.py`` a directory, ``_file_remote.py`` a ``file://`` directory read without symlinks,
 ``_s3.py`` ``s3://`` with its write lease in ``_s3_lease.py``), behind the small interface in
 ``_backend.py``; ``_open.py`` picks one per URL scheme. ``dfcache.testing.store_conformance`` is
-the suite every backend passes. ``listing(root)`` is what ``dfcache ls`` lists of a local store,
-from its listing index (``_index.py``, docs/format.md).
+the suite every backend passes. ``migrate_store`` (``_migrate.py``) upgrades a store of an older
+format in place. ``listing(root)`` is what ``dfcache ls`` lists of a local store, from its
+listing index (``_index.py``, docs/format.md).
 """
 
 from importlib import import_module
@@ -16,10 +17,10 @@ from importlib import import_module
 _WHERE = {"ArrayReader": "._store", "ArrayWriter": "._store", "Artifact": "._store", "ArtifactWriter": "._store",
           "CommitOnExit": "._store", "Store": "._store", "default_chunk_rows": "._store", "open_store": "._store",
           "Backend": "._backend", "Staging": "._backend", "Temporary": "._backend", "format": ".format",
-          "listing": "._index"}
+          "listing": "._index", "MigrateResult": "._migrate", "migrate_store": "._migrate"}
 
-__all__ = ["ArrayReader", "ArrayWriter", "Artifact", "ArtifactWriter", "Backend", "CommitOnExit", "Staging", "Store",
-           "Temporary", "default_chunk_rows", "format", "listing", "open_store"]
+__all__ = ["ArrayReader", "ArrayWriter", "Artifact", "ArtifactWriter", "Backend", "CommitOnExit", "MigrateResult",
+           "Staging", "Store", "Temporary", "default_chunk_rows", "format", "listing", "migrate_store", "open_store"]
 
 
 def __getattr__(name: str):

@@ -43,6 +43,9 @@ class FileRemoteBackend(LocalBackend):
     def listing(self):
         return None  # someone else's directory: its manifests are read, never an index of theirs
 
+    def _url_for_refusal(self) -> str:
+        return f"file://{self.root}"
+
     def _refuse_link(self, rel: str) -> IntegrityError:
         return IntegrityError(f"file://{self.root}/{rel} is a symbolic link; dfcache never follows links in a "
                               "remote store. Replace it with the real file (or remove the artifact there) "

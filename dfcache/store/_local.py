@@ -2,7 +2,7 @@
 
 Layout::
 
-    <root>/dfcache-store.json            {"format_version": 1}
+    <root>/dfcache-store.json            {"format_version": 2}
     <root>/artifacts/<key[:2]>/<key>/    one committed artifact (zarr v3 group + manifest.json)
     <root>/staging/<key>.<uuid>.tmp/     a writer's private staging area
     <root>/staging/<key>.resume/         a resumable writer's staging area (kept across crashes)
@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..errors import IntegrityError, StoreWriteError, UsageError
 from ._backend import Backend, Staging, Temporary, too_large
-from .format import FORMAT_VERSION, MANIFEST, STORE_MARKER, store_marker_bytes
+from .format import FORMAT_VERSION, MANIFEST, STORE_MARKER, format_refusal, store_marker_bytes
 
 
 def _fsync_dir(path: Path) -> None:
@@ -286,10 +286,13 @@ class LocalBackend(Backend):
                 info = json.loads(marker.read_text())
             except (OSError, ValueError):
                 raise IntegrityError(f"{marker} is unreadable; the store is damaged. Restore the file "
-                                     '(content {"format_version": 1}) or use another store.') from None
-            if info.get("format_version") != FORMAT_VERSION:
-                raise UsageError(f"store {self.root} has format {info.get('format_version')}; this "
-                                 f"dfcache reads format {FORMAT_VERSION}. Upgrade dfcache or use another store.")
+                                     '(content {"format_version": ' + str(FORMAT_VERSION) + '}) or use another store.') from None
+            found = info.get("format_version") if isinstance(info, dict) else None
+            if found != FORMAT_VERSION:
+                raise format_refusal(self._url_for_refusal(), found)
+
+    def _url_for_refusal(self) -> str:
+        return str(self.root)
 
     def _artifact_dir(self, key: str) -> Path:
         return self.root / "artifacts" / key[:2] / key

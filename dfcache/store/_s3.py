@@ -18,7 +18,7 @@ Why obstore (``zarr.storage.ObjectStore``) and not s3fs (``zarr.storage.FsspecSt
 
 Layout under ``s3://bucket/prefix`` (artifacts exactly as in a local store)::
 
-    dfcache-store.json                   {"format_version": 1}, written on the first publish
+    dfcache-store.json                   {"format_version": 2}, written on the first publish
     artifacts/<key[:2]>/<key>/           one committed artifact: zarr v3 group + manifest.json
     locks/<key>.lease                    held by the one writer allowed under artifacts/../<key>/
     staging/<key>.<writer>/              uploads of a writer that found the lease taken
@@ -72,7 +72,8 @@ from ..errors import (ConnectionRefused, DfcacheError, IntegrityError, NetworkEr
 from ..keys import KEY_PATTERN
 from ._backend import Backend, Staging, Temporary
 from ._s3_lease import LEASE_STALE_S, LEASE_WAIT_S, _Lease
-from .format import FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES, STORE_MARKER, check_relpath, store_marker_bytes
+from .format import (FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES, STORE_MARKER, check_relpath, format_refusal,
+                     store_marker_bytes)
 
 IO_CONCURRENCY = 32
 
@@ -459,8 +460,7 @@ class ObjectStoreBackend(Backend):
             except (ValueError, AttributeError):
                 fmt = None
             if fmt != FORMAT_VERSION:
-                raise UsageError(f"{self.url} has store format {fmt!r}; this dfcache reads format {FORMAT_VERSION}. "
-                                 "Upgrade dfcache or use another prefix.")
+                raise format_refusal(self.url, fmt, endpoint_url=self.endpoint)
         self._format_checked = True
 
     async def _ensure_marker(self) -> None:

@@ -1,4 +1,4 @@
-"""The store format, version 1: names, encodings, digests and checks of an artifact's files.
+"""The store format, version 2: names, encodings, digests and checks of an artifact's files.
 
 Public: this is what a store *is* on disk, shared by every backend and by everything that reads
 or moves artifacts (``Store`` reads, ``verify``, ``push``/``pull``), so they cannot disagree.
@@ -6,8 +6,13 @@ docs/format.md describes the same thing in prose.
 
 A store (a directory, a ``file://`` remote, an ``s3://`` prefix)::
 
-    dfcache-store.json                     {"format_version": 1, "kind": "dfcache-store"}
+    dfcache-store.json                     {"format_version": 2, "kind": "dfcache-store"}
     artifacts/<key[:2]>/<key>/             one committed artifact, see artifact_prefix()
+
+Format 2 adds segments of samples (a manifest's ``samples``/``sample_refs``, dfcache/samples.py)
+to format 1's artifacts, which are unchanged: ``dfcache migrate`` upgrades a format-1 store in
+place (see ``MIGRATABLE`` and dfcache/store/_migrate.py). A dfcache that reads format 1 only
+refuses a format-2 store rather than misread its segments (its gc would drop referenced ones).
 
 An artifact is one zarr v3 group::
 
@@ -46,7 +51,9 @@ import xxhash
 from ..errors import IntegrityError, UntrustedManifestError, UsageError
 from ..manifest import STORAGE_DTYPE, ArraySpec, Manifest
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Store formats `dfcache migrate` upgrades in place, and what the store lacks until then.
+MIGRATABLE = {1: "written before per-sample segments"}
 STORE_MARKER = "dfcache-store.json"
 MANIFEST = "manifest.json"
 GROUP_META = "zarr.json"
@@ -68,6 +75,20 @@ MAX_CHUNK_BYTES = 4 << 30  # dfcache writes ~1 MiB chunks; a manifest asking for
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest beyond this is hostile or broken; never download more
 RESERVED_NAMES = ("blobs", "c", GROUP_META, MANIFEST)  # array names that would collide with the layout
 RESERVED_DIRS = ("artifacts", "staging", "locks", "index")  # a store's own directories below its root
+
+
+def format_refusal(url: str, found: Any, *, endpoint_url: str | None = None) -> UsageError:
+    """The one message (exit 2) for a store of another format: the fix for an older one is
+    `dfcache migrate`, for a newer one a newer dfcache."""
+    import shlex
+
+    if not isinstance(found, bool) and found in MIGRATABLE:
+        cmd = f"dfcache --store {shlex.quote(url)} migrate" + (f" --endpoint-url {shlex.quote(endpoint_url)}"
+                                                              if endpoint_url else "")
+        return UsageError(f"store {url} has format {found} ({MIGRATABLE[found]}); this dfcache reads format "
+                          f"{FORMAT_VERSION}. Upgrade it in place (every artifact is kept) with: {cmd}")
+    return UsageError(f"store {url} has format {found!r}; this dfcache reads format {FORMAT_VERSION}. Upgrade "
+                      "dfcache or use another store.")
 
 
 def store_marker_bytes() -> bytes:

@@ -487,7 +487,11 @@ def load_target(target_dir: str | os.PathLike, backend: KernelSpec, *,
     kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=backend.attn_implementation,
                                   local_files_only=True)
     if backend.device == "cuda":
-        kwargs["device_map"] = "cuda"  # load the shards straight onto the GPU, not through host RAM
+        from ..distributed import current, device_for
+
+        # cuda:LOCAL_RANK under torchrun (one GPU a rank); the shards load straight onto it, not
+        # through host RAM.
+        kwargs["device_map"] = device_for(current(), "cuda")
     try:
         model = AutoModelForCausalLM.from_pretrained(str(target_dir), **kwargs)
     except (OSError, ValueError, KeyError) as e:
@@ -537,9 +541,9 @@ def load_target(target_dir: str | os.PathLike, backend: KernelSpec, *,
                             "--backend torch.")
     prov = {"versions": library_versions(), "bound": bound, "model_class": type(model).__name__,
             "modeling_module": getattr(modeling, "__name__", None), "attn_implementation": attn,
-            "torch_cuda": getattr(torch.version, "cuda", None)}
+            "torch_cuda": getattr(torch.version, "cuda", None), "device": str(got_device)}
     if backend.device == "cuda":
-        prov["gpu"] = torch.cuda.get_device_name(0)
+        prov["gpu"] = torch.cuda.get_device_name(got_device)
     return TargetModel(model, base, layers, info, backend, modeling, bound, prov)
 
 

@@ -19,11 +19,14 @@ not change what the model is asked). Output, per sample: the document ``{"messag
 from __future__ import annotations
 
 import json
+import os
 from importlib import resources
+from json.encoder import encode_basestring as _json_str
 from pathlib import Path
 
+import xxhash
+
 from dfcache.errors import BadInputError
-from dfcache.samples import record_digest
 
 from ..graph import KeyRecipe, Node, RunContext
 
@@ -38,6 +41,31 @@ def _builtin_names() -> str:
     return ", ".join(f"builtin:{n}" for n in BUILTIN_SETS)
 
 
+_SCAN = json.JSONDecoder().scan_once
+
+
+def _parse_line(line: str):
+    """``json.loads(line)``, through the C scanner directly: json.loads' own per-call overhead
+    is most of the cost of a 100,000-line prompt file."""
+    s = line.strip()
+    try:
+        rec, end = _SCAN(s, 0)
+        if end == len(s):
+            return rec
+    except (StopIteration, ValueError):
+        pass
+    return json.loads(line)  # the exact error (or value) json.loads gives
+
+
+def messages_digest(messages: list[dict]) -> str:
+    """``record_digest({"messages": messages})`` for messages of str ``role`` and ``content`` (as
+    parse_records makes them), spelled out: the same bytes (sorted compact JSON, non-ASCII kept),
+    several times faster than the general encoder on a large prompt set."""
+    body = ",".join(['{"content":%s,"role":%s}' % (_json_str(m["content"]), _json_str(m["role"]))
+                     for m in messages])
+    return xxhash.xxh3_128_hexdigest(('{"messages":[' + body + "]}").encode())
+
+
 def parse_records(text: str, source: str) -> list[dict]:
     """Parse JSONL prompt records; every problem names the file and line."""
     records: list[dict] = []
@@ -46,7 +74,7 @@ def parse_records(text: str, source: str) -> list[dict]:
         if not line.strip():
             continue
         try:
-            rec = json.loads(line)
+            rec = _parse_line(line)
         except ValueError as e:
             raise BadInputError(f"{source}:{lineno}: not valid JSON ({e.msg}); each line must be "
                                 '{"id": ..., "messages": [...]} or {"id": ..., "prompt": "..."}.') from None
@@ -101,21 +129,105 @@ def load_records(spec: str) -> list[dict]:
     return parse_records(text, spec)
 
 
+# A large prompt file's ids and digests are kept in $DFCACHE_HOME/prompt-sets/, by (path, size,
+# mtime_ns, inode) as the fingerprint memo keeps file digests: planning a cached 100,000-prompt
+# set then reads one small JSON document instead of parsing and hashing every line; the records
+# themselves are parsed only if a stage needs them (PromptRecords).
+MEMO_MIN_RECORDS = 5000
+MEMO_VERSION = 1
+
+
+def _memo_path(path: Path, st) -> Path:
+    from dfcache.config import dfcache_home
+
+    ident = f"{MEMO_VERSION}\0{path.resolve()}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}"
+    return dfcache_home() / "prompt-sets" / f"{xxhash.xxh3_128_hexdigest(ident.encode())}.json"
+
+
+def _read_memo(memo: Path):
+    try:
+        data = json.loads(memo.read_bytes())
+        ids, digests = data["ids"], data["digests"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not (isinstance(ids, list) and isinstance(digests, list) and len(ids) == len(digests) > 0):
+        return None
+    return ids, digests
+
+
+def _write_memo(memo: Path, ids: list[str], digests: list[str]) -> None:
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"ids": ids, "digests": digests}, ensure_ascii=False), encoding="utf-8")
+        os.replace(tmp, memo)
+    except OSError:
+        pass  # only a speed-up
+
+
+class PromptRecords:
+    """The first ``n`` records of a prompt file, parsed on first use (a plan never needs them)."""
+
+    def __init__(self, spec: str, ids: list[str]) -> None:
+        self.spec, self.ids, self._records = spec, ids, None
+
+    def _load(self) -> list[dict]:
+        if self._records is None:
+            records = load_records(self.spec)[: len(self.ids)]
+            if [r["id"] for r in records] != self.ids:
+                raise BadInputError(f"prompt file {self.spec} changed during the run; run again.")
+            self._records = records
+        return self._records
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return self._load()[i]
+
+    def __iter__(self):
+        return iter(self._load())
+
+
+def load_set(spec: str) -> tuple[list[str], list[str], "list[dict] | None"]:
+    """The ids of ``builtin:NAME`` or a JSONL file's records, each one's upstream digest
+    (:func:`messages_digest` of its messages) and the records (None when the ids and digests came
+    from the memo: :class:`PromptRecords` reads them when needed)."""
+    if spec.startswith("builtin:"):
+        records = load_records(spec)
+        return [r["id"] for r in records], [messages_digest(r["messages"]) for r in records], records
+    path = Path(spec)
+    memo = None
+    try:
+        st = path.stat() if path.is_file() else None
+        if st is not None and st.st_size > 0:
+            memo = _memo_path(path, st)
+            got = _read_memo(memo)
+            if got is not None:
+                return got[0], got[1], None
+    except OSError:
+        pass  # load_records names the problem
+    records = load_records(spec)
+    ids, digests = [r["id"] for r in records], [messages_digest(r["messages"]) for r in records]
+    if memo is not None and len(records) >= MEMO_MIN_RECORDS:
+        _write_memo(memo, ids, digests)
+    return ids, digests, records
+
+
 def build(ctx: RunContext) -> Node:
     opts = ctx.options
-    records = load_records(opts.prompts)
+    ids, upstream, records = load_set(opts.prompts)
     if opts.num_prompts is not None:
         # More prompts than the set holds is a well-formed value (EvalOptions.validate checks
         # the form) that the content contradicts (6, docs/cli.md).
-        if opts.num_prompts > len(records):
-            raise BadInputError(f"--num-prompts {opts.num_prompts}, but {opts.prompts} holds only {len(records)} "
-                                f"prompt(s); pass --num-prompts {len(records)} or fewer, or leave it out to "
+        if opts.num_prompts > len(ids):
+            raise BadInputError(f"--num-prompts {opts.num_prompts}, but {opts.prompts} holds only {len(ids)} "
+                                f"prompt(s); pass --num-prompts {len(ids)} or fewer, or leave it out to "
                                 "use them all.")
-        records = records[: opts.num_prompts]
-    upstream = [record_digest({"messages": r["messages"]}) for r in records]
-    return KEY.samples(inputs={}, upstream_samples=upstream, ids=[r["id"] for r in records],
-                       needs="cpu", label="prompts", payload=records,
-                       summary=f"{len(records)} prompts from {opts.prompts}")
+        ids, upstream = ids[: opts.num_prompts], upstream[: opts.num_prompts]
+    records = records[: len(ids)] if records is not None else PromptRecords(opts.prompts, ids)
+    return KEY.samples(inputs={}, upstream_samples=upstream, ids=ids, needs="cpu", label="prompts",
+                       payload=records, summary=f"{len(ids)} prompts from {opts.prompts}")
 
 
 def produce(ctx: RunContext, nodes: list[Node]) -> None:

@@ -22,10 +22,9 @@ drops it).
 Output, per sample: array ``ids`` (int32, prompt then completion) and the document
 ``{"finish_reason", "tokens_source", "eos_appended", "prompt_len", "completion_len"}``.
 
-Imported sets (`dfcache import`, runner/imports.py) keep the set-level layout: one tokens
-artifact (``token_ids``, ``offsets``, ``prompt_lens``, ``completion_lens``, document ``samples``),
-with an ``imported`` input (the ids' digest) instead of an upstream, and one more array,
-``loss_mask`` int8 (the peer's own mask).
+Imported samples (`dfcache import`, runner/imports.py) are tokens samples too, of a root
+partition (inputs as above plus ``imported``, no upstream; a sample named by the digest of its
+ids and loss mask) with one more array, ``loss_mask`` int8 (the peer's own mask).
 """
 
 from __future__ import annotations

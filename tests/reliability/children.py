@@ -37,7 +37,7 @@ import time
 import numpy as np
 
 _MARK_FD = [1]
-_PAUSE: dict = {"op": None, "after": None, "after_op": None, "counting": False, "count": 0, "list": False, "frozen": False}
+_PAUSE: dict = {"op": None, "after": None, "after_op": None, "only": "", "counting": False, "count": 0, "list": False, "frozen": False}
 _PAUSE_LOCK = threading.RLock()
 
 
@@ -60,14 +60,18 @@ def _freeze(what: str) -> None:
     os.kill(os.getpid(), signal.SIGSTOP)  # the whole process, every thread, until killed
 
 
+def _done(what: str) -> None:
+    """After an operation returned: an ``after_op`` pause counts from here on (not from the call,
+    so that another thread's next operation cannot overtake it)."""
+    p = _PAUSE
+    if p["after_op"] is not None and not p["counting"] and what.startswith(p["after_op"]):
+        with _PAUSE_LOCK:
+            p["counting"], p["count"] = True, 0
+
+
 def _point(what: str) -> None:
     p = _PAUSE
-    if p["after_op"] is not None and not p["counting"]:
-        if what.startswith(p["after_op"]):  # count from the next operation on
-            with _PAUSE_LOCK:
-                p["counting"], p["count"] = True, 0
-        return
-    if not p["counting"] or p["frozen"]:
+    if not p["counting"] or p["frozen"] or not what.startswith(p["only"]):
         return
     with _PAUSE_LOCK:
         p["count"] += 1
@@ -82,24 +86,40 @@ def _point(what: str) -> None:
 def install_pause(pause: dict | None, fd: int = 1) -> None:
     """Count the store's operations in this process and stop at the one ``pause`` names
     (``{"op": N}``; ``{"after": MARKER, "op": N}`` counts from a marker, ``{"after_op": OP, "op": N}``
-    from the first operation whose name starts with OP; ``{"list": true}`` prints them all)."""
+    from the first operation whose name starts with OP, and ``"only": PREFIX`` counts only the
+    operations named so (deterministic where several threads write); ``{"list": true}`` prints them all)."""
     _MARK_FD[0] = fd
     if not pause:
         return
+    # A SIGINT sent while the process is stopped is delivered, on SIGCONT, to any thread that does
+    # not block it; in a writer thread it only sets Python's flag while the main thread sleeps in a
+    # join, and the run went on to finish. Threads started from here on block it, so Ctrl-C reaches
+    # the main thread, as it does when the terminal sends it to a busy process.
+    real_inner = threading.Thread._bootstrap_inner
+
+    def inner(self):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        return real_inner(self)
+
+    threading.Thread._bootstrap_inner = inner
     from dfcache.store import _local
 
-    _PAUSE.update(op=pause.get("op"), after=pause.get("after"), after_op=pause.get("after_op"),
+    _PAUSE.update(op=pause.get("op"), after=pause.get("after"), after_op=pause.get("after_op"), only=pause.get("only", ""),
                   list=bool(pause.get("list")), counting=pause.get("after") is None and pause.get("after_op") is None)
     real_put, real_fsync_dir = _local._LocalStaging.put, _local._fsync_dir
     real_rename, real_replace = os.rename, os.replace
 
+    def op(what, real, *a, **kw):
+        _point(what)
+        result = real(*a, **kw)
+        _done(what)
+        return result
+
     def put(self, relpath, data):
-        _point(f"put {relpath}")
-        return real_put(self, relpath, data)
+        return op(f"put {relpath}", real_put, self, relpath, data)
 
     def fsync_dir(path):
-        _point("fsync_dir")
-        return real_fsync_dir(path)
+        return op("fsync_dir", real_fsync_dir, path)
 
     def in_store(dst) -> bool:  # not the libraries' own renames (caches, memo files)
         d = os.fspath(dst)
@@ -107,12 +127,12 @@ def install_pause(pause: dict | None, fd: int = 1) -> None:
 
     def rename(src, dst, *a, **kw):
         if in_store(dst):
-            _point(f"rename {os.path.basename(os.fspath(dst))}")
+            return op(f"rename {os.path.basename(os.fspath(dst))}", real_rename, src, dst, *a, **kw)
         return real_rename(src, dst, *a, **kw)
 
     def replace(src, dst, *a, **kw):
         if in_store(dst):
-            _point(f"replace {os.path.basename(os.fspath(dst))}")
+            return op(f"replace {os.path.basename(os.fspath(dst))}", real_replace, src, dst, *a, **kw)
         return real_replace(src, dst, *a, **kw)
 
     _local._LocalStaging.put = put

@@ -308,8 +308,8 @@ def test_sigkill_dfcache_run_hidden_states(heavy_zygote, base_store, tmp_path, s
     args = [*base_store["args"], "--offline", "--layer", "1", "--layer", "4", "--backend", "torch", "--device",
             "cpu", "--dtype", "float32", "--batch-tokens", "8", "--json"]
     ref = copy_store(base_store, tmp_path / "ref")
-    # The uninterrupted run lists its store operations; the kills stop the same run at one of
-    # them after its first segment is published and before its last one is.
+    # The uninterrupted run lists its store operations (how many segments it publishes); the kills
+    # stop the same run after its first segment is published and before its last one is.
     first = heavy_zygote.run("children:paused_cli", json.dumps({"list": True}), "--store", ref, "run",
                              "hidden-states", *args, timeout=300, name="hs-ref", env=small)
     assert first.code == 0, first.err
@@ -326,8 +326,9 @@ def test_sigkill_dfcache_run_hidden_states(heavy_zygote, base_store, tmp_path, s
     t0 = time.monotonic()
     for t in range(trials):
         store = copy_store(base_store, tmp_path / f"s{t}")
-        # before the n-th operation after the first publish; the largest n is the last publish
-        pause = {"after_op": ops[publishes[0]], "op": rng.randint(1, publishes[-1] - publishes[0])}
+        # just before the (n+1)-th segment publish, n >= 1: counted in publishes, not in operations,
+        # as the layers' segments are written by a pool of threads (any interleaving)
+        pause = {"after_op": "rename ", "only": "rename ", "op": rng.randint(1, len(publishes) - 1)}
         child = heavy_zygote.spawn("children:paused_cli", json.dumps(pause), "--store", store, "run",
                                    "hidden-states", *args, name=f"hs{t}", env=small)
         assert kill_when_frozen(child, "err"), f"hs trial {t}: never reached {pause}:\n{child.err[-3000:]}"

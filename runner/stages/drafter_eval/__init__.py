@@ -225,7 +225,9 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         if not todo:
             continue
         ref: DrafterRef = node.payload["drafter"]
-        device = node.inputs["device"]
+        from ...distributed import current, device_for
+
+        device = device_for(current(), node.inputs["device"])  # cuda:LOCAL_RANK under torchrun
         drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
         head = load_target_head(node.payload["target_dir"], device=device, dtype=dtype)
         toks = read_tokens(ctx.store, node.payload["tokens"], todo)

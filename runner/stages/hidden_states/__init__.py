@@ -133,33 +133,47 @@ def segment_bytes() -> int:
     return configured()
 
 
-class _SampleRows:
-    """Takes one layer's rows in token order (any split) and hands each finished sample to its
-    segment writer: what the extraction pipeline's layer sinks write into."""
+class _SegmentRows:
+    """Takes one layer's rows in token order (any split, never across a segment's end: extract's
+    boundaries) and hands each finished sample to the writer of the segment it belongs to: what
+    the extraction pipeline's layer sinks write into."""
 
     rows_written = 0  # nothing to resume: a segment is committed whole or not at all
 
-    def __init__(self, writer, lengths: list[int]) -> None:
-        self.writer = writer
+    def __init__(self, writer_for, cuts: list[tuple[int, int]], lengths, state: dict, empty: np.ndarray) -> None:
+        self.empty = empty  # a sample of no tokens, in the storage dtype
+        self.writer_for = writer_for  # segment index -> its (open) writer for this layer
+        self.cuts = cuts
         self.lengths = lengths
-        self._i = 0
+        self.state = state  # {"segment": the segment being filled}
+        self._i = 0  # next sample (global index in the extraction's order)
         self._parts: list[np.ndarray] = []
         self._have = 0
 
+    def _add_empty_samples(self, w, stop: int) -> None:
+        while self._i < stop and self.lengths[self._i] == 0:
+            w.add({"hidden": self.empty})
+            self._i += 1
+
     def append(self, rows: np.ndarray) -> None:
+        seg = self.state["segment"]
+        w = self.writer_for(seg)
+        stop = self.cuts[seg][1]
         while len(rows):
-            need = self.lengths[self._i] - self._have
+            self._add_empty_samples(w, stop)
+            need = int(self.lengths[self._i]) - self._have
             take, rows = rows[:need], rows[need:]
             self._parts.append(take)
             self._have += len(take)
             if self._have == self.lengths[self._i]:
                 one = self._parts[0] if len(self._parts) == 1 else np.concatenate(self._parts)
-                self.writer.add({"hidden": one})
+                w.add({"hidden": one})
                 self._parts, self._have = [], 0
                 self._i += 1
-                while self._i < len(self.lengths) and self.lengths[self._i] == 0:
-                    self.writer.add({"hidden": one[:0]})
-                    self._i += 1
+
+    def finish_segment(self, w) -> None:
+        """Before the segment's commit: its trailing (or only) empty samples."""
+        self._add_empty_samples(w, self.cuts[self.state["segment"]][1])
 
     def checkpoint(self, state=None) -> None:
         """The pipeline checkpoints after every window; a segment commits only whole."""
@@ -221,42 +235,62 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
                                 f"of {target.info.vocab_size}; they come from another tokenizer. Pass the matching "
                                 "--target.")
         lengths = np.diff(toks.offsets).astype(np.int64)
-        start = 0
+        # Segments of about `budget` tokens (at least one sample each): [(first, stop), ...]
+        cuts, start = [], 0
         while start < len(ups):
             stop, tokens = start, 0
             while stop < len(ups) and (stop == start or tokens + lengths[stop] <= budget):
                 tokens += int(lengths[stop])
                 stop += 1
-            seg_ups = ups[start:stop]
-            a, b = int(toks.offsets[start]), int(toks.offsets[stop])
-            ids = toks.token_ids[a:b]
-            offsets = toks.offsets[start:stop + 1] - a
-            writers, sinks = [], []
-            try:
-                for k in layers:
-                    w = SegmentWriter(ctx.store, node_of[k].partition, seg_ups, doc=False,
-                                      arrays={"hidden": SampleArray((target.hidden_size,), backend.dtype,
-                                                                    ctx.options.compression)},
-                                      summary=f"{node_of[k].summary}: {origin}", provenance=provenance, rows={"hidden": b - a})
-                    writers.append(w)
-                    rows = _SampleRows(w, [int(x) for x in lengths[start:stop]])
-                    sinks.append(LayerSink(layer=k, writer=rows, array=rows))
-                desc = f"hidden states L{','.join(map(str, layers))}"
-                stats = extract(target, ids, offsets, sinks, batch_tokens=ctx.options.batch_tokens,
-                                progress_factory=lambda n: ctx.progress(n, desc, unit="tok", unit_scale=True),
-                                log=ctx.log)
-                for w in writers:
-                    w.commit()
-            except BaseException:
-                for w in writers:
-                    w.abort()
-                raise
-            total_tokens += b - a
+            cuts.append((start, stop))
+            start = stop
+        open_writers: dict[int, object] = {}  # layer -> the segment writer being filled
+
+        def writer_for(k: int, seg: int):
+            w = open_writers.get(k)
+            if w is None:
+                first, stop = cuts[seg]
+                w = SegmentWriter(ctx.store, node_of[k].partition, ups[first:stop], doc=False,
+                                  arrays={"hidden": SampleArray((target.hidden_size,), backend.dtype,
+                                                                ctx.options.compression)},
+                                  summary=f"{node_of[k].summary}: {origin}", provenance=provenance,
+                                  rows={"hidden": int(toks.offsets[stop] - toks.offsets[first])})
+                open_writers[k] = w
+            return w
+
+        state = {"segment": 0}
+
+        def commit_segment(seg: int, _token=None) -> None:
+            # Runs in the pipeline's writer thread, between two segments' rows (extract's boundaries).
+            nonlocal total_tokens, segments
+            for k in layers:
+                sinks_by_layer[k].finish_segment(writer_for(k, seg))
+                open_writers.pop(k).commit()
+            first, stop = cuts[seg]
+            total_tokens += int(toks.offsets[stop] - toks.offsets[first])
             segments += 1
+            state["segment"] = seg + 1
             hook = ctx.hooks.on_extract_checkpoint
             if hook is not None:
                 hook(segments - 1, total_tokens)
-            start = stop
+
+        empty = np.zeros((0, target.hidden_size), np.float32 if backend.dtype == "float32" else np.uint16)
+        sinks_by_layer = {k: _SegmentRows(lambda seg, k=k: writer_for(k, seg), cuts, lengths, state, empty)
+                          for k in layers}
+        sinks = [LayerSink(layer=k, writer=sinks_by_layer[k], array=sinks_by_layer[k]) for k in layers]
+        desc = f"hidden states L{','.join(map(str, layers))}"
+        try:
+            # One pipeline over every segment, so compute never waits for a segment's commit.
+            stats = extract(target, toks.token_ids, toks.offsets, sinks, batch_tokens=ctx.options.batch_tokens,
+                            progress_factory=lambda n: ctx.progress(n, desc, unit="tok", unit_scale=True),
+                            log=ctx.log, boundaries=[int(toks.offsets[stop]) for _, stop in cuts],
+                            on_boundary=commit_segment)
+            for seg in range(state["segment"], len(cuts)):  # segments of empty samples only, when nothing ran
+                commit_segment(seg)
+        except BaseException:
+            for w in open_writers.values():
+                w.abort()
+            raise
     wall = time.perf_counter() - t0
     ctx.last_extract_stats = stats
     ctx.log(f"hidden states: {len(lacking)} sample(s), layers {[n.payload['layer'] for n in nodes]} "
