@@ -376,9 +376,12 @@ def _commit(fmt, root, good, layers, width, backend, target, store, result, mask
                 bar.update(1)
     if bar is not None:
         bar.close()
+    # The set is read by its samples, so name them: gc then refuses to remove a segment it needs.
+    refs = [{"partition": tpart.key, "keys": list(dict.fromkeys(tkeys))}] + \
+        [{"partition": hparts[k].key, "keys": list(dict.fromkeys(hkeys[k]))} for k in layers]
     with store.writer(key, stage=IMPORT_STAGE, stage_version=IMPORT_VERSION, inputs=set_inputs,
             provenance={**provenance, "declared_backend": backend.to_key()},
-            summary=f"{summary}: {len(good)} samples, layers {list(layers)}") as w:
+            summary=f"{summary}: {len(good)} samples, layers {list(layers)}", sample_refs=refs) as w:
         w.put_json(SET_DOC, set_doc)
 
 

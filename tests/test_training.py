@@ -332,6 +332,11 @@ def test_import_of_an_export_gives_back_the_same_samples_marked_imported(cached,
     assert _import(store, fmt, out, target_path, *layers, extra=["--json"]) == 0  # again: nothing new
     again = json.loads(capsys.readouterr().out)
     assert again["already_imported"] is True and again["reused"] == 4
+    # gc knows the import reads these segments: removing one is refused (exit 2 naming the import)
+    (imp,) = st.list_manifests(stage="import")
+    assert cli_main(["--store", str(store), "gc", "--yes", "--key", hs[0].key]) == 2
+    assert imp.key[:12] in capsys.readouterr().err
+    assert open_store(store).has(hs[0].key)
 
 
 def test_import_modelopt_dumps(cached, target_path, tmp_path, capsys):
