@@ -104,6 +104,13 @@ def parse_records(text: str, source: str) -> list[dict]:
             messages = [{"role": "user", "content": rec["prompt"]}]
         else:
             raise BadInputError(f"{source}:{lineno}: the record has neither \"messages\" nor \"prompt\".")
+        if "\\ud" in line or "\\uD" in line:  # only an escape can spell a lone surrogate
+            try:
+                for text_ in [pid] + [m["role"] + m["content"] for m in messages]:
+                    text_.encode("utf-8")
+            except UnicodeEncodeError:
+                raise BadInputError(f"{source}:{lineno}: the record holds a lone UTF-16 surrogate escape "
+                                    "(e.g. \\ud800), which is not text; fix or drop that escape.") from None
         records.append({"id": pid, "messages": messages})
     if not records:
         raise BadInputError(f"{source}: the prompt set is empty; give at least one prompt record.")
