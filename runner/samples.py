@@ -42,7 +42,26 @@ from .options import EvalOptions
 
 SAMPLE_KEY_VERSION = 1  # of ArtifactSamples' keys
 
-class StoredSamples:
+class _ByLocation:
+    """A sample source that holds its store's location, not a handle: pickled (a spawned
+    DataLoader worker), it carries no handle and the worker opens the store on first read."""
+
+    store_location: str
+    endpoint_url: str | None
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_handles"] = None
+        state["_pid"] = None
+        return state
+
+    def _store(self):
+        from dfcache import open_store
+
+        return open_store(self.store_location, create=False, endpoint_url=self.endpoint_url)
+
+
+class StoredSamples(_ByLocation):
     """:class:`dfcache.training.SampleSource` over stored tokens samples and per-layer samples.
 
     Holds the store's location and the sample keys; pickled (a spawned DataLoader worker) it
@@ -95,18 +114,6 @@ class StoredSamples:
         self._keys = [xxhash.xxh3_128_hexdigest(canonical_encode(
             {"hidden_states": [keys[i] for keys in self.layer_sample_keys], "tokens": t}))
             for i, t in enumerate(self.tokens_keys)]
-
-    # Pickling (spawned DataLoader workers) carries the location and the keys only.
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_handles"] = None
-        state["_pid"] = None
-        return state
-
-    def _store(self):
-        from dfcache import open_store
-
-        return open_store(self.store_location, create=False, endpoint_url=self.endpoint_url)
 
     def _open(self, store=None) -> dict:
         if self._handles is not None and self._pid != os.getpid() and self._handles.get("local"):
@@ -187,7 +194,7 @@ class StoredSamples:
         return [ss.read_raw(index, "hidden") for ss in self._open()["layers"]]
 
 
-class ArtifactSamples:
+class ArtifactSamples(_ByLocation):
     """:class:`dfcache.training.SampleSource` over a set-level tokens artifact (``token_ids``,
     ``offsets``, ``prompt_lens``, ``samples``, optionally ``loss_mask``) and one ``hidden`` artifact per
     layer (rows in the tokens' order): the layout `dfcache import` writes. Sample ``i`` is rows
@@ -234,18 +241,6 @@ class ArtifactSamples:
         self._keys = [compute_key("sample", SAMPLE_KEY_VERSION, {"index": i, "id": sid},
                                   {"tokens": tokens_key, "hidden_states": self.layer_keys})
                       for i, sid in enumerate(self.sample_ids)]
-
-    # Pickling (spawned DataLoader workers) carries the location and the small index arrays only.
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_handles"] = None
-        state["_pid"] = None
-        return state
-
-    def _store(self):
-        from dfcache import open_store
-
-        return open_store(self.store_location, create=False, endpoint_url=self.endpoint_url)
 
     def _open(self) -> dict:
         if self._handles is None or self._pid != os.getpid():  # a forked child reopens
