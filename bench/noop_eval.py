@@ -186,7 +186,7 @@ def run(ctx: Ctx) -> Result:
             r.competitor = ms(m[comp])
         else:
             imp = details.get("dfcache_imports") or {}
-            r = Row(NAME, measure, ms(m["dfcache"]), ms(m[comp]), m["dfcache"] / m[comp], target=0.5,
+            r = Row(NAME, measure, ms(m["dfcache"]), ms(m[comp]), m["dfcache"] / m[comp], target=0.35,
                     direction="<=", note=f"time ratio (lower is better); dvc {details.get('dvc_version', '')}; "
                     f"of dfcache's time, imports take {imp.get('total_s', float('nan')):.2f} s (largest: "
                     + ", ".join(f"{k} {v:.2f} s" for k, v in list(imp.get("top", {}).items())[:3])

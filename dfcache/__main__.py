@@ -9,6 +9,11 @@ or ``--backend`` naming something the store holds, ``--offline``, ``--no-progres
 is missing, damaged or of another format, any error) goes to :mod:`dfcache.cli` unchanged, which
 says what is wrong exactly as it always did. Both paths print through
 :func:`dfcache.maintenance.ls_output`, so their output is the same bytes.
+
+A fully cached ``dfcache run`` is answered the same way, by the runner's :mod:`runner.fast_cli`
+(the runner knows its own options; this module only hands it the command line): it prints
+through the functions ``dfcache run`` prints with, and leaves anything that needs work, or that
+it does not understand completely, to :mod:`dfcache.cli`.
 """
 
 from __future__ import annotations
@@ -96,8 +101,25 @@ def _fast_ls(argv: list[str]) -> int | None:
     return 0
 
 
+def _fast_run(argv: list[str]) -> int | None:
+    """A fully cached ``run``, answered by the runner's own fast path (runner.fast_cli) when the
+    runner is installed; None when dfcache.cli must answer."""
+    if "run" not in argv:
+        return None
+    try:
+        from runner.fast_cli import main as fast_main
+    except ModuleNotFoundError as e:
+        if e.name != "runner":
+            raise
+        return None  # only dfcache is installed: no run
+    return fast_main(argv)
+
+
 def main() -> None:
-    rc = _fast_ls(sys.argv[1:])
+    argv = sys.argv[1:]
+    rc = _fast_ls(argv)
+    if rc is None:
+        rc = _fast_run(argv)
     if rc is not None:
         sys.exit(rc)
     from dfcache.cli import _entry

@@ -160,7 +160,7 @@ def resolve_graph(upto: str, opts: EvalOptions, store=None, *, argv: list[str] |
         from .example import apply_example
 
         apply_example(st, opts, log=log or (lambda m: None))
-    from .cli import open_remotes
+    from .cli_support import open_remotes
 
     ctx = RunContext(st, opts, remotes=open_remotes(opts), argv=_argv(upto, argv, opts))
     nodes = resolve(ctx, build_graph(ctx, upto))

@@ -47,6 +47,13 @@ def _build_once(path: Path, build: Callable[[Path], None]) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def example_built(store) -> bool:
+    """Whether the example's models are all there, so that a run with ``--example`` builds nothing."""
+    where = store.local_dir("example")
+    return where is not None and all((where / name / DONE).exists()
+                                     for name in ("target", "drafter-trained", "drafter-untrained"))
+
+
 def example_models(root: Path, log: Callable[[str], None] = print) -> dict[str, Path]:
     """Build (once) and return the example's model directories."""
     target = root / "target"

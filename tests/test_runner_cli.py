@@ -442,6 +442,70 @@ def test_fully_cached_eval_does_no_work_and_imports_no_torch(local_run, tiny_tar
     assert committed(store) == before
 
 
+# `python -m dfcache` as the installed executable runs it (dfcache/__main__.py and its fast
+# paths), reporting on its last stderr line the exit code and whether typer was imported.
+_EXE = r"""
+import json, runpy, sys
+try:
+    runpy.run_module("dfcache", run_name="__main__", alter_sys=True)
+    rc = 0
+except SystemExit as e:
+    rc = e.code
+heavy = [m for m in HEAVY if m in sys.modules]
+sys.stderr.write("\n@@dfcache-exe " + json.dumps({"rc": rc, "typer": "typer" in sys.modules, "heavy": heavy}) + "\n")
+sys.exit(rc)
+""".replace("HEAVY", repr(HEAVY))
+
+
+def exe(env: dict, *args, cwd=None) -> tuple[Run, bool]:
+    p = subprocess.run([sys.executable, "-c", _EXE, *map(str, args)], capture_output=True, text=True,
+                       timeout=180, env=env, cwd=str(cwd or REPO))
+    err, _, tail = p.stderr.rpartition("@@dfcache-exe ")
+    info = json.loads(tail)
+    assert info["rc"] == p.returncode
+    return Run(p.returncode, p.stdout, err.rstrip("\n") + ("\n" if err.strip() else ""), 0.0, 0.0,
+               info["heavy"]), info["typer"]
+
+
+def _no_seconds(out: str) -> str:
+    out = re.sub(r'"seconds":[0-9.e-]+', '"seconds":S', out)
+    return re.sub(r"(from the cache; |reused in )[0-9.]+ s", r"\1S s", out)
+
+
+@_NO_EVAL
+def test_fully_cached_run_is_answered_before_typer_with_the_same_output(local_run, tiny_target, env,
+                                                                         tmp_path_factory):
+    """The executable answers a fully cached `run` without typer (runner/fast_cli.py) and prints
+    what the full command line prints, byte for byte but the seconds; anything else goes to it."""
+    from runner.train_tiny import make_untrained_drafter
+
+    store, _ = local_run
+    drafter = make_untrained_drafter(tiny_target, tmp_path_factory.mktemp("drafter-fast") / "d", seed=1)
+    args = ["run", "eval", *_args(tiny_target, "--completions", "local", "--drafter", drafter)]
+    assert cli(env, store, *args, "--json").code == 0  # fills what is missing
+    lines = [["--store", store, *args, "--json"], ["--store", store, *args, "--no-progress"],
+             [*args, "--store", store, "--json", "--offline"],
+             ["--store", store, "run", "tokens", *_args(tiny_target, "--completions", "local"), "--json"]]
+    for line in lines:
+        fast, typer_used = exe(env, *line)
+        full = cli(env, None, *line)
+        assert fast.code == full.code == 0, fast.err + full.err
+        assert not typer_used and fast.heavy == [], line
+        assert _no_seconds(fast.out) == _no_seconds(full.out) and fast.out.strip()
+        assert fast.err == full.err
+    # Not understood completely (--debug), or work to do (a new prompt): the full CLI answers.
+    debug, typer_used = exe(env, "--store", store, *args, "--json", "--debug")
+    assert debug.code == 0 and typer_used and _no_seconds(debug.out) == _no_seconds(exe(env, *lines[0])[0].out)
+    prompts = tmp_path_factory.mktemp("fast-prompts") / "p.jsonl"
+    prompts.write_text('{"id": "new", "prompt": "a prompt no run has seen"}\n')
+    before = committed(store)
+    new, typer_used = exe(env, "--store", store, "run", "prompts", "--prompts", prompts, "--json")
+    assert new.code == 0 and typer_used and new.json()["computed"]
+    assert committed(store) > before
+    bad, typer_used = exe(env, "--store", store, "run", "eval", "--num-prompts", "0", "--json")
+    assert bad.code == EXIT_USAGE and typer_used and "--num-prompts" in bad.json()["error"]
+
+
 @_NO_EVAL
 @pytest.mark.slow
 @pytest.mark.skipif(not os.environ.get("DFCACHE_SLOW_TESTS"),

@@ -18,6 +18,7 @@ from typing import Optional
 import typer
 
 from .. import __version__
+from ..console import INTERRUPTED
 from ..errors import EXIT_INTERNAL, EXIT_USAGE, DfcacheError
 from .common import GLOBAL_OPTIONS, GlobalState, apply_global, emit_json, err, state, with_global_options
 
@@ -81,7 +82,7 @@ def _known_commands() -> set[str]:
 
 
 _plugin_errors: list[str] = []
-_INTERRUPTED = "interrupted: committed artifacts are kept; run the same command again to resume."
+_INTERRUPTED = INTERRUPTED
 
 
 def main(argv: list[str] | None = None) -> int:

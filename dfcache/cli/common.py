@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 import sys
 from dataclasses import dataclass, field
 from typing import Optional
 
 import typer
 
+from ..console import emit_json, err  # noqa: F401  (re-exported for the commands)
 from ..maintenance import human_bytes  # noqa: F401  (re-exported for the commands)
 
 
@@ -101,17 +101,6 @@ def get_store(create: bool = True):
     from ..store import open_store
 
     return open_store(state.store_location, create=create)
-
-
-def emit_json(obj) -> None:
-    # Compact: indent= switches json to its pure-Python encoder, 3x slower on `ls` of 10k artifacts.
-    sys.stdout.write(json.dumps(obj, separators=(",", ":"), default=str) + "\n")
-    sys.stdout.flush()
-
-
-def err(message: str) -> None:
-    sys.stderr.write(message.rstrip() + "\n")
-    sys.stderr.flush()
 
 
 def check_stage(stage: str | None, manifests_of) -> str | None:
