@@ -85,7 +85,7 @@ def recycled_alloc(shape: tuple, dtype) -> tuple[np.ndarray, torch.Tensor]:
     one whose previous item (and every tensor or array made from it) is gone, so a training loop
     that drops each item before the next but one pays no fresh pages (a page fault and a zeroed
     page per 4 KiB, about as much as reading the rows). Items kept are never written over."""
-    from dfcache.store._store import recycled_empty
+    from dfcache.store import recycled_empty
 
     arr = recycled_empty(tuple(shape), dtype)
     return arr, torch.from_numpy(arr.view(np.int16) if arr.dtype == np.uint16 else arr)
