@@ -43,7 +43,8 @@ import json
 import re
 import threading
 import time
-from itertools import repeat
+from collections.abc import Mapping
+from itertools import chain, repeat
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -343,23 +344,158 @@ class SampleSink:
 _SAMPLES_AT = re.compile(rb'"samples":\s*\{')
 _PARTITION = re.compile(rb'"partition":\s*"([0-9a-f]{32})"')
 
+# The on-disk sample index of a partition (docs/format.md "The sample index"): derived data,
+# never the truth. One file per partition, ``<store>/index/samples/<partition>``, holding the
+# sample keys of each segment it covers with an xxh3-128 of that segment's manifest bytes. A
+# reader uses a segment's keys from it only if the manifest it has just read hashes the same, so
+# the keys are exactly those that parsing the manifest gives; anything new, changed or gone is
+# parsed or dropped and the file is replaced (temporary name, then rename). Commits do not write
+# it (a run committing 25 segments would rewrite it 25 times); the next reader brings it up to
+# date, so concurrent writers, gc, pull and migrate need no coordination with it.
+SAMPLE_INDEX_VERSION = 1
+SAMPLE_INDEX_MIN = 4096  # partitions with fewer samples are parsed from manifests (fast enough)
+_sample_index_stamp: str | None = None
+
+
+def sample_index_stamp() -> str:
+    """xxh3-64 of the code that decides which keys a manifest gives (this module, manifest
+    validation, keys, the store format): an index written by other code is not used."""
+    global _sample_index_stamp
+    if _sample_index_stamp is None:
+        import os
+
+        pkg = os.path.dirname(os.path.abspath(__file__))
+        h = xxhash.xxh3_64(str(SAMPLE_INDEX_VERSION).encode())
+        for rel in ("samples.py", "manifest.py", "keys.py", "store/format.py"):
+            try:
+                with open(os.path.join(pkg, rel), "rb") as f:
+                    h.update(f.read())
+            except OSError:
+                h.update(b"?")
+        _sample_index_stamp = h.hexdigest()
+    return _sample_index_stamp
+
+
+def _read_sample_index(path, partition: str) -> dict[str, tuple[str, list[str]]]:
+    """segment key -> (manifest digest, sample keys) from an index file; {} if it is missing,
+    torn, corrupt, of other code or of another partition (never trusted then)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+        nl = data.index(b"\n")
+        head = json.loads(data[:nl])
+        body = data[nl + 1:]
+        if (not isinstance(head, dict) or head.get("dfcache_sample_index") != SAMPLE_INDEX_VERSION
+                or head.get("stamp") != sample_index_stamp() or head.get("partition") != partition
+                or head.get("body") != xxhash.xxh3_128_hexdigest(body)):
+            return {}
+        segs = head["segments"]
+        lines = body.decode("ascii").split("\n")
+        if len(lines) != len(segs):
+            return {}
+        out = {}
+        for (key, digest, n), line in zip(segs, lines):
+            keys = line.split(",")
+            if len(keys) != n:
+                return {}
+            out[key] = (digest, keys)
+        return out
+    except (OSError, ValueError, TypeError, KeyError, UnicodeDecodeError):
+        return {}
+
+
+def _write_sample_index(path, partition: str, segs: dict[str, tuple[str, list[str]]]) -> None:
+    """Replace the index file atomically; best effort (a store that cannot hold it is read
+    from its manifests), no fsync (a torn file fails its checksum and is rebuilt)."""
+    import os
+
+    order = sorted(segs)
+    body = "\n".join(",".join(segs[k][1]) for k in order).encode("ascii")
+    head = json.dumps({"dfcache_sample_index": SAMPLE_INDEX_VERSION, "stamp": sample_index_stamp(),
+                       "partition": partition, "body": xxhash.xxh3_128_hexdigest(body),
+                       "segments": [[k, segs[k][0], len(segs[k][1])] for k in order]}, separators=(",", ":"))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(head.encode() + b"\n" + body)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
+class PartitionSamples(Mapping):
+    """sample key -> (segment key, position) of one partition, built lazily from each segment's
+    ordered keys: membership needs only a set of the keys (``key_set``); positions are resolved
+    (smallest segment key first) when one is asked for."""
+
+    def __init__(self, segs: dict[str, list[str]]) -> None:
+        self._segs = segs  # segment key -> its sample keys, in segment order
+        self._set: set | None = None
+        self._where: dict[str, tuple[str, int]] | None = None
+
+    def key_set(self) -> set:
+        if self._set is None:
+            self._set = set(chain.from_iterable(self._segs.values()))
+        return self._set
+
+    def _resolved(self) -> dict[str, tuple[str, int]]:
+        if self._where is None:
+            where: dict[str, tuple[str, int]] = {}
+            # Descending, each segment overwriting: a sample held by several resolves to the
+            # smallest key. zip/repeat/range keep the 100,000-sample loop in C.
+            for key in sorted(self._segs, reverse=True):
+                keys = self._segs[key]
+                where.update(zip(keys, zip(repeat(key), range(len(keys)))))
+            self._where = where
+        return self._where
+
+    def add_segment(self, key: str, keys: list[str]) -> None:
+        if key in self._segs:
+            return
+        self._segs[key] = keys
+        if self._set is not None:
+            self._set.update(keys)
+        if self._where is not None:
+            where = self._where
+            for pos, k in enumerate(keys):
+                cur = where.get(k)
+                if cur is None or key < cur[0]:
+                    where[k] = (key, pos)
+
+    def __contains__(self, k) -> bool:
+        return k in self.key_set()
+
+    def __getitem__(self, k: str) -> tuple[str, int]:
+        return self._resolved()[k]
+
+    def __iter__(self):
+        return iter(self.key_set())
+
+    def __len__(self) -> int:
+        return len(self.key_set())
+
 
 class SampleIndex:
     """Where every sample of a store is: partition -> {sample key: (segment key, position)}.
 
     Built from manifests only (one listing of the store; a manifest is parsed only when its
-    partition is asked for), kept for the life of the :class:`~dfcache.store.Store` object and
-    updated by this process's own commits. A sample in several segments resolves to the segment
-    with the smallest key.
+    partition is asked for and the on-disk sample index does not already hold its keys), kept
+    for the life of the :class:`~dfcache.store.Store` object and updated by this process's own
+    commits. A sample in several segments resolves to the segment with the smallest key.
     """
 
     def __init__(self, store) -> None:
         self.store = store
         self._lock = threading.RLock()
         self._raw: dict[str, list[tuple[str, bytes]]] | None = None
-        self._parts: dict[str, dict[str, tuple[str, int]]] = {}
+        self._parts: dict[str, PartitionSamples] = {}
         self._segments: dict[str, dict[str, Manifest]] = {}
         self.errors: list[tuple[str, str]] = []  # (segment key, why it was skipped)
+        self.index_used = 0  # segments whose keys came from the on-disk index (tests, bench)
 
     def refresh(self) -> None:
         with self._lock:
@@ -385,46 +521,77 @@ class SampleIndex:
         with self._lock:
             return sorted(set(self._scan()) | set(self._parts))
 
-    def _load(self, partition: str) -> dict[str, tuple[str, int]]:
+    def _parse(self, partition: str, key: str, data: bytes) -> Manifest | None:
+        from .errors import UntrustedManifestError
+
+        try:
+            m = Manifest.from_json(data, expect_key=key)
+        except UntrustedManifestError as e:
+            # A segment of the very partition asked for that cannot be trusted: say so (its
+            # samples would silently count as missing and be made again beside it).
+            raise UntrustedManifestError(f"{e.message} (in {self.store.url})", key=key) from None
+        if not m.samples or m.samples["partition"] != partition:
+            return None
+        return m
+
+    def _load(self, partition: str) -> PartitionSamples:
         got = self._parts.get(partition)
         if got is not None:
             return got
-        where: dict[str, tuple[str, int]] = {}
+        listed = self._scan().get(partition, [])
+        where_dir = getattr(self.store.backend, "sample_index_dir", lambda: None)()
+        path = where_dir / partition if where_dir is not None else None
+        disk = _read_sample_index(path, partition) if path is not None else {}
         segs: dict[str, Manifest] = {}
-        from .errors import UntrustedManifestError
-
-        for key, data in self._scan().get(partition, []):
-            try:
-                m = Manifest.from_json(data, expect_key=key)
-            except UntrustedManifestError as e:
-                # A segment of the very partition asked for that cannot be trusted: say so (its
-                # samples would silently count as missing and be made again beside it).
-                raise UntrustedManifestError(f"{e.message} (in {self.store.url})", key=key) from None
-            if not m.samples or m.samples["partition"] != partition:
+        keys_of: dict[str, list[str]] = {}
+        digests: dict[str, str] = {}
+        parsed = False
+        for key, data in listed:
+            digest = xxhash.xxh3_128_hexdigest(data)
+            hit = disk.get(key)
+            if hit is not None and hit[0] == digest:
+                keys_of[key] = hit[1]  # the very manifest bytes it was indexed from
+                digests[key] = digest
+                self.index_used += 1
+                continue
+            m = self._parse(partition, key, data)
+            if m is None:
                 continue
             segs[key] = m
-        # Descending, each segment overwriting: a sample held by several resolves to the smallest
-        # key. zip/repeat/range keep the 100,000-sample loop in C.
-        for key in sorted(segs, reverse=True):
-            keys = segs[key].samples["keys"]
-            where.update(zip(keys, zip(repeat(key), range(len(keys)))))
+            keys_of[key] = m.samples["keys"]
+            digests[key] = digest
+            parsed = True
+        if path is not None and (parsed or set(disk) != set(keys_of)) and \
+                sum(map(len, keys_of.values())) >= SAMPLE_INDEX_MIN:
+            _write_sample_index(path, partition, {k: (digests[k], keys_of[k]) for k in keys_of})
+        where = PartitionSamples(keys_of)
         self._parts[partition] = where
         self._segments[partition] = segs
         return where
 
-    def partition(self, partition: str) -> dict[str, tuple[str, int]]:
+    def partition(self, partition: str) -> PartitionSamples:
         """sample key -> (segment key, position in it) of every sample of ``partition``."""
         with self._lock:
             return self._load(partition)
 
     def segments(self, partition: str) -> dict[str, Manifest]:
+        """segment key -> manifest of every segment of ``partition`` (parsing those whose keys
+        came from the on-disk index)."""
         with self._lock:
-            self._load(partition)
-            return self._segments[partition]
+            where = self._load(partition)
+            segs = self._segments[partition]
+            if len(segs) < len(where._segs):
+                data_of = dict(self._scan().get(partition, []))
+                for key in where._segs:
+                    if key not in segs:
+                        m = self._parse(partition, key, data_of[key])
+                        if m is not None:
+                            segs[key] = m
+            return segs
 
     def missing(self, partition: str, keys: Iterable[str]) -> list[str]:
-        where = self.partition(partition)
-        return [k for k in dict.fromkeys(keys) if k not in where]
+        have = self.partition(partition).key_set()
+        return [k for k in dict.fromkeys(keys) if k not in have]
 
     def add(self, m: Manifest) -> None:
         """Record a segment this process committed (or found committed by another)."""
@@ -434,16 +601,12 @@ class SampleIndex:
         with self._lock:
             if p not in self._parts and self._raw is None:
                 return  # nothing listed yet: the first load lists it from the store
-            self._load(p)  # the listing may predate this commit: add it to what was listed
+            where = self._load(p)  # the listing may predate this commit: add it to what was listed
             segs = self._segments[p]
-            if m.key in segs:
+            if m.key in where._segs:
                 return
             segs[m.key] = m
-            where = self._parts[p]
-            for pos, k in enumerate(m.samples["keys"]):
-                cur = where.get(k)
-                if cur is None or m.key < cur[0]:
-                    where[k] = (m.key, pos)
+            where.add_segment(m.key, m.samples["keys"])
 
 
 _indexes: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()

@@ -37,7 +37,7 @@ def locate(ctx, node, warn) -> None:
     and ``node.remote_of`` (sample key -> remote store)."""
     keys = node.sample_keys
     here = index_of(ctx.store).partition(node.partition.key)
-    present = list(map(here.__contains__, keys))  # C-speed passes: a set may hold 100,000 samples
+    present = list(map(here.key_set().__contains__, keys))  # C-speed passes: a set may hold 100,000 samples
     node.local = set(compress(range(len(keys)), present))
     node.remote_of = {}
     lacking = set(compress(keys, map(not_, present)))
