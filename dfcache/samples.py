@@ -539,7 +539,7 @@ class SampleIndex:
         if got is not None:
             return got
         listed = self._scan().get(partition, [])
-        where_dir = getattr(self.store.backend, "sample_index_dir", lambda: None)()
+        where_dir = self.store.backend.sample_index_dir()
         path = where_dir / partition if where_dir is not None else None
         disk = _read_sample_index(path, partition) if path is not None else {}
         segs: dict[str, Manifest] = {}
