@@ -346,7 +346,8 @@ _PARTITION = re.compile(rb'"partition":\s*"([0-9a-f]{32})"')
 
 # The on-disk sample index of a partition (docs/format.md "The sample index"): derived data,
 # never the truth. One file per partition, ``<store>/index/samples/<partition>``, holding the
-# sample keys of each segment it covers with an xxh3-128 of that segment's manifest bytes. A
+# sample keys of each segment it covers (16-byte values) with an xxh3-128 of that segment's
+# manifest bytes, and the sorted distinct keys of them all. A
 # reader uses a segment's keys from it only if the manifest it has just read hashes the same, so
 # the keys are exactly those that parsing the manifest gives; anything new, changed or gone is
 # parsed or dropped and the file is replaced (temporary name, then rename). Commits do not write
@@ -376,44 +377,43 @@ def sample_index_stamp() -> str:
     return _sample_index_stamp
 
 
-def _read_sample_index(path, partition: str) -> dict[str, tuple[str, list[str]]]:
-    """segment key -> (manifest digest, sample keys) from an index file; {} if it is missing,
-    torn, corrupt, of other code or of another partition (never trusted then)."""
+def _read_sample_index(path, partition: str) -> tuple[dict[str, tuple[str, bytes]], bytes | None]:
+    """(segment key -> (manifest digest, its sample keys as 16-byte values), the sorted distinct
+    keys of them all) from an index file; ({}, None) if it is missing, torn, corrupt, of other
+    code or of another partition (never trusted then)."""
     try:
         with open(path, "rb") as f:
             data = f.read()
         nl = data.index(b"\n")
         head = json.loads(data[:nl])
-        body = data[nl + 1:]
+        body = memoryview(data)[nl + 1:]
         if (not isinstance(head, dict) or head.get("dfcache_sample_index") != SAMPLE_INDEX_VERSION
                 or head.get("stamp") != sample_index_stamp() or head.get("partition") != partition
                 or head.get("body") != xxhash.xxh3_128_hexdigest(body)):
-            return {}
-        segs = head["segments"]
-        lines = body.decode("ascii").split("\n")
-        if len(lines) != len(segs):
-            return {}
-        out = {}
-        for (key, digest, n), line in zip(segs, lines):
-            keys = line.split(",")
-            if len(keys) != n:
-                return {}
-            out[key] = (digest, keys)
-        return out
-    except (OSError, ValueError, TypeError, KeyError, UnicodeDecodeError):
-        return {}
+            return {}, None
+        segs, unique = head["segments"], head["unique"]
+        total = sum(n for _k, _d, n in segs)
+        if not (isinstance(unique, int) and 0 < unique <= total) or len(body) != 16 * (total + unique):
+            return {}, None
+        out, at = {}, 0
+        for key, digest, n in segs:
+            out[key] = (digest, bytes(body[at:at + 16 * n]))
+            at += 16 * n
+        return out, bytes(body[at:])
+    except (OSError, ValueError, TypeError, KeyError):
+        return {}, None
 
 
-def _write_sample_index(path, partition: str, segs: dict[str, tuple[str, list[str]]]) -> None:
+def _write_sample_index(path, partition: str, segs: dict[str, tuple[str, bytes]], unique: bytes) -> None:
     """Replace the index file atomically; best effort (a store that cannot hold it is read
     from its manifests), no fsync (a torn file fails its checksum and is rebuilt)."""
     import os
 
     order = sorted(segs)
-    body = "\n".join(",".join(segs[k][1]) for k in order).encode("ascii")
+    body = b"".join(segs[k][1] for k in order) + unique
     head = json.dumps({"dfcache_sample_index": SAMPLE_INDEX_VERSION, "stamp": sample_index_stamp(),
-                       "partition": partition, "body": xxhash.xxh3_128_hexdigest(body),
-                       "segments": [[k, segs[k][0], len(segs[k][1])] for k in order]}, separators=(",", ":"))
+                       "partition": partition, "body": xxhash.xxh3_128_hexdigest(body), "unique": len(unique) // 16,
+                       "segments": [[k, segs[k][0], len(segs[k][1]) // 16] for k in order]}, separators=(",", ":"))
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -427,36 +427,123 @@ def _write_sample_index(path, partition: str, segs: dict[str, tuple[str, list[st
             pass
 
 
+def _to_bytes(keys: list[str]) -> bytes | None:
+    """Sample keys (32 lowercase hex digits each) as 16-byte values; None if any is not one."""
+    joined = "".join(keys)
+    if len(joined) != 32 * len(keys) or not joined.isascii() or joined != joined.lower():
+        return None
+    try:
+        out = bytes.fromhex(joined)
+    except ValueError:
+        return None
+    return out if len(out) == 16 * len(keys) else None
+
+
+def _to_hex(blob: bytes) -> list[str]:
+    h = blob.hex()
+    return [h[i:i + 32] for i in range(0, len(h), 32)]
+
+
+def _sorted_distinct(blob: bytes) -> bytes:
+    """16-byte values sorted (as big-endian 128-bit numbers), each once."""
+    a = np.frombuffer(blob, dtype=">u8").reshape(-1, 2)
+    s = a[np.lexsort((a[:, 1], a[:, 0]))]
+    keep = np.ones(len(s), dtype=bool)
+    keep[1:] = (s[1:, 0] != s[:-1, 0]) | (s[1:, 1] != s[:-1, 1])
+    return s[keep].tobytes()
+
+
 class PartitionSamples(Mapping):
     """sample key -> (segment key, position) of one partition, built lazily from each segment's
-    ordered keys: membership needs only a set of the keys (``key_set``); positions are resolved
-    (smallest segment key first) when one is asked for."""
+    ordered keys. Membership of many keys at once (``contains_many``) is a binary search in the
+    sorted distinct keys, as 128-bit numbers; a set of the keys (``key_set``) and the positions
+    (smallest segment key first) are made only when asked for."""
 
-    def __init__(self, segs: dict[str, list[str]]) -> None:
-        self._segs = segs  # segment key -> its sample keys, in segment order
+    def __init__(self, segs: dict[str, list[str]], blobs: dict[str, bytes] | None = None,
+                 distinct: bytes | None = None) -> None:
+        self._strs = segs  # segment key -> its sample keys, in segment order (as strings)
+        self._blobs = dict(blobs or {})  # the same as 16-byte values (those read from the index)
+        self._distinct = distinct  # sorted distinct keys of every segment, if known
+        self._sorted: tuple[np.ndarray, np.ndarray] | None = None
         self._set: set | None = None
         self._where: dict[str, tuple[str, int]] | None = None
 
+    def segment_keys(self) -> set[str]:
+        return set(self._strs) | set(self._blobs)
+
+    def keys_of(self, segment: str) -> list[str]:
+        got = self._strs.get(segment)
+        if got is None:
+            got = self._strs[segment] = _to_hex(self._blobs[segment])
+        return got
+
+    def blob_of(self, segment: str) -> bytes | None:
+        got = self._blobs.get(segment)
+        if got is None:
+            got = _to_bytes(self._strs[segment])
+            if got is not None:
+                self._blobs[segment] = got
+        return got
+
+    def distinct(self) -> bytes | None:
+        """The sorted distinct keys as 16-byte values (None if a key is not 32 hex digits)."""
+        if self._distinct is None:
+            blobs = [self.blob_of(k) for k in sorted(self.segment_keys())]
+            if any(b is None for b in blobs):
+                return None
+            self._distinct = _sorted_distinct(b"".join(blobs)) if blobs else b""
+        return self._distinct
+
     def key_set(self) -> set:
         if self._set is None:
-            self._set = set(chain.from_iterable(self._segs.values()))
+            self._set = set(chain.from_iterable(map(self.keys_of, sorted(self.segment_keys()))))
         return self._set
+
+    def contains_many(self, keys: list[str]) -> np.ndarray:
+        """Whether each of ``keys`` is a sample of the partition (a bool per key)."""
+        distinct, q = self.distinct(), _to_bytes(keys)
+        if distinct is None or q is None:
+            return np.fromiter(map(self.key_set().__contains__, keys), dtype=bool, count=len(keys))
+        if not distinct or not keys:
+            return np.zeros(len(keys), dtype=bool)
+        if self._sorted is None:
+            a = np.frombuffer(distinct, dtype=">u8").reshape(-1, 2)
+            self._sorted = (a[:, 0].astype(np.uint64), a[:, 1].astype(np.uint64))
+        hi, lo = self._sorted
+        qa = np.frombuffer(q, dtype=">u8").reshape(-1, 2)
+        qh, ql = qa[:, 0].astype(np.uint64), qa[:, 1].astype(np.uint64)
+        order = np.argsort(qh, kind="stable")  # sorted needles: the searches walk the array in order
+        pos = np.empty(len(qh), dtype=np.intp)
+        pos[order] = np.searchsorted(hi, qh[order])
+        at = np.minimum(pos, len(hi) - 1)
+        same_hi = hi[at] == qh
+        present = same_hi & (lo[at] == ql)
+        for i in np.flatnonzero(same_hi & ~present).tolist():
+            # another key shares these 64 bits: the run of equal high halves is sorted by the low
+            j = int(pos[i]) + 1
+            while j < len(hi) and hi[j] == qh[i]:
+                if lo[j] == ql[i]:
+                    present[i] = True
+                    break
+                j += 1
+        return present
 
     def _resolved(self) -> dict[str, tuple[str, int]]:
         if self._where is None:
             where: dict[str, tuple[str, int]] = {}
             # Descending, each segment overwriting: a sample held by several resolves to the
             # smallest key. zip/repeat/range keep the 100,000-sample loop in C.
-            for key in sorted(self._segs, reverse=True):
-                keys = self._segs[key]
+            for key in sorted(self.segment_keys(), reverse=True):
+                keys = self.keys_of(key)
                 where.update(zip(keys, zip(repeat(key), range(len(keys)))))
             self._where = where
         return self._where
 
     def add_segment(self, key: str, keys: list[str]) -> None:
-        if key in self._segs:
+        if key in self._strs or key in self._blobs:
             return
-        self._segs[key] = keys
+        self._strs[key] = keys
+        self._distinct = self._sorted = None
         if self._set is not None:
             self._set.update(keys)
         if self._where is not None:
@@ -541,16 +628,16 @@ class SampleIndex:
         listed = self._scan().get(partition, [])
         where_dir = self.store.backend.sample_index_dir()
         path = where_dir / partition if where_dir is not None else None
-        disk = _read_sample_index(path, partition) if path is not None else {}
+        disk, distinct = _read_sample_index(path, partition) if path is not None else ({}, None)
         segs: dict[str, Manifest] = {}
-        keys_of: dict[str, list[str]] = {}
+        strs: dict[str, list[str]] = {}
+        blobs: dict[str, bytes] = {}
         digests: dict[str, str] = {}
-        parsed = False
         for key, data in listed:
             digest = xxhash.xxh3_128_hexdigest(data)
             hit = disk.get(key)
             if hit is not None and hit[0] == digest:
-                keys_of[key] = hit[1]  # the very manifest bytes it was indexed from
+                blobs[key] = hit[1]  # the keys of the very manifest bytes it was indexed from
                 digests[key] = digest
                 self.index_used += 1
                 continue
@@ -558,13 +645,15 @@ class SampleIndex:
             if m is None:
                 continue
             segs[key] = m
-            keys_of[key] = m.samples["keys"]
+            strs[key] = m.samples["keys"]
             digests[key] = digest
-            parsed = True
-        if path is not None and (parsed or set(disk) != set(keys_of)) and \
-                sum(map(len, keys_of.values())) >= SAMPLE_INDEX_MIN:
-            _write_sample_index(path, partition, {k: (digests[k], keys_of[k]) for k in keys_of})
-        where = PartitionSamples(keys_of)
+        where = PartitionSamples(strs, blobs, distinct if not strs and set(blobs) == set(disk) else None)
+        if path is not None and (strs or set(disk) != set(blobs)) and \
+                sum(len(b) // 16 for b in blobs.values()) + sum(map(len, strs.values())) >= SAMPLE_INDEX_MIN:
+            distinct = where.distinct()
+            entries = {k: (digests[k], where.blob_of(k)) for k in digests}
+            if distinct is not None and all(b is not None for _d, b in entries.values()):
+                _write_sample_index(path, partition, entries, distinct)
         self._parts[partition] = where
         self._segments[partition] = segs
         return where
@@ -580,9 +669,9 @@ class SampleIndex:
         with self._lock:
             where = self._load(partition)
             segs = self._segments[partition]
-            if len(segs) < len(where._segs):
+            if len(segs) < len(where.segment_keys()):
                 data_of = dict(self._scan().get(partition, []))
-                for key in where._segs:
+                for key in where.segment_keys():
                     if key not in segs:
                         m = self._parse(partition, key, data_of[key])
                         if m is not None:
@@ -590,8 +679,9 @@ class SampleIndex:
             return segs
 
     def missing(self, partition: str, keys: Iterable[str]) -> list[str]:
-        have = self.partition(partition).key_set()
-        return [k for k in dict.fromkeys(keys) if k not in have]
+        keys = list(dict.fromkeys(keys))
+        present = self.partition(partition).contains_many(keys)
+        return [keys[i] for i in np.flatnonzero(~present).tolist()]
 
     def add(self, m: Manifest) -> None:
         """Record a segment this process committed (or found committed by another)."""
@@ -603,7 +693,7 @@ class SampleIndex:
                 return  # nothing listed yet: the first load lists it from the store
             where = self._load(p)  # the listing may predate this commit: add it to what was listed
             segs = self._segments[p]
-            if m.key in where._segs:
+            if m.key in where.segment_keys():
                 return
             segs[m.key] = m
             where.add_segment(m.key, m.samples["keys"])

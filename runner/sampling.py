@@ -11,9 +11,7 @@ stored needs nothing under it.
 
 from __future__ import annotations
 
-from itertools import compress
-from operator import not_
-
+import numpy as np
 import xxhash
 
 from dfcache.errors import IntegrityError
@@ -37,10 +35,13 @@ def locate(ctx, node, warn) -> None:
     and ``node.remote_of`` (sample key -> remote store)."""
     keys = node.sample_keys
     here = index_of(ctx.store).partition(node.partition.key)
-    present = list(map(here.key_set().__contains__, keys))  # C-speed passes: a set may hold 100,000 samples
-    node.local = set(compress(range(len(keys)), present))
+    present = here.contains_many(keys)  # one binary search of them all: a set may hold 100,000 samples
+    if present.all():
+        node.local, lacking = set(range(len(keys))), set()
+    else:
+        node.local = set(np.flatnonzero(present).tolist())
+        lacking = {keys[i] for i in np.flatnonzero(~present).tolist()}
     node.remote_of = {}
-    lacking = set(compress(keys, map(not_, present)))
     for remote in ctx.remotes:
         if not lacking:
             break

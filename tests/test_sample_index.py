@@ -148,9 +148,9 @@ def test_a_missing_or_damaged_index_is_rebuilt_never_trusted(tmp_path, damage):
         f.unlink()
     elif damage == "torn":
         f.write_bytes(data[:len(data) * 2 // 3])
-    elif damage == "flipped":  # one key changed: the body no longer matches its checksum
-        i = data.rindex(b",") + 1
-        f.write_bytes(data[:i] + (b"0" if data[i:i + 1] != b"0" else b"1") + data[i + 1:])
+    elif damage == "flipped":  # one bit of one key: the body no longer matches its checksum
+        i = (data.index(b"\n") + len(data)) // 2
+        f.write_bytes(data[:i] + bytes([data[i] ^ 1]) + data[i + 1:])
     elif damage == "garbage":
         f.write_bytes(os.urandom(len(data)))
     elif damage == "other partition":
@@ -175,3 +175,15 @@ def test_a_manifest_changed_under_the_index_is_parsed_again(tmp_path):
     mf.write_text(json.dumps(doc, indent=3))  # the same manifest, other bytes (as a rewrite would give)
     got, used = fresh(root, p.key)
     assert used == 1 and got == truth(root, p.key)
+
+
+def test_membership_is_exact_when_keys_share_their_high_half():
+    from dfcache.samples import PartitionSamples
+
+    hi = "0123456789abcdef"
+    held = [hi + "0" * 16, hi + "f" * 16, "f" * 32, hi + "0" * 15 + "7"]
+    asked = [hi + "f" * 16, hi + "0" * 15 + "1", "f" * 32, "e" * 32, hi + "0" * 15 + "7", "0" * 32, "F" * 32]
+    ps = PartitionSamples({"s1": held[:2], "s2": held[2:]})
+    assert ps.contains_many(asked).tolist() == [k in set(held) for k in asked]
+    assert ps.contains_many([]).tolist() == []
+    assert PartitionSamples({}).contains_many(asked).tolist() == [False] * len(asked)
