@@ -57,8 +57,9 @@ from .keys import compute_key
 from .manifest import STORAGE_DTYPE, Manifest
 from .store import CommitOnExit
 
-__all__ = ["DOC", "Partition", "SampleArray", "SampleSet", "SampleSink", "SamplesMissingError", "SegmentWriter",
-           "index_of", "partition_key", "record_digest", "sample_key", "segment_key"]
+__all__ = ["DOC", "Partition", "PartitionSamples", "SampleArray", "SampleSet", "SampleSink", "SamplesMissingError",
+           "SegmentWriter", "index_of", "keys_as_bytes", "keys_from_bytes", "partition_key", "record_digest",
+           "sample_key", "segment_key"]
 
 DOC = "doc"  # the array of per-sample JSON documents
 INDEX = "samples"  # the document with per-sample upstream keys, row offsets and digests
@@ -427,7 +428,7 @@ def _write_sample_index(path, partition: str, segs: dict[str, tuple[str, bytes]]
             pass
 
 
-def _to_bytes(keys: list[str]) -> bytes | None:
+def keys_as_bytes(keys: list[str]) -> bytes | None:
     """Sample keys (32 lowercase hex digits each) as 16-byte values; None if any is not one."""
     joined = "".join(keys)
     if len(joined) != 32 * len(keys) or not joined.isascii() or joined != joined.lower():
@@ -439,9 +440,9 @@ def _to_bytes(keys: list[str]) -> bytes | None:
     return out if len(out) == 16 * len(keys) else None
 
 
-def _to_hex(blob: bytes) -> list[str]:
-    h = blob.hex()
-    return [h[i:i + 32] for i in range(0, len(h), 32)]
+def keys_from_bytes(blob: bytes) -> list[str]:
+    """The inverse of :func:`keys_as_bytes`."""
+    return blob.hex(",", 16).split(",") if blob else []
 
 
 def _sorted_distinct(blob: bytes) -> bytes:
@@ -474,13 +475,13 @@ class PartitionSamples(Mapping):
     def keys_of(self, segment: str) -> list[str]:
         got = self._strs.get(segment)
         if got is None:
-            got = self._strs[segment] = _to_hex(self._blobs[segment])
+            got = self._strs[segment] = keys_from_bytes(self._blobs[segment])
         return got
 
     def blob_of(self, segment: str) -> bytes | None:
         got = self._blobs.get(segment)
         if got is None:
-            got = _to_bytes(self._strs[segment])
+            got = keys_as_bytes(self._strs[segment])
             if got is not None:
                 self._blobs[segment] = got
         return got
@@ -499,9 +500,10 @@ class PartitionSamples(Mapping):
             self._set = set(chain.from_iterable(map(self.keys_of, sorted(self.segment_keys()))))
         return self._set
 
-    def contains_many(self, keys: list[str]) -> np.ndarray:
-        """Whether each of ``keys`` is a sample of the partition (a bool per key)."""
-        distinct, q = self.distinct(), _to_bytes(keys)
+    def contains_many(self, keys: list[str], as_bytes: bytes | None = None) -> np.ndarray:
+        """Whether each of ``keys`` is a sample of the partition (a bool per key); ``as_bytes``:
+        the same keys as :func:`keys_as_bytes` gives them, if the caller has them."""
+        distinct, q = self.distinct(), as_bytes if as_bytes is not None else keys_as_bytes(keys)
         if distinct is None or q is None:
             return np.fromiter(map(self.key_set().__contains__, keys), dtype=bool, count=len(keys))
         if not distinct or not keys:
@@ -512,7 +514,7 @@ class PartitionSamples(Mapping):
         hi, lo = self._sorted
         qa = np.frombuffer(q, dtype=">u8").reshape(-1, 2)
         qh, ql = qa[:, 0].astype(np.uint64), qa[:, 1].astype(np.uint64)
-        order = np.argsort(qh, kind="stable")  # sorted needles: the searches walk the array in order
+        order = np.argsort(qh)  # sorted needles: the searches walk the array in order
         pos = np.empty(len(qh), dtype=np.intp)
         pos[order] = np.searchsorted(hi, qh[order])
         at = np.minimum(pos, len(hi) - 1)

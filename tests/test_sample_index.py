@@ -187,3 +187,31 @@ def test_membership_is_exact_when_keys_share_their_high_half():
     assert ps.contains_many(asked).tolist() == [k in set(held) for k in asked]
     assert ps.contains_many([]).tolist() == []
     assert PartitionSamples({}).contains_many(asked).tolist() == [False] * len(asked)
+
+
+def test_sample_keys_memo_gives_the_keys_and_is_never_trusted_when_damaged(tmp_path, monkeypatch):
+    import runner.sampling as sampling
+
+    monkeypatch.setenv("DFCACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(sampling, "KEYS_MEMO_MIN", 1)
+    monkeypatch.setattr(sampling, "KEYS_MEMO_KEEP", 3)
+    p, u = part(), ups(50)
+    want = p.sample_keys(u)
+    first, blob = sampling.sample_keys(p, u)
+    assert first == want and blob is not None
+    files = list((tmp_path / "home" / "sample-keys").iterdir())
+    assert len(files) == 1
+    again, blob2 = sampling.sample_keys(p, u)
+    assert again == want and blob2 == blob  # from the memo
+    assert sampling.sample_keys(p, u[::-1])[0] == want[::-1]  # another order: another entry
+    assert sampling.sample_keys(part(layer=2), u)[0] == part(layer=2).sample_keys(u)  # another partition
+    data = files[0].read_bytes()
+    for damaged in (data[:-1], data[:-16] + bytes(16), b"x" + data[1:]):
+        files[0].write_bytes(damaged)
+        assert sampling.sample_keys(p, u)[0] == want  # recomputed (and the memo rewritten)
+    assert files[0].read_bytes() == data
+    for k in range(4):
+        sampling.sample_keys(p, u[k:])
+    assert len(list((tmp_path / "home" / "sample-keys").iterdir())) == 3  # only the newest are kept
+    odd = u[:-1] + ["not-a-key\nwith a newline"]  # not 32-character keys: never memoised
+    assert sampling.sample_keys(p, odd) == (p.sample_keys(odd), None)
