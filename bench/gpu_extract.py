@@ -33,7 +33,10 @@ zarr, numcodecs, donfig, google-crc32c, xxhash, typer, tqdm (carry wheels if mis
 
 JSON (``--out``): ``env`` (versions, GPU), ``model``, ``data``, ``throughput`` (list of rows
 ``{what, backend, tokens, seconds, tok_per_s, vs_bare}``), ``diff`` (per layer: rel_l2, max_abs,
-cos_mean, cos_min, equal), ``exactness``, ``timings``, ``memory``, ``errors``.
+cos_mean, cos_min, equal), ``exactness``, ``timings``, ``memory``, ``errors``; on CUDA also
+``first_extraction`` (the one-time costs: shape checks, CUDA-graph captures, pinned buffers),
+``extract_stats``, ``batch_sweep`` and ``pipeline_probe`` (``--probe``), ``profile``
+(``--profile-samples``: torch.profiler without and with CUDA graphs).
 """
 
 from __future__ import annotations
@@ -632,7 +635,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         sync()
-        syncs = [str(w.message)[:200] for w in caught if "synchroniz" in str(w.message).lower()]
+        syncs = [str(w.message)[:200] for w in caught if "called a synchronizing" in str(w.message)]
         out["syncs_in_one_eager_forward"] = {"count": len(syncs), "first": syncs[:3]}
         log(f"profile: {len(syncs)} host synchronization(s) inside one eager forward")
 

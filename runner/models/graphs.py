@@ -19,19 +19,13 @@ material.
 When: a shape is captured at its second forward, so a length seen once (mixed-length sets) never
 pays for a capture; at most :data:`MAX_GRAPHS` shapes per target, sharing one memory pool (replays
 run one after another on one stream and their outputs are cloned at once, so a graph may reuse
-another's scratch memory). ``DFCACHE_CUDA_GRAPHS=0`` turns graphs off.
+another's scratch memory). ``DFCACHE_CUDA_GRAPHS=0`` turns them off in the extraction.
 """
 
 from __future__ import annotations
 
-import os
-
 MAX_GRAPHS = 8
 CAPTURE_AT = 2  # the forward of a shape at which it is captured (the first ones run eagerly)
-
-
-def enabled() -> bool:
-    return os.environ.get("DFCACHE_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def same_bits(a, b) -> bool:

@@ -330,9 +330,11 @@ _GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 def _graphs_for(target):
     """The target's CUDA graphs (:mod:`runner.models.graphs`), kept while it lives; None when off."""
+    from dfcache.config import cuda_graphs
+
     from ...models import graphs
 
-    if not graphs.enabled():
+    if not cuda_graphs():
         return None
     try:
         g = _GRAPHS.get(target)
