@@ -11,8 +11,10 @@
    through the real stages' keys (the graph is built by the runner) with small synthetic
    contents (two tokens per sample), and kept in ``bench/out/cache/samples/``. Target: < 1 s each.
    A first, untimed plan parses and hashes the 100,000-line prompt file and leaves its ids and
-   digests in the prompt-set memo (as a user's first plan does); its time is printed, as is
-   `ls` of an empty store (the command line's start-up).
+   digests in the prompt-set memo, each stage's sample keys in the sample-key memo and each
+   partition's on-disk sample index (as a user's first plan does); its time is printed, as is
+   `ls` of an empty store (the command line's start-up). The plan subprocess is then profiled
+   (cProfile; ``details.at_scale.profile_plan``).
 """
 
 from __future__ import annotations
@@ -238,7 +240,7 @@ def at_scale(ctx: Ctx, result: Result) -> None:
     result.rows.append(Row(bench=NAME, measure="`dfcache ls --json` of an empty store (start-up, for scale)",
                            dfcache=ms(med(times["empty"]))).judge())
     result.rows.append(Row(bench=NAME, measure=f"`dfcache plan hidden-states --json`, {n:,} samples, first plan of "
-                           "the prompt file (parsed and hashed; later plans read the memo)", dfcache=ms(cold)).judge())
+                           "the prompt file (parsed and hashed, keys and sample indexes written; later plans read them)", dfcache=ms(cold)).judge())
     ctx.log("profiling the plan subprocess (cProfile)")
     result.details["at_scale"] = {"samples_per_stage": n, "plan_counts": counts, "times": times, "plan_cold_s": cold,
                                   "cpu_s": {k: _CPU[" ".join(map(str, c))] for k, c in

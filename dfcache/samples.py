@@ -468,50 +468,59 @@ class PartitionSamples(Mapping):
         self._sorted: tuple[np.ndarray, np.ndarray] | None = None
         self._set: set | None = None
         self._where: dict[str, tuple[str, int]] | None = None
+        # Lazy members are made and segments added under one lock: a run's threads share this.
+        self._lock = threading.RLock()
 
     def segment_keys(self) -> set[str]:
-        return set(self._strs) | set(self._blobs)
+        with self._lock:
+            return set(self._strs) | set(self._blobs)
 
     def keys_of(self, segment: str) -> list[str]:
-        got = self._strs.get(segment)
-        if got is None:
-            got = self._strs[segment] = keys_from_bytes(self._blobs[segment])
-        return got
+        with self._lock:
+            got = self._strs.get(segment)
+            if got is None:
+                got = self._strs[segment] = keys_from_bytes(self._blobs[segment])
+            return got
 
     def blob_of(self, segment: str) -> bytes | None:
-        got = self._blobs.get(segment)
-        if got is None:
-            got = keys_as_bytes(self._strs[segment])
-            if got is not None:
-                self._blobs[segment] = got
-        return got
+        with self._lock:
+            got = self._blobs.get(segment)
+            if got is None:
+                got = keys_as_bytes(self._strs[segment])
+                if got is not None:
+                    self._blobs[segment] = got
+            return got
 
     def distinct(self) -> bytes | None:
         """The sorted distinct keys as 16-byte values (None if a key is not 32 hex digits)."""
-        if self._distinct is None:
-            blobs = [self.blob_of(k) for k in sorted(self.segment_keys())]
-            if any(b is None for b in blobs):
-                return None
-            self._distinct = _sorted_distinct(b"".join(blobs)) if blobs else b""
-        return self._distinct
+        with self._lock:
+            if self._distinct is None:
+                blobs = [self.blob_of(k) for k in sorted(self.segment_keys())]
+                if any(b is None for b in blobs):
+                    return None
+                self._distinct = _sorted_distinct(b"".join(blobs)) if blobs else b""
+            return self._distinct
 
     def key_set(self) -> set:
-        if self._set is None:
-            self._set = set(chain.from_iterable(map(self.keys_of, sorted(self.segment_keys()))))
-        return self._set
+        with self._lock:
+            if self._set is None:
+                self._set = set(chain.from_iterable(map(self.keys_of, sorted(self.segment_keys()))))
+            return self._set
 
     def contains_many(self, keys: list[str], as_bytes: bytes | None = None) -> np.ndarray:
         """Whether each of ``keys`` is a sample of the partition (a bool per key); ``as_bytes``:
         the same keys as :func:`keys_as_bytes` gives them, if the caller has them."""
-        distinct, q = self.distinct(), as_bytes if as_bytes is not None else keys_as_bytes(keys)
-        if distinct is None or q is None:
-            return np.fromiter(map(self.key_set().__contains__, keys), dtype=bool, count=len(keys))
-        if not distinct or not keys:
-            return np.zeros(len(keys), dtype=bool)
-        if self._sorted is None:
-            a = np.frombuffer(distinct, dtype=">u8").reshape(-1, 2)
-            self._sorted = (a[:, 0].astype(np.uint64), a[:, 1].astype(np.uint64))
-        hi, lo = self._sorted
+        q = as_bytes if as_bytes is not None else keys_as_bytes(keys)
+        with self._lock:
+            distinct = self.distinct()
+            if distinct is None or q is None:
+                return np.fromiter(map(self.key_set().__contains__, keys), dtype=bool, count=len(keys))
+            if not distinct or not keys:
+                return np.zeros(len(keys), dtype=bool)
+            if self._sorted is None:
+                a = np.frombuffer(distinct, dtype=">u8").reshape(-1, 2)
+                self._sorted = (a[:, 0].astype(np.uint64), a[:, 1].astype(np.uint64))
+            hi, lo = self._sorted
         qa = np.frombuffer(q, dtype=">u8").reshape(-1, 2)
         qh, ql = qa[:, 0].astype(np.uint64), qa[:, 1].astype(np.uint64)
         order = np.argsort(qh)  # sorted needles: the searches walk the array in order
@@ -531,6 +540,10 @@ class PartitionSamples(Mapping):
         return present
 
     def _resolved(self) -> dict[str, tuple[str, int]]:
+        with self._lock:
+            return self._resolve()
+
+    def _resolve(self) -> dict[str, tuple[str, int]]:
         if self._where is None:
             where: dict[str, tuple[str, int]] = {}
             # Descending, each segment overwriting: a sample held by several resolves to the
@@ -542,6 +555,10 @@ class PartitionSamples(Mapping):
         return self._where
 
     def add_segment(self, key: str, keys: list[str]) -> None:
+        with self._lock:
+            self._add_segment(key, keys)
+
+    def _add_segment(self, key: str, keys: list[str]) -> None:
         if key in self._strs or key in self._blobs:
             return
         self._strs[key] = keys
