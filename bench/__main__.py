@@ -163,6 +163,14 @@ def _markdown_details(doc: dict) -> list[str]:
                 "| function | calls | own s | share |", "|---|---:|---:|---:|"]
         for p in lprof[1:11]:
             out.append(f"| `{p['function']}` | {p['calls']} | {p['tottime_s']:.3f} | {p['share'] * 100:.0f} % |")
+    sa = doc["benchmarks"].get("samples", {}).get("details", {}).get("at_scale", {})
+    sprof = sa.get("profile_plan")
+    if sprof and "total_s" in sprof[0]:
+        out += ["", f"cProfile of the `dfcache plan hidden-states --json` subprocess over "
+                f"{sa.get('samples_per_stage'):,} samples per stage ({sprof[0]['total_s']:.2f} s under cProfile), "
+                "top functions by own time:", "", "| function | calls | own s | share |", "|---|---:|---:|---:|"]
+        for p in sprof[1:11]:
+            out.append(f"| `{p['function']}` | {p['calls']} | {p['tottime_s']:.3f} | {p['share'] * 100:.0f} % |")
     eb = doc["benchmarks"].get("eval-batching", {}).get("details", {})
     eprof = eb.get("profile_batched")
     if eprof:

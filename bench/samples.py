@@ -11,8 +11,10 @@
    through the real stages' keys (the graph is built by the runner) with small synthetic
    contents (two tokens per sample), and kept in ``bench/out/cache/samples/``. Target: < 1 s each.
    A first, untimed plan parses and hashes the 100,000-line prompt file and leaves its ids and
-   digests in the prompt-set memo (as a user's first plan does); its time is printed, as is
-   `ls` of an empty store (the command line's start-up).
+   digests in the prompt-set memo, each stage's sample keys in the sample-key memo and each
+   partition's on-disk sample index (as a user's first plan does); its time is printed, as is
+   `ls` of an empty store (the command line's start-up). The plan subprocess is then profiled
+   (cProfile; ``details.at_scale.profile_plan``).
 """
 
 from __future__ import annotations
@@ -238,10 +240,36 @@ def at_scale(ctx: Ctx, result: Result) -> None:
     result.rows.append(Row(bench=NAME, measure="`dfcache ls --json` of an empty store (start-up, for scale)",
                            dfcache=ms(med(times["empty"]))).judge())
     result.rows.append(Row(bench=NAME, measure=f"`dfcache plan hidden-states --json`, {n:,} samples, first plan of "
-                           "the prompt file (parsed and hashed; later plans read the memo)", dfcache=ms(cold)).judge())
+                           "the prompt file (parsed and hashed, keys and sample indexes written; later plans read them)", dfcache=ms(cold)).judge())
+    ctx.log("profiling the plan subprocess (cProfile)")
     result.details["at_scale"] = {"samples_per_stage": n, "plan_counts": counts, "times": times, "plan_cold_s": cold,
                                   "cpu_s": {k: _CPU[" ".join(map(str, c))] for k, c in
-                                            (("ls", ls_cmd), ("plan", plan_cmd), ("empty", empty_cmd))}}
+                                            (("ls", ls_cmd), ("plan", plan_cmd), ("empty", empty_cmd))},
+                                  "load_avg": list(os.getloadavg()),
+                                  "profile_plan": _profile_cmd(plan_cmd, env, ctx.work / "plan.prof")}
+
+
+def _profile_cmd(cmd: list, env: dict, out: Path, n: int = 15) -> list[dict]:
+    """cProfile of a `python -m dfcache ...` subprocess: the top ``n`` functions by own time
+    (the first row: the total), as ``_common.profile_top`` gives for in-process work."""
+    import pstats
+
+    from ._common import _short
+
+    assert cmd[1:3] == ["-m", "dfcache"]
+    _dt, cp = run_cmd([cmd[0], "-m", "cProfile", "-o", str(out), *cmd[1:]], env=env)
+    if cp.returncode != 0:
+        return [{"error": cp.stderr.decode()[-300:]}]
+    st = pstats.Stats(str(out))
+    total = st.total_tt or 1e-12
+    rows = []
+    for (filename, line, func), (_cc, nc, tt, ct, _callers) in st.stats.items():
+        where = func if filename == "~" else f"{_short(filename)}:{line}({func})"
+        rows.append({"function": where, "calls": nc, "tottime_s": round(tt, 4), "cumtime_s": round(ct, 4),
+                     "share": round(tt / total, 3)})
+    rows.sort(key=lambda r: -r["tottime_s"])
+    out.unlink(missing_ok=True)
+    return [{"total_s": round(total, 4)}] + rows[:n]
 
 
 _CPU: dict[str, list[float]] = {}  # command -> CPU seconds (user + system) of each run

@@ -32,7 +32,8 @@ import shutil
 
 import numpy as np
 
-from ._common import Ctx, Result, Row, alternate, evict, files_under, med, ms, rmtree, skipped, summary, tree_bytes
+from ._common import (Ctx, Result, Row, alternate, evict, files_under, med, ms, profile_top, rmtree, skipped,
+                      summary, tree_bytes)
 from ._data import make_hidden
 
 NAME = "training"
@@ -219,6 +220,10 @@ def run(ctx: Ctx) -> Result:
                                 note="" if (other == "specforge" and ours_sd) or other == "speculators" else
                                 "SpecForge not installed: its loader reimplemented faithfully").judge())
 
+    # Where a warm epoch of ours goes (0 workers; the chunks are mapped and checked by now).
+    ours_ds = contenders["dfcache"]
+    _epoch(ours_ds, 0, seed=0)  # maps and checks again what the cold runs unmapped
+    details["profile_epoch_warm_0_workers"] = profile_top(lambda: _epoch(ours_ds, 0, seed=1), n=12)
     # Bytes on disk, as written and compressed.
     sizes = {"dfcache": tree_bytes(root / "store"), "specforge .ckpt": tree_bytes(root / "specforge")}
     if ours_sp:

@@ -89,6 +89,12 @@ def default_store_location() -> str:
     return os.environ.get("DFCACHE_STORE") or "store"
 
 
+def cuda_graphs() -> bool:
+    """Whether the hidden-state extraction may replay CUDA graphs ($DFCACHE_CUDA_GRAPHS, default on;
+    ``0``, ``false``, ``no`` or ``off`` turn it off). Graphs change no stored bit; off costs speed."""
+    return os.environ.get("DFCACHE_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def segment_bytes() -> int:
     """Bytes of one per-sample segment of a layer before it is committed ($DFCACHE_SEGMENT_BYTES,
     default 256 MiB): what an interrupted extraction can lose at most, per layer."""

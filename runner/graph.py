@@ -57,6 +57,7 @@ class Node:
     partition: Any = None  # dfcache.samples.Partition
     upstream_samples: list[str] | None = None  # per position of the prompt set
     sample_keys: list[str] | None = None
+    sample_key_bytes: bytes | None = None  # the same as 16-byte values, when the keys memo gave them
     ids: list[str] | None = None  # prompt ids per position (messages name them)
     problem: str | None = None  # why missing samples cannot be produced here (hardware)
     precheck: Any = None  # callable run before any work when this run produces samples (weights)
@@ -87,15 +88,16 @@ class Node:
         Its ``key`` names the ordered set (a report is keyed by it), never stored itself."""
         from dfcache.samples import Partition
 
-        from .sampling import set_key
+        from .sampling import sample_keys, set_key
 
         if needs not in NEEDS:
             raise ValueError(f"needs={needs!r}")
         part = Partition(stage, version, inputs, dict(partition_upstream or {}))
-        keys = part.sample_keys(upstream_samples)
+        keys, as_bytes = sample_keys(part, upstream_samples)
         return cls(stage=stage, key=set_key(part.key, keys), needs=needs, inputs=inputs,
                    upstream=dict(partition_upstream or {}), version=version, deps=list(deps or []),
-                   partition=part, upstream_samples=list(upstream_samples), sample_keys=keys, ids=list(ids), **kw)
+                   partition=part, upstream_samples=list(upstream_samples), sample_keys=keys,
+                   sample_key_bytes=as_bytes, ids=list(ids), **kw)
 
     def positions_distinct(self, positions) -> list[int]:
         """The first position of each distinct sample among ``positions`` (a set may repeat one)."""

@@ -74,8 +74,8 @@ class StoredSamples(_ByLocation):
     (all at once, so a cold read loads them in parallel), then each layer's rows are copied from
     the mapped chunks straight into its columns of the item (one copy). A chunk's crc32c is
     checked when this process tree first maps it (``ArrayReader.read_raw(mapped=True)``); a
-    chunk corrupted after that is noticed when the store is reopened, and `dfcache verify`
-    checks everything.
+    chunk file changed on disk after that (its signature differs) is checked again on its next
+    read, in a worker as in the parent, and `dfcache verify` checks everything.
     """
 
     def __init__(self, store_location: str, tokens_partition: str, tokens_keys: list[str],

@@ -11,21 +11,79 @@ stored needs nothing under it.
 
 from __future__ import annotations
 
-from itertools import compress
-from operator import not_
-
+import numpy as np
 import xxhash
 
 from dfcache.errors import IntegrityError
-from dfcache.samples import Partition, index_of
+from dfcache.samples import Partition, index_of, keys_as_bytes, keys_from_bytes
 
-__all__ = ["assign_demand", "locate", "sample_counts", "set_key"]
+__all__ = ["assign_demand", "locate", "sample_counts", "sample_keys", "set_key"]
 
 
 def set_key(partition: str, keys: list[str]) -> str:
     """The key of an ordered set of samples of one partition (order matters: reports)."""
     inner = xxhash.xxh3_128_hexdigest(",".join(keys).encode())
     return xxhash.xxh3_128_hexdigest(('{"partition":"%s","set":"%s"}' % (partition, inner)).encode())
+
+
+# The sample keys of a large prompt set are kept in $DFCACHE_HOME/sample-keys/, as the prompt-set
+# memo keeps its ids and digests: a repeated plan of 100,000 samples reads 1.6 MB per stage
+# instead of hashing 100,000 keys. The name is an xxh3-128 of exactly what the keys derive from
+# (the partition key and the upstream keys, in order; see dfcache.samples.sample_key), so a hit is
+# the keys themselves; the file's checksum and count are checked, anything else is recomputed.
+KEYS_MEMO_MIN = 5000
+KEYS_MEMO_VERSION = 1
+KEYS_MEMO_KEEP = 64  # files kept (the newest); each is 16 bytes a sample
+
+
+def sample_keys(part: Partition, upstream: list[str]) -> tuple[list[str], bytes | None]:
+    """``part``'s sample key of each upstream key, and the same as 16-byte values when memoised."""
+    n = len(upstream)
+    if n < KEYS_MEMO_MIN:
+        return part.sample_keys(upstream), None
+    joined = "\n".join(upstream)
+    if len(joined) != 33 * n - 1 or joined.count("\n") != n - 1:
+        return part.sample_keys(upstream), None  # not all 32-character keys: the name would not be exact
+    from dfcache.config import dfcache_home
+
+    name = xxhash.xxh3_128_hexdigest(f"{KEYS_MEMO_VERSION}\0{part.key}\0{n}\0{joined}".encode())
+    memo = dfcache_home() / "sample-keys" / name
+    blob = _read_keys_memo(memo, n)
+    if blob is not None:
+        return keys_from_bytes(blob), blob
+    keys = part.sample_keys(upstream)
+    blob = keys_as_bytes(keys)
+    if blob is not None:
+        _write_keys_memo(memo, blob)
+    return keys, blob
+
+
+def _read_keys_memo(memo, n: int) -> bytes | None:
+    try:
+        data = memo.read_bytes()
+    except OSError:
+        return None
+    head, _, blob = data.partition(b"\n")
+    if head != b"dfcache-sample-keys %d %d %s" % (KEYS_MEMO_VERSION, n, xxhash.xxh3_128_hexdigest(blob).encode()) \
+            or len(blob) != 16 * n:
+        return None
+    return blob
+
+
+def _write_keys_memo(memo, blob: bytes) -> None:
+    import os
+
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(b"dfcache-sample-keys %d %d %s\n" % (KEYS_MEMO_VERSION, len(blob) // 16,
+                                                           xxhash.xxh3_128_hexdigest(blob).encode()) + blob)
+        os.replace(tmp, memo)
+        kept = sorted(memo.parent.iterdir(), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+        for old in kept[KEYS_MEMO_KEEP:]:
+            old.unlink(missing_ok=True)
+    except OSError:
+        pass  # only a speed-up
 
 
 def make_partition(stage: str, version: int, inputs: dict, upstream: dict | None = None) -> Partition:
@@ -37,10 +95,13 @@ def locate(ctx, node, warn) -> None:
     and ``node.remote_of`` (sample key -> remote store)."""
     keys = node.sample_keys
     here = index_of(ctx.store).partition(node.partition.key)
-    present = list(map(here.__contains__, keys))  # C-speed passes: a set may hold 100,000 samples
-    node.local = set(compress(range(len(keys)), present))
+    present = here.contains_many(keys, node.sample_key_bytes)  # one binary search of them all: a set may hold 100,000 samples
+    if present.all():
+        node.local, lacking = set(range(len(keys))), set()
+    else:
+        node.local = set(np.flatnonzero(present).tolist())
+        lacking = {keys[i] for i in np.flatnonzero(~present).tolist()}
     node.remote_of = {}
-    lacking = set(compress(keys, map(not_, present)))
     for remote in ctx.remotes:
         if not lacking:
             break

@@ -537,3 +537,35 @@ def test_mapped_reads_check_each_chunk_and_refuse_a_corrupt_one(cached, tmp_path
     fresh = open_store(store_dir).open(_layer_segment(ds.source)).array("hidden")
     with pytest.raises(IntegrityError, match="crc32c"):
         fresh.read_raw(0, 10, mapped=True)
+
+
+def test_a_chunk_changed_after_the_parent_read_it_is_refused_in_a_forked_worker(cached, tmp_path, monkeypatch):
+    """A forked worker inherits the parent's mapped, checked chunks; one changed on disk since is
+    checked again (in the worker, and in the parent's next read), never served as it was."""
+    import shutil
+
+    from dfcache.errors import IntegrityError
+    from dfcache.store import _store
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("no fork start method here")
+    monkeypatch.setattr(_store, "RACY_NS", -(1 << 62))  # the parent's checks are remembered at once
+    store_dir = tmp_path / "copy"
+    shutil.copytree(cached["store"], store_dir)
+    ds = api.hidden_state_dataset(store=store_dir, layers=[1], **cached["sel"])
+    assert _collect(ds, "fork", workers=1)  # reads fine, and the parent maps every chunk:
+    for i in range(len(ds)):
+        ds[i]
+    key = _layer_segment(ds.source)
+    chunk = next(p for p in store_dir.rglob("hidden/c/0/0") if key in str(p))
+    st = os.stat(chunk)
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0xFF
+    with open(chunk, "r+b") as f:
+        f.write(bytes(data))
+    os.utime(chunk, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    with pytest.raises(Exception, match="crc32c"):
+        _collect(ds, "fork", workers=1)
+    with pytest.raises(IntegrityError, match="crc32c"):
+        for i in range(len(ds)):
+            ds[i]

@@ -7,7 +7,8 @@
 ``_backend.py``; ``_open.py`` picks one per URL scheme. ``dfcache.testing.store_conformance`` is
 the suite every backend passes. ``migrate_store`` (``_migrate.py``) upgrades a store of an older
 format in place. ``listing(root)`` is what ``dfcache ls`` lists of a local store, from its
-listing index (``_index.py``, docs/format.md).
+listing index (``_index.py``, docs/format.md). ``recycled_empty`` is ``np.empty`` in a buffer reused once
+nothing refers to it (large read results).
 """
 
 from importlib import import_module
@@ -16,11 +17,13 @@ from importlib import import_module
 # without the writer and reader code below.
 _WHERE = {"ArrayReader": "._store", "ArrayWriter": "._store", "Artifact": "._store", "ArtifactWriter": "._store",
           "CommitOnExit": "._store", "Store": "._store", "default_chunk_rows": "._store", "open_store": "._store",
+          "recycled_empty": "._store",
           "Backend": "._backend", "Staging": "._backend", "Temporary": "._backend", "format": ".format",
           "listing": "._index", "MigrateResult": "._migrate", "migrate_store": "._migrate"}
 
 __all__ = ["ArrayReader", "ArrayWriter", "Artifact", "ArtifactWriter", "Backend", "CommitOnExit", "MigrateResult",
-           "Staging", "Store", "Temporary", "default_chunk_rows", "format", "listing", "migrate_store", "open_store"]
+           "Staging", "Store", "Temporary", "default_chunk_rows", "format", "listing", "migrate_store", "open_store",
+           "recycled_empty"]
 
 
 def __getattr__(name: str):

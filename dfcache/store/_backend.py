@@ -142,6 +142,11 @@ class Backend(ABC):
         list the manifests instead (a backend without an index)."""
         return None
 
+    def sample_index_dir(self) -> Path | None:
+        """Where this store keeps its per-partition sample indexes (``dfcache.samples``), or None:
+        read the segment manifests instead (a backend without one, or someone else's store)."""
+        return None
+
     def for_untrusted_reads(self) -> "Backend":
         """This store, read as someone else's (a pull source): no symlink is ever followed."""
         return self

@@ -43,6 +43,9 @@ class FileRemoteBackend(LocalBackend):
     def listing(self):
         return None  # someone else's directory: its manifests are read, never an index of theirs
 
+    def sample_index_dir(self):
+        return None  # the same for its sample indexes
+
     def _url_for_refusal(self) -> str:
         return f"file://{self.root}"
 

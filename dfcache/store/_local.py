@@ -353,6 +353,9 @@ class LocalBackend(Backend):
 
         return listing(self.root, FORMAT_VERSION)
 
+    def sample_index_dir(self) -> Path | None:
+        return self.root / "index" / "samples"
+
     def for_untrusted_reads(self) -> Backend:
         from ._file_remote import FileRemoteBackend
 

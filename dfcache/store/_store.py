@@ -33,22 +33,100 @@ MAPPED_CHUNKS = 512  # mapped chunks kept per store: address space only, the pag
 VERIFIED_CHUNKS = 1 << 18  # chunk files whose crc32c a store remembers having checked (~40 MB at most)
 ENCODE_AHEAD = 4  # compressed chunks in flight per array (about 4 MiB of copies)
 
-_encode_pool_obj = None
-_encode_pool_lock = threading.Lock()
+_pools: dict[str, tuple[int, object]] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(name: str, workers: int):
+    """A process's thread pool ``name``, made again in a forked child (whose copy of the
+    parent's pool has no threads: work handed to it would never run)."""
+    pid = os.getpid()
+    with _pools_lock:
+        hit = _pools.get(name)
+        if hit is None or hit[0] != pid:
+            from concurrent.futures import ThreadPoolExecutor
+
+            hit = _pools[name] = (pid, ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"dfcache-{name}"))
+        return hit[1]
 
 
 def _encode_pool():
     """Threads that compress chunks: numcodecs releases the GIL, so the producer, the hashing
     and the compression of the next chunks run on different cores (and blosc off the main
     thread takes its single-threaded context, which is the faster one for one block)."""
-    global _encode_pool_obj
-    with _encode_pool_lock:
-        if _encode_pool_obj is None:
-            from concurrent.futures import ThreadPoolExecutor
+    return _pool("encode", max(2, min(8, os.cpu_count() or 2)))
 
-            _encode_pool_obj = ThreadPoolExecutor(max_workers=max(2, min(8, os.cpu_count() or 2)),
-                                                  thread_name_prefix="dfcache-encode")
-        return _encode_pool_obj
+
+READ_SPLIT_BYTES = 4 << 20  # a read of at least this much is shared with the reader threads
+
+
+def _read_workers() -> int:
+    """Threads beside the caller that read and check chunk files of one large read (the pread
+    and the crc32c both release the GIL), so a read uses the machine's cores; none if the
+    crc32c library holds the GIL (the split would only add overhead)."""
+    if not fmt.CRC_RELEASES_GIL:
+        return 0
+    return max(0, min(3, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) - 1))
+
+
+class _Recycler:
+    """Result buffers of large reads, handed out again once nothing refers to them.
+
+    A fresh buffer of a few MB costs the kernel a page fault and a zeroed page per 4 KiB on its
+    first write, about as much as reading the rows into it from the page cache. Each buffer
+    handed out is a view of a pooled base array; every view, and every tensor or array made
+    from one, keeps the base referenced, so a base whose reference count is back to the pool's
+    own is unused and is filled again. Bases are anonymous maps (no hugepage advice: on the
+    development VMs a read into a madvised, never-backed region was several times slower)."""
+
+    KEEP = 6  # bases kept per process
+    MAX_BYTES = 64 << 20  # larger results are plain allocations
+
+    def __init__(self) -> None:
+        self._bases: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """``nbytes`` bytes (uint8) nobody else holds, or None: allocate normally."""
+        if nbytes > self.MAX_BYTES:
+            return None
+        import sys
+
+        with self._lock:
+            bases = self._bases
+            best = None
+            for i in range(len(bases)):
+                # 2 = the list's reference and getrefcount's argument: no view of it is alive
+                if bases[i].nbytes >= nbytes and sys.getrefcount(bases[i]) == 2 and (
+                        best is None or bases[i].nbytes < bases[best].nbytes):
+                    best = i
+            if best is None:
+                import mmap
+
+                cap = -(-nbytes // (1 << 20)) * (1 << 20) or (1 << 20)
+                base = np.frombuffer(mmap.mmap(-1, cap), dtype=np.uint8)
+                if len(bases) >= self.KEEP:
+                    free = [i for i in range(len(bases)) if sys.getrefcount(bases[i]) == 2]
+                    if not free:
+                        return base[:nbytes]  # all in use: this one is not kept
+                    bases.pop(min(free, key=lambda i: bases[i].nbytes))
+                bases.append(base)
+                best = len(bases) - 1
+            return bases[best][:nbytes]
+
+
+_recycler = _Recycler()
+
+
+def recycled_empty(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised array like ``np.empty``, in a recycled buffer when it is large (see
+    :class:`_Recycler`): for results handed to a caller who drops them before the next ones."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = _recycler.take(nbytes) if nbytes >= (1 << 20) else None
+    if buf is None:
+        return np.empty(shape, dtype=dtype)
+    return buf.view(dtype).reshape(shape)
 
 
 _scratch_local = threading.local()
@@ -60,6 +138,23 @@ def _scratch(nbytes: int) -> np.ndarray:
     if buf is None or buf.nbytes < nbytes:
         buf = _scratch_local.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
     return buf[:nbytes]
+
+
+RACY_NS = 2_000_000_000  # a file changed this recently may change again within one timestamp tick
+
+
+def _signature(st: os.stat_result) -> tuple:
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def _settled(st: os.stat_result) -> bool:
+    """Whether a check of this file may be remembered by its signature: file times advance by
+    the kernel's coarse clock tick, so a file rewritten within the tick of its last change (a
+    fresh commit, then a byte flipped in place) keeps its signature. A check made within
+    ``RACY_NS`` of the last change is not remembered (as git treats a racy index entry)."""
+    import time
+
+    return time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_NS
 
 
 def _pread_full(fd: int, buf: np.ndarray, offset: int) -> int:
@@ -478,23 +573,26 @@ class ArrayReader:
         the rows read are returned as a view of it.
 
         Local uncompressed chunks are read with one ``pread`` each, straight into the result, the
-        kernel asked to read them all ahead first; each chunk file's crc32c is checked the first
-        time this store reads it and remembered by the file's inode, size, mtime and ctime, so a
-        later read reads only the rows it needs (a file rewritten or replaced is checked again;
-        one corrupted in place without any of those changing is not noticed until the store is
-        reopened, and ``verify`` still checks everything).
+        kernel asked to read them all ahead first; a read of 4 MiB or more is split into runs of
+        chunks read and checked on reader threads beside the caller's (one per further core, up
+        to 3). Each chunk file's crc32c is checked the first time this store reads it and
+        remembered by the file's inode, size, mtime and ctime, so a later read reads only the
+        rows it needs (a file rewritten or replaced is checked again; one corrupted in place
+        without any of those changing is not noticed until the store is reopened, and
+        ``verify`` still checks everything). Without ``out``, a result of 1 MiB or more lives in
+        a recycled buffer: one whose previous result (and everything made from it) is gone.
 
         ``mapped=True`` (local, uncompressed chunks): chunk files are memory-mapped and their
         crc32c checked the first time this store maps them, not on every read; rows are then
         copied straight from the page cache into ``out``. For many small random reads over the
-        same chunks (training); a chunk corrupted after its first check in this process is not
-        noticed until the store is reopened (``verify`` still checks everything)."""
+        same chunks (training). Each use ``stat``s the file: one whose signature changed since
+        its check is mapped and checked again (``verify`` still checks everything)."""
         n = self.shape[0]
         stop = n if stop is None else min(stop, n)
         start = max(0, start)
         rows = max(0, stop - start)
         if out is None:
-            out = np.empty((rows,) + self.shape[1:], dtype=self._storage)
+            out = recycled_empty((rows,) + self.shape[1:], self._storage)
         else:
             if out.dtype != self._storage or out.shape[1:] != self.shape[1:] or len(out) < rows:
                 raise UsageError(f"out= must be a {self._storage} array of at least {rows} rows of shape "
@@ -503,22 +601,63 @@ class ArrayReader:
         if stop <= start:
             return out
         c0, c1 = start // self.chunk_rows, (stop - 1) // self.chunk_rows
-        fds = None if mapped else self._open_local(c0, c1)
-        try:
+        if mapped:
             for i in range(c0, c1 + 1):
-                lo, hi = i * self.chunk_rows, (i + 1) * self.chunk_rows
-                a, b = max(lo, start), min(hi, stop)
-                chunk = self._mapped_chunk(i) if mapped else None
+                lo = i * self.chunk_rows
+                a, b = max(lo, start), min(lo + self.chunk_rows, stop)
+                chunk = self._mapped_chunk(i)
                 if chunk is None:
-                    fd = fds.get(i) if fds else None
-                    if fd is not None and self._read_local(fd, i, a, b, out[a - start:b - start]):
-                        continue
                     chunk = self._chunk(i)
                 out[a - start:b - start] = chunk[a - lo:b - lo]
+            return out
+        fds = self._open_local(c0, c1)
+        try:
+            todo = list(range(c0, c1 + 1))
+            if fds:
+                groups = 1 + _read_workers() if rows * self._row_bytes >= READ_SPLIT_BYTES else 1
+                groups = min(groups, len(todo))
+                if groups > 1:  # contiguous runs of chunks, the caller's thread reading the first
+                    cut = [len(todo) * g // groups for g in range(groups + 1)]
+                    pool = _pool("read", groups - 1)
+                    futures = [pool.submit(self._read_run, fds, todo[cut[g]:cut[g + 1]], start, stop, out)
+                               for g in range(1, groups)]
+                    done = [self._read_run(fds, todo[cut[0]:cut[1]], start, stop, out)]
+                    done += [f.result() for f in futures]
+                else:
+                    done = [self._read_run(fds, todo, start, stop, out)]
+                self._remember(v for verified, _ in done for v in verified)
+                todo = [i for _, failed in done for i in failed]
+            for i in todo:  # not local, missing or failing its check: _chunk() says what is wrong
+                lo = i * self.chunk_rows
+                a, b = max(lo, start), min(lo + self.chunk_rows, stop)
+                out[a - start:b - start] = self._chunk(i)[a - lo:b - lo]
         finally:
             for fd in (fds or {}).values():
                 os.close(fd)
         return out
+
+    def _read_run(self, fds: dict[int, int], chunks: list[int], start: int, stop: int,
+                  out: np.ndarray) -> tuple[list, list[int]]:
+        """Chunks' rows of [start, stop) into ``out`` (run on any thread). Returns the chunk
+        files checked now (to remember) and the chunks to read through _chunk()."""
+        verified, failed = [], []
+        for i in chunks:
+            lo = i * self.chunk_rows
+            a, b = max(lo, start), min(lo + self.chunk_rows, stop)
+            fd = fds.get(i)
+            sig = self._read_local(fd, i, a, b, out[a - start:b - start]) if fd is not None else False
+            if sig is False:
+                failed.append(i)
+            elif sig is not True:
+                verified.append(sig)
+        return verified, failed
+
+    def _remember(self, verified) -> None:
+        store = self.artifact.store
+        for ck, sig in verified:
+            if len(store._verified) >= VERIFIED_CHUNKS:
+                store._verified.pop(next(iter(store._verified)))
+            store._verified[ck] = sig
 
     def prefetch(self, start: int = 0, stop: int | None = None) -> None:
         """Ask the kernel to start reading the chunk files of rows [start, stop) that this store
@@ -549,14 +688,21 @@ class ArrayReader:
 
     def _mapped_chunk(self, index: int) -> np.ndarray | None:
         """An uncompressed local chunk's rows over a read-only mmap, crc32c checked when first
-        mapped by this store (then kept, a bounded number per store). None: use _chunk()."""
+        mapped by this store, then kept (a bounded number per store) while the file's signature
+        (inode, size, mtime, ctime; one ``stat`` per use) stays what it was when checked: a file
+        changed on disk is mapped and checked again. None: use _chunk()."""
         if self.spec.codec != "none":
             return None
         store = self.artifact.store
         ck = (self.artifact.key, self.name, index)
         hit = store._mapped.get(ck)
         if hit is not None:
-            return hit
+            try:
+                if _signature(os.stat(hit[1])) == hit[2]:
+                    return hit[0]
+            except OSError:
+                pass
+            store._mapped.pop(ck, None)
         self._check_meta()
         path = self.artifact._local_path(fmt.chunk_relpath(self.name, index, self._ndim))
         if path is None:
@@ -566,6 +712,7 @@ class ArrayReader:
         body = self.chunk_rows * int(np.prod(self.shape[1:], dtype=np.int64)) * self._storage.itemsize
         try:
             with open(path, "rb") as f:
+                st = os.fstat(f.fileno())
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError):
             return None  # _chunk() reports what is wrong
@@ -577,9 +724,10 @@ class ArrayReader:
             mm.close()
             return None  # _chunk() re-reads it and says exactly what is wrong
         arr = raw[:body].view(self._storage.newbyteorder("<")).reshape((self.chunk_rows,) + self.shape[1:])
-        if len(store._mapped) >= MAPPED_CHUNKS:
-            store._mapped.pop(next(iter(store._mapped)))  # the mapping closes with its last view
-        store._mapped[ck] = arr
+        if _settled(st):  # (an unsettled file is checked again on its next read)
+            if len(store._mapped) >= MAPPED_CHUNKS:
+                store._mapped.pop(next(iter(store._mapped)))  # the mapping closes with its last view
+            store._mapped[ck] = (arr, os.fspath(path), _signature(st))
         return arr
 
     def _open_local(self, c0: int, c1: int) -> dict[int, int] | None:
@@ -603,17 +751,18 @@ class ArrayReader:
                     pass
         return fds
 
-    def _read_local(self, fd: int, index: int, a: int, b: int, dest: np.ndarray) -> bool:
+    def _read_local(self, fd: int, index: int, a: int, b: int, dest: np.ndarray):
         """Rows [a, b) of uncompressed local chunk ``index`` into ``dest``. The chunk's crc32c is
         checked the first time this store reads the file (known by inode, size, mtime, ctime);
-        after that only the rows asked for are read. False: use _chunk(), which says what is
-        wrong."""
+        after that only the rows asked for are read. Returns True (read, known good), the
+        (chunk, signature) to remember (read and checked now), or False: use _chunk(), which
+        says what is wrong. Safe on any thread: it records nothing itself."""
         store = self.artifact.store
         row_bytes = self._row_bytes
         body = self.chunk_rows * row_bytes
         lo = index * self.chunk_rows
         st = os.fstat(fd)
-        sig = (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        sig = _signature(st)
         ck = (self.artifact.key, self.name, index)
         contiguous = dest.flags.c_contiguous
         if store._verified.get(ck) == sig:
@@ -628,13 +777,10 @@ class ArrayReader:
         buf = dest.reshape(-1).view(np.uint8) if whole else _scratch(body)
         if _pread_full(fd, buf, 0) != body or not fmt.crc_ok(buf, os.pread(fd, 5, body)):
             return False
-        if len(store._verified) >= VERIFIED_CHUNKS:
-            store._verified.pop(next(iter(store._verified)))
-        store._verified[ck] = sig
         if not whole:
             rows = buf.view(self._storage.newbyteorder("<")).reshape((self.chunk_rows,) + self.shape[1:])
             dest[...] = rows[a - lo:b - lo]
-        return True
+        return (ck, sig) if _settled(st) else True
 
     def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Rows [start, stop) in the logical dtype (bf16 as ml_dtypes.bfloat16)."""
@@ -768,7 +914,8 @@ class Store:
         self.backend = backend
         self.url = backend.url
         self._meta_checked: set[tuple[str, str]] = set()  # (key, array) whose zarr.json agrees
-        self._mapped: dict[tuple[str, str, int], np.ndarray] = {}  # read_raw(mapped=True) chunks
+        # read_raw(mapped=True) chunks: (key, array, chunk) -> (rows, path, signature when checked)
+        self._mapped: dict[tuple[str, str, int], tuple] = {}
         # (key, array, chunk) -> the file's (inode, size, mtime, ctime) when its crc32c passed
         self._verified: dict[tuple[str, str, int], tuple] = {}
 

@@ -9,22 +9,32 @@ contract is that stored states equal a plain forward of each sample, bit for bit
 Equal-length rows are independent in every layer in exact arithmetic, but not always in the
 bits: a GPU library may pick another GEMM kernel (another reduction order) for a batch of b rows
 than for one (measured on an H200 at hidden 4096: 5.6 % of the bits of layer 33 survive batching
-8 x 2048, against 100 % at hidden 2048). So the first batch of every (batch size, length) shape is
-checked against a one-sample forward of its first sample; a shape that changes bits is not used
-again: its batches run as halves (each size checked the same way), down to one sample per
-forward. Stored rows are therefore a one-sample forward's bits on every backend, and the batch
-sizes really used are reported (``ExtractStats.extra["batch_shapes"]``).
+2, 4 or 8 x 2048, against 100 % at hidden 2048). So every (batch size, length) shape is checked
+on its first batch against a one-sample forward of that batch's first sample (whose result is
+kept: a check costs the batch forward only when the shape is refused). At a length where nothing
+is known yet, pairs are checked first: a refused pair sends the length to one sample per forward
+(larger sizes are not tried: they changed bits wherever pairs did); a passed pair lets the next
+batch check its full size, and a refused size runs as chunks of the largest size that passed.
+Stored rows are therefore a one-sample forward's bits on every backend, and the batch sizes
+really used are reported (``ExtractStats.extra["batch_shapes"]``).
+
+On CUDA the forwards go through :class:`runner.models.graphs.ForwardGraphs`: a shape seen twice
+is captured as a CUDA graph, checked bit for bit against the eager forward, and replayed (one
+launch per forward instead of a thousand from a thread that shares the GIL with the writers).
 
 Overlap, per window:
 
 * the compute thread runs the forwards and copies each sample's rows of each layer into a window
   buffer (on CUDA: pinned host memory, ``non_blocking`` copies issued on a separate copy stream
   after an event, so the next forward runs while the copy is in flight);
-* a writer thread waits for the window's last copy event, appends each layer's rows, in token
-  order, to that layer's :class:`dfcache.store.ArrayWriter` (one task per layer on a small pool),
-  then checkpoints every resumable writer;
-* there are two window buffers, so compute runs one window ahead of the writer and blocks when
-  the writer falls behind (bounded host memory: two windows of ``2 x batch_tokens`` tokens).
+* after each batch, the window's rows that are complete from its start on (a token-order
+  prefix) go to a writer thread as a piece with its copy event: the writer waits for the event,
+  appends the piece's rows to each layer's :class:`dfcache.store.ArrayWriter` (one task per layer
+  on a small pool), and after the window's last piece checkpoints every resumable writer. Writing
+  starts after the first batch, not the first window, and what is left to write once the last
+  forward ends is one batch's rows;
+* there are two window buffers, so compute runs at most one window ahead of the writer and blocks
+  when the writer falls behind (bounded host memory: two windows of ``2 x batch_tokens`` tokens).
 
 Resuming: each layer's writer keeps the rows of its last checkpoint (``rows_written``). The
 extraction restarts at the last sample boundary that every layer has passed and skips, per layer,
@@ -160,11 +170,21 @@ def resume_point(offsets: np.ndarray, rows_written: list[int]) -> tuple[int, int
 
 
 class _Job:
-    def __init__(self, window: Window, buffers: dict, event, release: Callable[[], None]) -> None:
+    """Rows [start, stop) of a window (tokens relative to its start), ready once ``event`` has
+    completed; ``release`` (the window's last piece only) hands the window buffer back."""
+
+    def __init__(self, window: Window, buffers: dict, event, start: int, stop: int,
+                 release: Callable[[], None] | None = None) -> None:
         self.window = window
         self.buffers = buffers  # layer -> numpy view of the window buffer (storage dtype)
         self.event = event
+        self.start = start
+        self.stop = stop
         self.release = release
+
+    @property
+    def last(self) -> bool:
+        return self.release is not None
 
 
 class _WindowWriter(threading.Thread):
@@ -198,7 +218,8 @@ class _WindowWriter(threading.Thread):
                 except BaseException as e:  # surfaced by the compute thread
                     self.error = e
                 finally:
-                    job.release()
+                    if job.release is not None:
+                        job.release()
         finally:
             self.pool.shutdown(wait=True)
 
@@ -206,7 +227,6 @@ class _WindowWriter(threading.Thread):
         w = job.window
         if job.event is not None:
             job.event.synchronize()
-        state = {"samples_done": w.stop, "tokens_done": w.token_stop}
 
         def one(sink: LayerSink, a: int, b: int) -> None:
             rows = job.buffers[sink.layer][a:b]
@@ -219,27 +239,30 @@ class _WindowWriter(threading.Thread):
 
         # Rows go out in pieces that end at the caller's boundaries: at each one every sink has
         # all rows before it and none after, and on_boundary runs before the next piece.
-        a = 0
+        a = job.start
         while True:
-            cut = w.tokens
+            cut = job.stop
             at_boundary = self.next_boundary < len(self.boundaries) and \
-                self.boundaries[self.next_boundary] - w.token_start <= w.tokens
+                self.boundaries[self.next_boundary] - w.token_start <= job.stop
             if at_boundary:
                 cut = max(a, self.boundaries[self.next_boundary] - w.token_start)
             if cut > a:
                 for f in [self.pool.submit(one, sink, a, cut) for sink in self.sinks]:
                     f.result()
+                if self.progress is not None:
+                    self.progress.update(cut - a)
             a = cut
             if not at_boundary:
                 break
             self.next_boundary += 1
             self.on_boundary(self.next_boundary - 1, w.token_start + cut)
+        if not job.last:
+            return
+        state = {"samples_done": w.stop, "tokens_done": w.token_stop}
         for f in [self.pool.submit(sink.writer.checkpoint, state) for sink in self.sinks]:
             f.result()
         self.stats.tokens += w.tokens
         self.stats.windows += 1
-        if self.progress is not None:
-            self.progress.update(w.tokens)
         if self.on_checkpoint is not None:
             self.on_checkpoint(w.index, w.token_stop)
 
@@ -256,12 +279,70 @@ def _verdicts(target) -> dict:
         return {}
 
 
-def _exact_chunks(samples: list[int], length: int, verdicts: dict) -> list[list[int]]:
-    """``samples`` (one equal-length batch) cut into the largest chunks not known to change bits."""
-    b = len(samples)
-    while b > 1 and verdicts.get((b, length)) is False:
-        b //= 2
-    return [samples[i:i + b] for i in range(0, len(samples), b)]
+def _lowest_refused(length: int, verdicts: dict) -> float:
+    return min((n for (n, L), ok in verdicts.items() if L == length and ok is False), default=float("inf"))
+
+
+def _known_chunks(samples: list[int], length: int, verdicts: dict) -> list[list[int]]:
+    """``samples`` cut, left to right, into the largest chunks of a size known to keep the bits."""
+    out, i = [], 0
+    while i < len(samples):
+        left = len(samples) - i
+        size = max((n for (n, L), ok in verdicts.items() if L == length and ok is True and n <= left), default=1)
+        out.append(samples[i:i + size])
+        i += size
+    return out
+
+
+def _check_size(n: int, length: int, verdicts: dict) -> int | None:
+    """The chunk size to check on a batch of ``n`` samples (None: nothing to check, run known
+    chunks). A size is checked only below every refused size; where nothing is known at this
+    length, pairs are checked first."""
+    if n == 1 or verdicts.get((n, length)) is True or n >= _lowest_refused(length, verdicts):
+        return None
+    return n if n == 2 or verdicts.get((2, length)) is True else 2
+
+
+_PINNED: dict = {}  # (capacity, hidden, dtype) -> window buffers of an earlier extraction (CUDA)
+
+
+def _take_buffers(cuda: bool, n: int, capacity: int, H: int, dtype, n_layers: int) -> list[list]:
+    """``n`` window buffers, each ``n_layers`` tensors of [capacity, H]. On CUDA they are pinned
+    host memory, which takes about a second per few GB to allocate: the last extraction's buffers
+    of the same size are reused (one set kept per process)."""
+    import torch
+
+    kept = _PINNED.pop((capacity, H, dtype), []) if cuda else []
+    flat = [t for rows in kept for t in rows]
+    need = n * n_layers
+    flat += [torch.empty((capacity, H), dtype=dtype, pin_memory=cuda) for _ in range(need - len(flat))]
+    return [flat[i * n_layers:(i + 1) * n_layers] for i in range(n)]
+
+
+def _give_back_buffers(cuda: bool, pinned: list[list], capacity: int, H: int, dtype) -> None:
+    if cuda:
+        _PINNED.clear()
+        _PINNED[(capacity, H, dtype)] = pinned
+
+
+_GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _graphs_for(target):
+    """The target's CUDA graphs (:mod:`runner.models.graphs`), kept while it lives; None when off."""
+    from dfcache.config import cuda_graphs
+
+    from ...models import graphs
+
+    if not cuda_graphs():
+        return None
+    try:
+        g = _GRAPHS.get(target)
+        if g is None:
+            g = _GRAPHS[target] = graphs.ForwardGraphs(target)
+        return g
+    except TypeError:
+        return graphs.ForwardGraphs(target)
 
 
 def _same_bits(a, b) -> bool:
@@ -322,8 +403,9 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
     cuda = target.device.type == "cuda"
     H = target.hidden_size
     buffers: queue.Queue = queue.Queue()
-    for _ in range(min(NUM_BUFFERS, len(windows))):
-        bufs = {k: torch.empty((capacity, H), dtype=target.torch_dtype, pin_memory=cuda) for k in layers}
+    pinned = _take_buffers(cuda, min(NUM_BUFFERS, len(windows)), capacity, H, target.torch_dtype, len(layers))
+    for rows in pinned:
+        bufs = dict(zip(layers, rows))
         buffers.put((bufs, {k: _storage_view(v) for k, v in bufs.items()}))
 
     progress = progress_factory(total - start_token) if progress_factory else None
@@ -344,13 +426,26 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
         gpu_spans.append(ev)
         return out
 
+    graphs = _graphs_for(target) if cuda else None
+    run_forward = graphs if graphs is not None else target.forward_layers
+    replays0 = graphs.replays if graphs is not None else 0
+
     def forward(rows: np.ndarray) -> dict:
         ids = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
         if cuda:
             ids = ids.pin_memory().to(target.device, non_blocking=True)
-        return timed(lambda: target.forward_layers(ids, layers))
+        return timed(lambda: run_forward(ids, layers))
+
+    def _copied():
+        """An event after every copy issued so far (None on the CPU, where copies are done)."""
+        if not cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(copy_stream)
+        return ev
 
     compute_t0 = time.perf_counter()
+    lens = np.diff(offsets)
     try:
         for w in windows:
             wait0 = time.perf_counter()
@@ -363,12 +458,15 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
                 except queue.Empty:
                     continue
             stats.writer_wait_s += time.perf_counter() - wait0
-            event = None
+            done: set[int] = set()
+            nxt = w.first  # first sample of the window whose rows are not all copied
+            handed = 0  # rows of the window (from its start) handed to the writer
             for b in w.batches:
                 if writer.error is not None:
                     buffers.put((bufs, views))
                     raise writer.error
                 starts = [int(offsets[s]) for s in b.samples]
+                runs = []
                 if b.lengths is not None:
                     from ...models.packed import forward_layers_packed
 
@@ -383,30 +481,35 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
                     for a, n in zip(starts, b.lengths):
                         pieces.append((0, at, a, n))
                         at += n
-                    runs = [(outs, pieces)]
+                    runs.append((outs, pieces))
                 else:
-                    runs = []
-                    todo = [list(b.samples)]
-                    while todo:
-                        for chunk in _exact_chunks(todo.pop(0), b.length, verdicts):
-                            shape = (len(chunk), b.length)
-                            if verdicts.get(shape) is False:  # found out on an earlier chunk of this batch
-                                todo.append(chunk)
-                                continue
-                            c_starts = [int(offsets[s]) for s in chunk]
-                            outs = forward(np.stack([token_ids[a:a + b.length] for a in c_starts]))
-                            if len(chunk) > 1 and shape not in verdicts:
-                                # first use of this shape: does it give the first sample's one-sample bits?
-                                one = forward(token_ids[c_starts[0]:c_starts[0] + b.length][None])
-                                stats.checks += 1
-                                verdicts[shape] = all(_same_bits(outs[k][0], one[k][0]) for k in outs)
-                                del one
-                                if not verdicts[shape]:
-                                    todo.append(chunk)  # recomputed in smaller chunks
-                                    outs = None
-                                    continue
-                            used[shape] = used.get(shape, 0) + 1
-                            runs.append((outs, [(row, 0, a, b.length) for row, a in enumerate(c_starts)]))
+                    L = b.length
+
+                    def run(chunk: list[int], outs=None) -> None:
+                        c_starts = [int(offsets[s]) for s in chunk]
+                        if outs is None:
+                            outs = forward(np.stack([token_ids[a:a + L] for a in c_starts]))
+                        shape = (len(chunk), L)
+                        used[shape] = used.get(shape, 0) + 1
+                        runs.append((outs, [(row, 0, a, L) for row, a in enumerate(c_starts)]))
+
+                    rest = list(b.samples)
+                    size = _check_size(len(rest), L, verdicts)
+                    if size is not None:
+                        # first use of this shape: does it give the first sample's one-sample bits?
+                        chunk, rest = rest[:size], rest[size:]
+                        one = forward(token_ids[int(offsets[chunk[0]]):int(offsets[chunk[0]]) + L][None])
+                        outs = forward(np.stack([token_ids[int(offsets[s]):int(offsets[s]) + L] for s in chunk]))
+                        stats.checks += 1
+                        verdicts[(size, L)] = all(_same_bits(outs[k][0], one[k][0]) for k in outs)
+                        if verdicts[(size, L)]:
+                            run(chunk, outs)
+                        else:  # the check's forward is the first sample's result; the others go on
+                            run(chunk[:1], one)
+                            rest = chunk[1:] + rest
+                        one = outs = None
+                    for chunk in _known_chunks(rest, L, verdicts):
+                        run(chunk)
                 for outs, pieces in runs:
                     stats.batches += 1
                     for k, t in outs.items():
@@ -429,26 +532,39 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
                                 o = a - w.token_start
                                 bufs[k][o:o + n].copy_(t[row, at:at + n])
                 outs = runs = None
-            if cuda:
-                event = torch.cuda.Event()
-                event.record(copy_stream)
+                # Hand the writer what is complete from the window's start on (batches run longest
+                # first, so with mixed lengths the prefix may grow only at the window's end).
+                done.update(b.samples)
+                while nxt < w.stop and (nxt in done or lens[nxt] == 0):
+                    nxt += 1
+                ready = int(offsets[nxt]) - w.token_start
+                if nxt < w.stop and ready > handed:
+                    writer.jobs.put(_Job(w, views, _copied(), handed, ready))
+                    handed = ready
 
             def release(item=(bufs, views)) -> None:
                 buffers.put(item)
 
-            writer.jobs.put(_Job(w, views, event, release))
+            writer.jobs.put(_Job(w, views, _copied(), handed, w.tokens, release))
         stats.forward_s = time.perf_counter() - compute_t0
     finally:
         writer.jobs.put(None)
         writer.join()
+        stats.extra["setup_s"] = round(compute_t0 - t0, 3)
+        stats.extra["after_compute_s"] = round(time.perf_counter() - compute_t0 - stats.forward_s, 3)
         if progress is not None:
             progress.close()
+    _give_back_buffers(cuda, pinned, capacity, H, target.torch_dtype)
     if writer.error is not None:
         raise writer.error
     if gpu_spans:
         gpu_spans[-1][1].synchronize()
-        stats.forward_gpu_s = sum(a.elapsed_time(b) for a, b in gpu_spans) / 1e3
+        spans = [a.elapsed_time(b) for a, b in gpu_spans]
+        stats.forward_gpu_s = sum(spans) / 1e3
+        stats.extra["forward_gpu_ms"] = [round(x, 1) for x in spans[:512]]
     stats.extra["batch_shapes"] = {f"{n}x{length}": count for (n, length), count in sorted(used.items())}
+    if graphs is not None:
+        stats.extra["cuda_graphs"] = {**graphs.stats(), "replays": graphs.replays - replays0}
     stats.extra["shapes_changing_bits"] = sorted(f"{n}x{length}" for (n, length), ok in verdicts.items() if not ok)
     stats.wall_s = time.perf_counter() - t0
     return stats

@@ -1,0 +1,63 @@
+"""CUDA graph replay of the truncated forward (runner/models/graphs.py) gives the eager forward's
+bits, and the extraction uses it. Needs a CUDA GPU: skipped elsewhere (CI has none); the H200
+figures are in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (graph capture)")
+
+LAYERS = [1, 3]
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    from runner.models.target import load_target, resolve_kernel
+
+    return load_target(tiny_target, resolve_kernel("torch", "cuda", "float32", "sdpa"))
+
+
+def test_replays_give_the_eager_bits(target):
+    from runner.models.graphs import ForwardGraphs, same_bits
+
+    g = ForwardGraphs(target)
+    rng = np.random.default_rng(0)
+    for i in range(5):
+        x = torch.from_numpy(rng.integers(3, 500, (1, 32)).astype(np.int64)).cuda()
+        got = g(x, LAYERS)
+        want = target.forward_layers(x, LAYERS)
+        assert all(same_bits(got[k], want[k]) for k in LAYERS), i
+    st = g.stats()
+    assert st["captured"] == ["1x32 L1,3"] or st["refused"], st
+    if st["captured"]:
+        assert st["replays"] == 3  # the first two forwards run eagerly, the second one captures
+
+
+def test_extraction_with_graphs_stores_eager_bits(target, tmp_path):
+    from dfcache import compute_key, open_store
+    from runner.stages.hidden_states.extract import LayerSink, extract
+
+    store = open_store(tmp_path / "store")
+    lengths = [24] * 6
+    rng = np.random.default_rng(1)
+    ids = rng.integers(3, 500, sum(lengths)).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    writers, sinks = [], []
+    for k in LAYERS:
+        w = store.writer(compute_key("graphs_test", 1, {"layer": k}), stage="graphs_test", stage_version=1,
+                         inputs={"layer": k}, resumable=True)
+        writers.append(w)
+        sinks.append(LayerSink(layer=k, writer=w, array=w.create_array("hidden", (int(offsets[-1]), 128), "float32")))
+    stats = extract(target, ids, offsets, sinks, batch_tokens=24)
+    for w in writers:
+        w.commit()
+    assert stats.extra["cuda_graphs"]["replays"] >= 1 or stats.extra["cuda_graphs"]["refused"]
+    for k, w in zip(LAYERS, writers):
+        stored = store.open(w.key).array("hidden").read()
+        for i in range(len(lengths)):
+            x = torch.from_numpy(ids[offsets[i]:offsets[i + 1]].astype(np.int64))[None].cuda()
+            one = target.forward_layers(x, LAYERS)[k][0].cpu().numpy()
+            assert np.array_equal(stored[offsets[i]:offsets[i + 1]].view(np.uint32), one.view(np.uint32)), (k, i)
