@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
+
+# A shell without job control starts background commands (`bash .ci/run &`, nohup'd jobs) with
+# SIGINT ignored, and every process started from here would inherit that: Python then installs no
+# KeyboardInterrupt handler, and the tests that press Ctrl-C on a child (test_watch, the reliability
+# SIGINT cases) saw the child finish or hang. Children get the default disposition, as from a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
