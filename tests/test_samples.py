@@ -333,3 +333,33 @@ def test_an_artifact_made_from_samples_has_a_broken_chain_only_when_they_are_gon
     store = open_store(tmp_path / "s")
     [(m, what)] = missing_upstream(store, store.list_manifests())
     assert m.key == "d" * 32 and what == f"3 of 3 sample(s) of partition {p.key}"
+
+
+def test_a_segment_whose_upstream_samples_are_gone_is_a_broken_chain_in_verify(tmp_path):
+    """A hidden-states segment is made from tokens samples (its partition's upstream). Once gc
+    --force removed those, verify warns of the broken chain (exit 0: the segment's own bytes are
+    fine), as it does for an artifact whose upstream artifact is gone; before, it said nothing."""
+    from cli_util import dfcache
+    from dfcache.maintenance import missing_upstream
+
+    root = tmp_path / "s"
+    store = open_store(root)
+    tokens = Partition("tokens", 1, {"t": 1})
+    u = ups(4)
+    with SampleSink(store, tokens, arrays={"ids": SampleArray((), "int32")}) as tsink:
+        for x in u:
+            tsink.add(x, {"ids": np.arange(5, dtype=np.int32)})
+    hs = Partition("hidden_states", 2, {"layer": 1}, {"sample": tokens.key})
+    write(store, hs, tokens.sample_keys(u))
+    assert missing_upstream(store, store.list_manifests()) == []
+    res = dfcache("verify", store=root)
+    assert res.code == 0 and "BROKEN CHAIN" not in res.out
+    store.delete(tsink.committed[0].key)
+    store = open_store(root)
+    [(m, what)] = missing_upstream(store, store.list_manifests())
+    assert m.stage == "hidden_states" and what == f"4 of 4 upstream sample(s) of partition {tokens.key}"
+    res = dfcache("verify", "--json", store=root)
+    assert res.code == 0, res.err
+    out = json.loads(res.out)
+    assert out["bad"] == [] and [b["key"] for b in out["missing_upstream"]] == [m.key]
+    assert "warning" in res.err and "Traceback" not in res.err
