@@ -73,7 +73,7 @@ def _fast_ls(argv: list[str]) -> int | None:
         from .store import listing
 
         # The format version this code reads comes with the snapshot (written by this same
-        # code), so the store format module, and numpy with it, is never imported here.
+        # code), so the store format module (and its crc32c) is never imported here.
         listed = listing(root)
         if listed is None or not isinstance(marker, dict) or marker.get("format_version") != listed.format_version:
             return None
