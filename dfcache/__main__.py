@@ -73,7 +73,7 @@ def _fast_ls(argv: list[str]) -> int | None:
         from .store import listing
 
         # The format version this code reads comes with the snapshot (written by this same
-        # code), so the store format module, and numpy with it, is never imported here.
+        # code), so the store format module (and its crc32c) is never imported here.
         listed = listing(root)
         if listed is None or not isinstance(marker, dict) or marker.get("format_version") != listed.format_version:
             return None
@@ -115,16 +115,55 @@ def _fast_run(argv: list[str]) -> int | None:
     return fast_main(argv)
 
 
+def exit_process(rc) -> None:
+    """End the command with exit status ``rc`` (an int, None for 0, or a message for 1, as
+    ``sys.exit`` takes them).
+
+    Once obstore (the S3 backend) is loaded, the interpreter is not finalized: the exit
+    functions run, the output is flushed, and the process ends with ``os._exit``. obstore's tokio
+    threads release Python objects on their own schedule, and one that does so during
+    finalization aborts the process (SIGABRT or SIGBUS after the command's output, seen under
+    load: ``dfcache/store/_s3.py``), which turned a clean exit 4 into -6."""
+    if rc is None:
+        rc = 0
+    elif not isinstance(rc, int):
+        print(rc, file=sys.stderr)
+        rc = 1
+    if "obstore" not in sys.modules:
+        sys.exit(rc)
+    import atexit
+
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # a closed pipe: nothing more can be said
+                pass
+        os._exit(rc)
+
+
 def main() -> None:
     argv = sys.argv[1:]
     rc = _fast_ls(argv)
     if rc is None:
         rc = _fast_run(argv)
-    if rc is not None:
-        sys.exit(rc)
-    from dfcache.cli import _entry
+    if rc is None:
+        from dfcache.cli import main as cli_main
 
-    _entry()
+        try:
+            rc = cli_main()
+        except SystemExit as e:
+            rc = e.code
+        except BaseException as e:  # --debug lets errors through: the traceback, then the same exit
+            if "obstore" not in sys.modules:
+                raise
+            import traceback
+
+            traceback.print_exc()
+            rc = 130 if isinstance(e, KeyboardInterrupt) else 1
+    exit_process(rc)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ Config files (TOML), first found wins: ``$DFCACHE_CONFIG``, ``./dfcache.toml``,
 from __future__ import annotations
 
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -174,6 +173,8 @@ def load_config() -> Config:
     for path in _config_candidates():
         if not path.is_file():
             continue
+        import tomllib  # here: most commands run without a config file, and a fully cached run is short
+
         try:
             data = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as e:

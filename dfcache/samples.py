@@ -49,13 +49,15 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-import numpy as np
 import xxhash
 
+from ._lazy import LazyModule
 from .errors import ArtifactNotFoundError, IntegrityError, SamplesMissingError, UsageError
 from .keys import compute_key
 from .manifest import STORAGE_DTYPE, Manifest
 from .store import CommitOnExit
+
+np = LazyModule("numpy")  # imported by the first array read, write or large key search: a plan of a few cached samples needs none
 
 __all__ = ["DOC", "Partition", "PartitionSamples", "SampleArray", "SampleSet", "SampleSink", "SamplesMissingError",
            "SegmentWriter", "index_of", "keys_as_bytes", "keys_from_bytes", "partition_key", "record_digest",
@@ -507,6 +509,24 @@ class PartitionSamples(Mapping):
                 self._set = set(chain.from_iterable(map(self.keys_of, sorted(self.segment_keys()))))
             return self._set
 
+    def size_hint(self) -> int:
+        """Keys over all segments, a sample held by several counted in each (no sets made)."""
+        with self._lock:
+            return (sum(map(len, self._strs.values()))
+                    + sum(len(b) // 16 for k, b in self._blobs.items() if k not in self._strs))
+
+    def lacking(self, keys: list[str], as_bytes: bytes | None = None) -> list[int]:
+        """The positions in ``keys`` of those that are not samples of the partition, ascending.
+
+        A partition of fewer than ``SAMPLE_INDEX_MIN`` keys answers from its set of keys, so
+        planning a run of a few samples imports no numpy; a larger one searches as
+        :meth:`contains_many` does."""
+        with self._lock:
+            if self._set is not None or self.size_hint() < SAMPLE_INDEX_MIN:
+                have = self.key_set()
+                return [i for i, k in enumerate(keys) if k not in have]
+        return np.flatnonzero(~self.contains_many(keys, as_bytes)).tolist()
+
     def contains_many(self, keys: list[str], as_bytes: bytes | None = None) -> np.ndarray:
         """Whether each of ``keys`` is a sample of the partition (a bool per key); ``as_bytes``:
         the same keys as :func:`keys_as_bytes` gives them, if the caller has them."""
@@ -699,8 +719,7 @@ class SampleIndex:
 
     def missing(self, partition: str, keys: Iterable[str]) -> list[str]:
         keys = list(dict.fromkeys(keys))
-        present = self.partition(partition).contains_many(keys)
-        return [keys[i] for i in np.flatnonzero(~present).tolist()]
+        return [keys[i] for i in self.partition(partition).lacking(keys)]
 
     def add(self, m: Manifest) -> None:
         """Record a segment this process committed (or found committed by another)."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +26,7 @@ DONE = ".dfcache-example-done"
 def _build_once(path: Path, build: Callable[[Path], None]) -> None:
     if (path / DONE).exists():
         return
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.urandom(4).hex()}.tmp")
     tmp.mkdir(parents=True)
     try:
         build(tmp)

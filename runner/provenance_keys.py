@@ -10,8 +10,6 @@ by importing the package; a package that is not installed keys as ``null``.
 
 from __future__ import annotations
 
-import importlib.metadata
-
 from dfcache.errors import UsageError
 
 # Short names users type -> distribution names (as recorded in provenance "versions").
@@ -42,6 +40,8 @@ def installed_version(dist: str) -> str | None:
         from .models.target import _torch_build
 
         return _torch_build().get("cuda")
+    import importlib.metadata  # here: the default keys read no package metadata
+
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:

@@ -11,7 +11,6 @@ stored needs nothing under it.
 
 from __future__ import annotations
 
-import numpy as np
 import xxhash
 
 from dfcache.errors import IntegrityError
@@ -95,12 +94,11 @@ def locate(ctx, node, warn) -> None:
     and ``node.remote_of`` (sample key -> remote store)."""
     keys = node.sample_keys
     here = index_of(ctx.store).partition(node.partition.key)
-    present = here.contains_many(keys, node.sample_key_bytes)  # one binary search of them all: a set may hold 100,000 samples
-    if present.all():
-        node.local, lacking = set(range(len(keys))), set()
-    else:
-        node.local = set(np.flatnonzero(present).tolist())
-        lacking = {keys[i] for i in np.flatnonzero(~present).tolist()}
+    absent = here.lacking(keys, node.sample_key_bytes)  # of a large set, one binary search of them all
+    node.local = set(range(len(keys)))
+    if absent:
+        node.local.difference_update(absent)
+    lacking = {keys[i] for i in absent}
     node.remote_of = {}
     for remote in ctx.remotes:
         if not lacking:

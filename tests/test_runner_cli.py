@@ -55,6 +55,7 @@ class Run:
     wall: float  # seconds, the whole process
     seconds: float  # seconds inside main()
     heavy: list
+    lazy: list | None = None  # of LAZY, those imported (exe() only)
 
     def json(self):
         return json.loads(self.out)
@@ -443,7 +444,10 @@ def test_fully_cached_eval_does_no_work_and_imports_no_torch(local_run, tiny_tar
 
 
 # `python -m dfcache` as the installed executable runs it (dfcache/__main__.py and its fast
-# paths), reporting on its last stderr line the exit code and whether typer was imported.
+# paths), reporting on its last stderr line the exit code, whether typer was imported, and which
+# of the modules a fully cached run must not import were (LAZY: numpy alone costs such a run more
+# than everything else it does, docs/benchmarks.md noop-eval).
+LAZY = ("numpy", "crc32c", "google_crc32c", "zarr", "numcodecs", "http.client")
 _EXE = r"""
 import json, runpy, sys
 try:
@@ -452,9 +456,11 @@ try:
 except SystemExit as e:
     rc = e.code
 heavy = [m for m in HEAVY if m in sys.modules]
-sys.stderr.write("\n@@dfcache-exe " + json.dumps({"rc": rc, "typer": "typer" in sys.modules, "heavy": heavy}) + "\n")
+lazy = [m for m in LAZY if m in sys.modules]
+sys.stderr.write("\n@@dfcache-exe " + json.dumps({"rc": rc, "typer": "typer" in sys.modules, "heavy": heavy,
+                                                  "lazy": lazy}) + "\n")
 sys.exit(rc)
-""".replace("HEAVY", repr(HEAVY))
+""".replace("HEAVY", repr(HEAVY)).replace("LAZY", repr(LAZY))
 
 
 def exe(env: dict, *args, cwd=None) -> tuple[Run, bool]:
@@ -464,7 +470,7 @@ def exe(env: dict, *args, cwd=None) -> tuple[Run, bool]:
     info = json.loads(tail)
     assert info["rc"] == p.returncode
     return Run(p.returncode, p.stdout, err.rstrip("\n") + ("\n" if err.strip() else ""), 0.0, 0.0,
-               info["heavy"]), info["typer"]
+               info["heavy"], info["lazy"]), info["typer"]
 
 
 def _no_seconds(out: str) -> str:
@@ -476,7 +482,8 @@ def _no_seconds(out: str) -> str:
 def test_fully_cached_run_is_answered_before_typer_with_the_same_output(local_run, tiny_target, env,
                                                                          tmp_path_factory):
     """The executable answers a fully cached `run` without typer (runner/fast_cli.py) and prints
-    what the full command line prints, byte for byte but the seconds; anything else goes to it."""
+    what the full command line prints, byte for byte but the seconds, importing no numpy; anything
+    else goes to it."""
     from runner.train_tiny import make_untrained_drafter
 
     store, _ = local_run
@@ -491,6 +498,8 @@ def test_fully_cached_run_is_answered_before_typer_with_the_same_output(local_ru
         full = cli(env, None, *line)
         assert fast.code == full.code == 0, fast.err + full.err
         assert not typer_used and fast.heavy == [], line
+        # Resolving keys, reading manifests and printing a cached result need no array code.
+        assert fast.lazy == [], f"{line}: a fully cached run imported {fast.lazy}"
         assert _no_seconds(fast.out) == _no_seconds(full.out) and fast.out.strip()
         assert fast.err == full.err
     # Not understood completely (--debug), or work to do (a new prompt): the full CLI answers.

@@ -189,6 +189,24 @@ def test_membership_is_exact_when_keys_share_their_high_half():
     assert PartitionSamples({}).contains_many(asked).tolist() == [False] * len(asked)
 
 
+def test_lacking_agrees_with_contains_many_below_and_above_the_index_size(monkeypatch):
+    # Small partitions answer from their key set (a cached plan of a few samples imports no
+    # numpy), large ones by the binary search: the same positions either way.
+    import dfcache.samples as samples
+    from dfcache.samples import PartitionSamples
+
+    hi = "0123456789abcdef"
+    held = [hi + "0" * 16, hi + "f" * 16, "f" * 32, hi + "0" * 15 + "7"]
+    asked = [hi + "f" * 16, hi + "0" * 15 + "1", "f" * 32, "e" * 32, hi + "0" * 15 + "7", "0" * 32, "F" * 32, "f" * 32]
+    want = [i for i, k in enumerate(asked) if k not in set(held)]
+    for index_min in (samples.SAMPLE_INDEX_MIN, 1):
+        monkeypatch.setattr(samples, "SAMPLE_INDEX_MIN", index_min)
+        ps = PartitionSamples({"s1": held[:2], "s2": held[2:]})
+        assert ps.lacking(asked) == want
+        assert ps.lacking([]) == []
+        assert PartitionSamples({}).lacking(asked) == list(range(len(asked)))
+
+
 def test_sample_keys_memo_gives_the_keys_and_is_never_trusted_when_damaged(tmp_path, monkeypatch):
     import runner.sampling as sampling
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
 
 import ml_dtypes
 import numpy as np
@@ -372,6 +376,34 @@ def test_cli_network_offline_and_usage_exit_codes(s3, tmp_path):
     assert res.code == 0 and "pushed 0 artifact(s)" in res.out and "1 already there" in res.out
     res = dfcache("push", remote, store=tmp_path / "a")
     assert res.code == 2 and "--all" in res.err
+
+
+def test_the_executable_never_finalizes_once_obstore_is_loaded(tmp_path):
+    """obstore's tokio threads may release Python objects during interpreter finalization, which
+    aborts the process after its output (a refused-connection push exited -6 instead of 4 once in
+    a loaded CI run). With obstore loaded, exit_process runs the exit functions, flushes and ends
+    without finalizing: an object's __del__ that finalization would run never runs, the exit code
+    and the buffered output are kept. Without obstore, the interpreter exits normally."""
+    code = textwrap.dedent("""\
+        import atexit, sys
+        {load}
+        from dfcache.__main__ import exit_process
+
+        class Finalized:
+            def __del__(self):
+                sys.stderr.write("finalized\\n")
+        keep = Finalized()
+        atexit.register(lambda: sys.stderr.write("exit functions ran\\n"))
+        sys.stdout.write("buffered output")  # no newline: still in the buffer
+        exit_process(4)
+        """)
+    for load, finalizes in (("import obstore", False), ("", True)):
+        res = subprocess.run([sys.executable, "-c", code.format(load=load)], capture_output=True, text=True,
+                             cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+        assert res.returncode == 4, res.stderr
+        assert res.stdout == "buffered output"
+        assert "exit functions ran" in res.stderr
+        assert ("finalized" in res.stderr) is finalizes, (load, res.stderr)
 
 
 # ------------------------------------------------------------------------------ per sample

@@ -162,4 +162,6 @@ def _is_click_error(e: Exception, name: str) -> bool:
 
 
 def _entry() -> None:
-    sys.exit(main())
+    from dfcache.__main__ import exit_process
+
+    exit_process(main())

@@ -4,7 +4,7 @@ Layout::
 
     <root>/dfcache-store.json            {"format_version": 2}
     <root>/artifacts/<key[:2]>/<key>/    one committed artifact (zarr v3 group + manifest.json)
-    <root>/staging/<key>.<uuid>.tmp/     a writer's private staging area
+    <root>/staging/<key>.<random>.tmp/   a writer's private staging area
     <root>/staging/<key>.resume/         a resumable writer's staging area (kept across crashes)
     <root>/locks/<key>.lock              serialises resumable writers of one key
 
@@ -26,7 +26,6 @@ import os
 import shutil
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,7 +124,7 @@ class _LocalStaging(Staging):
                 self.path = staging_root / f"{key}.resume"
                 self.path.mkdir(parents=True, exist_ok=True)
             else:
-                self.path = staging_root / f"{key}.{uuid.uuid4().hex[:12]}.tmp"
+                self.path = staging_root / f"{key}.{os.urandom(6).hex()}.tmp"
                 self.path.mkdir(parents=True)
             try:
                 fd = os.open(self.path, os.O_RDONLY)
@@ -215,7 +214,7 @@ class _LocalStaging(Staging):
                 if (final / MANIFEST).exists():
                     break  # another writer published this key first: keep theirs
                 # A directory without a manifest is a leftover, not an artifact: move it aside.
-                grave = self.backend.root / "staging" / f"{self.key}.{uuid.uuid4().hex[:12]}.deleted"
+                grave = self.backend.root / "staging" / f"{self.key}.{os.urandom(6).hex()}.deleted"
                 try:
                     os.rename(final, grave)
                 except OSError:
@@ -275,7 +274,7 @@ class LocalBackend(Backend):
             try:
                 for sub in ("artifacts", "staging", "locks"):
                     (self.root / sub).mkdir(parents=True, exist_ok=True)
-                tmp = marker.with_name(f"{STORE_MARKER}.{uuid.uuid4().hex}.tmp")
+                tmp = marker.with_name(f"{STORE_MARKER}.{os.urandom(16).hex()}.tmp")
                 tmp.write_bytes(store_marker_bytes())
                 os.replace(tmp, marker)
             except OSError as e:
@@ -373,7 +372,7 @@ class LocalBackend(Backend):
     def delete(self, key: str) -> bool:
         src = self._artifact_dir(key)
         # Rename first so that no reader ever sees a half-deleted artifact.
-        grave = self.root / "staging" / f"{key}.{uuid.uuid4().hex[:12]}.deleted"
+        grave = self.root / "staging" / f"{key}.{os.urandom(6).hex()}.deleted"
         try:
             os.rename(src, grave)
         except FileNotFoundError:
@@ -439,7 +438,7 @@ class LocalBackend(Backend):
             if not name.endswith(".deleted"):
                 # Out of sight in one step, then removed: a gc killed half-way must not leave a
                 # resumable staging area whose progress names files that are gone.
-                grave = self.root / "staging" / f"{path.name}.{uuid.uuid4().hex[:12]}.deleted"
+                grave = self.root / "staging" / f"{path.name}.{os.urandom(6).hex()}.deleted"
                 try:
                     os.rename(path, grave)
                 except OSError:

@@ -89,16 +89,19 @@ _TEMP_NAME = re.compile(r"^(staging/[0-9a-f]{32}\.[0-9a-f]{16}|artifacts/[0-9a-f
                         r"locks/[0-9a-f]{32}\.lease)$")
 
 
-_wrote = False
+_used = False  # a client was made in this process (its tokio threads may still hold Python objects)
 
 
 def _settle_at_exit() -> None:
-    # obstore hands request bodies to tokio worker threads as Python buffers, and releasing one
-    # takes the GIL. If that happens after interpreter finalization has begun, Python 3.11 ends
-    # the thread with pthread_exit, which aborts the process (SIGABRT after a successful push; seen
-    # once under heavy load; lancedb#4175 and PyO3/pyo3#4874 describe the same race). Giving those
-    # threads a moment while the interpreter is still whole closes the window.
-    if _wrote:
+    # obstore hands request bodies, results and errors to tokio worker threads as Python objects,
+    # and releasing one takes the GIL. If that happens after interpreter finalization has begun,
+    # Python 3.11 ends the thread with pthread_exit, which aborts the process (SIGABRT or SIGBUS
+    # after the command's own output: seen after a successful push, and after a refused connection
+    # under load; lancedb#4175 and PyO3/pyo3#4874 describe the same race). The `dfcache`
+    # executable never finalizes once obstore is loaded (dfcache.__main__.exit_process); for
+    # library use, giving those threads a moment while the interpreter is still whole narrows the
+    # window.
+    if _used:
         time.sleep(0.1)
 
 
@@ -307,6 +310,8 @@ class ObjectStoreBackend(Backend):
         from obstore.store import S3Store
         from zarr.storage import ObjectStore
 
+        global _used
+        _used = True
         parts = urlsplit(url)
         if parts.scheme != "s3" or not parts.netloc or parts.query or parts.fragment:
             raise UsageError(f"{url!r} is not an S3 URL; write s3://bucket/prefix.")
@@ -366,8 +371,6 @@ class ObjectStoreBackend(Backend):
         return f"artifacts/{key[:2]}/{key}/{rel}"
 
     async def _set(self, path: str, data: bytes) -> None:
-        global _wrote
-        _wrote = True
         await self.zstore.set(path, self._buf(data))
 
     async def _get(self, path: str, limit: int | None = None) -> bytes | None:
@@ -401,8 +404,6 @@ class ObjectStoreBackend(Backend):
         """
         import obstore as obs
 
-        global _wrote
-        _wrote = True
         try:
             await obs.put_async(self._obs, path, data, mode="create")
             return True

@@ -10,16 +10,14 @@ import datetime as _dt
 import json
 import os
 import re
-import socket
 import threading
 from collections import deque
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from .. import __version__
+from .._lazy import LazyModule
 from ..errors import (AmbiguousKeyError, ArtifactNotFoundError, IntegrityError, UntrustedManifestError,
                       UsageError)
 from ..keys import KEY_PATTERN
@@ -28,6 +26,8 @@ from ..manifest import (CODECS, NAME_PATTERN, STORAGE_DTYPE, ArraySpec, BlobSpec
 from . import format as fmt
 from ._backend import Backend, Staging
 from .format import PROGRESS, default_chunk_rows  # noqa: F401  (default_chunk_rows: public via dfcache.store)
+
+np = LazyModule("numpy")  # imported by the first array read or write: opening a store and its manifests needs none
 
 MAPPED_CHUNKS = 512  # mapped chunks kept per store: address space only, the page cache holds the data
 VERIFIED_CHUNKS = 1 << 18  # chunk files whose crc32c a store remembers having checked (~40 MB at most)
@@ -64,7 +64,7 @@ def _read_workers() -> int:
     """Threads beside the caller that read and check chunk files of one large read (the pread
     and the crc32c both release the GIL), so a read uses the machine's cores; none if the
     crc32c library holds the GIL (the split would only add overhead)."""
-    if not fmt.CRC_RELEASES_GIL:
+    if not fmt.crc_releases_gil():
         return 0
     return max(0, min(3, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) - 1))
 
@@ -478,6 +478,8 @@ class ArtifactWriter(CommitOnExit):
             arrays[name] = aw.finish()
         self._put(fmt.GROUP_META, fmt.group_zarr_json(self.key, self.stage))
         files = {k: v for k, v in self._files.items() if not k.startswith("tails/")}
+        import socket  # here: opening a store and reading manifests need no host name
+
         provenance = {"host": socket.gethostname(), "dfcache": __version__, **self.provenance}
         manifest = Manifest(key=self.key, stage=self.stage, stage_version=self.stage_version,
                             inputs=self.inputs, upstream=self.upstream, provenance=provenance,

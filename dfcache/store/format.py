@@ -41,26 +41,50 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import xxhash
 
-try:  # releases the GIL on large buffers: chunks are checked on reader and encoder threads
-    from crc32c import crc32c as _crc32c
-
-    CRC_RELEASES_GIL = True
-except ImportError:  # the same checksum (zarr's dependency), holding the GIL
-    import google_crc32c
-
-    def _crc32c(data, value: int = 0) -> int:
-        return google_crc32c.extend(value, data)
-
-    CRC_RELEASES_GIL = False
-
+from .._lazy import LazyModule
 from ..errors import IntegrityError, UntrustedManifestError, UsageError
-from ..manifest import STORAGE_DTYPE, ArraySpec, Manifest
+from ..manifest import ITEMSIZE, STORAGE_DTYPE, ArraySpec, Manifest
+
+np = LazyModule("numpy")  # imported by the first chunk encoded or decoded: manifests and names need none
+
+
+@functools.lru_cache(maxsize=1)
+def _crc32c_impl() -> tuple:
+    """(crc32c function, whether it releases the GIL), imported on first use: the ``crc32c``
+    package reads its own distribution metadata when imported (importlib.metadata, tens of ms),
+    which a run that checks no chunk never needs."""
+    try:  # releases the GIL on large buffers: chunks are checked on reader and encoder threads
+        from crc32c import crc32c
+
+        return crc32c, True
+    except ImportError:  # the same checksum (zarr's dependency), holding the GIL
+        import google_crc32c
+
+        def crc32c(data, value: int = 0) -> int:
+            return google_crc32c.extend(value, data)
+
+        return crc32c, False
+
+
+def _crc32c(data, value: int = 0) -> int:
+    return _crc32c_impl()[0](data, value)
+
+
+def crc_releases_gil() -> bool:
+    """Whether the crc32c in use releases the GIL (reads split across threads only if it does)."""
+    return _crc32c_impl()[1]
+
+
+def __getattr__(name: str):
+    if name == "CRC_RELEASES_GIL":  # the constant this module had before the import was lazy
+        return crc_releases_gil()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 FORMAT_VERSION = 2
 # Store formats `dfcache migrate` upgrades in place, and what the store lacks until then.
@@ -140,16 +164,16 @@ def np_logical_dtype(dtype: str) -> np.dtype:
 
 
 def default_chunk_rows(shape: tuple[int, ...], dtype: str) -> int:
-    row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(STORAGE_DTYPE[dtype]).itemsize
+    row_bytes = math.prod(shape[1:]) * ITEMSIZE[STORAGE_DTYPE[dtype]]
     rows = max(1, TARGET_CHUNK_BYTES // max(1, row_bytes))
     rows = 1 << (rows.bit_length() - 1)  # a power of two keeps block reads aligned
     return int(min(max(rows, 16), 1 << 20))
 
 
 def chunk_raw_bytes(spec: ArraySpec) -> int:
-    """Bytes of one decoded chunk (chunk_rows full rows)."""
-    row = int(np.prod(spec.shape[1:], dtype=np.int64)) if len(spec.shape) > 1 else 1
-    return spec.chunk_rows * row * np.dtype(spec.storage_dtype).itemsize
+    """Bytes of one decoded chunk (chunk_rows full rows); exact, and without numpy (every
+    manifest read checks it)."""
+    return spec.chunk_rows * math.prod(spec.shape[1:]) * ITEMSIZE[spec.storage_dtype]
 
 
 # ------------------------------------------------------------------------------------ names

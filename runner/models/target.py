@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import ast
 import importlib
-import importlib.metadata
 import importlib.util
 import inspect
 import json
@@ -255,6 +254,8 @@ def kernel_problem(backend: KernelSpec) -> str | None:
 
 def library_versions() -> dict:
     """Exact versions of what shapes the numbers (provenance, never keyed), from package metadata."""
+    import importlib.metadata  # here: planning a cached graph reads no metadata (email, zipfile, csv...)
+
     out = {}
     for dist in ("torch", "transformers", "flash-linear-attention", "fla-core", "triton", "causal-conv1d",
                  "accelerate"):

@@ -30,14 +30,16 @@ ids and loss mask) with one more array, ``loss_mask`` int8 (the peer's own mask)
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from dfcache.errors import BadInputError
 
 from ..graph import KeyRecipe, Node, RunContext
 from ..summaries import samples_origin
 from ..models.resolve import eos_token_ids, resolved_target
+
+if TYPE_CHECKING:  # numpy is imported where arrays are made: planning a cached graph needs none
+    import numpy as np
 
 KEY = KeyRecipe("tokens", 2, inputs={
     "target": "fingerprint of the target directory",
@@ -66,6 +68,8 @@ COMMIT_EVERY = 4096
 
 
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
+    import numpy as np
+
     from dfcache.samples import SampleArray, SampleSet, SampleSink
 
     from .completions.sources import encode_prompt, load_tokenizer
@@ -133,6 +137,8 @@ class Tokens:
 
 def read_tokens(store, node: Node, positions=None) -> Tokens:
     """The tokens of a tokens node's samples at ``positions`` (default: the whole set, in order)."""
+    import numpy as np
+
     from dfcache.samples import SampleSet
 
     positions = list(range(len(node.sample_keys))) if positions is None else list(positions)

@@ -38,7 +38,6 @@ retried: the first failure stops the run with exit 4.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from dfcache.errors import UsageError
@@ -186,6 +185,8 @@ def _run(ctx: RunContext, sink, node: Node, source, records: dict[int, dict], to
             except BaseException:
                 stop.set()
                 raise
+
+        from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
         pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="completions")
         try:

@@ -28,12 +28,15 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dfcache.errors import BadInputError, ServerHTTPError, UsageError
-from dfcache.http import HttpClient, normalize_base_url, wait_ready
 
 from ...graph import RunCache
 from ...values import int_list
+
+if TYPE_CHECKING:  # dfcache.http (http.client, ssl) is imported where a server is talked to
+    from dfcache.http import HttpClient
 
 FINISH_REASONS = ("stop", "length")
 
@@ -125,6 +128,8 @@ SERVER_FIXES = {
 
 def server_url(url: str | None) -> str:
     """``--server`` as a base URL (``host:port`` and ``.../v1`` accepted)."""
+    from dfcache.http import normalize_base_url
+
     return normalize_base_url(url or "", SERVER_FIXES)
 
 
@@ -171,7 +176,11 @@ class _ServerSource:
         self.params = params
         self.wanted_model = served_model
         self.model: str | None = None
-        self.client = client or HttpClient(fixes=SERVER_FIXES)
+        if client is None:
+            from dfcache.http import HttpClient
+
+            client = HttpClient(fixes=SERVER_FIXES)
+        self.client = client
         self.wait_seconds = wait_seconds
         self.progress = progress
         self.out = out
@@ -181,6 +190,8 @@ class _ServerSource:
         """Readiness, then the model name: once per run and server, before any generation request."""
         key = (self.base, self.kind, self.wanted_model)
         if key not in self.cache.served_models:
+            from dfcache.http import wait_ready
+
             wait_ready(self.base, self.wait_seconds, self.progress, client=self.client, out=self.out)
             self.cache.served_models[key] = check_served_model(self.client, self.base, self.wanted_model, self.kind)
         self.model = self.cache.served_models[key]
@@ -405,6 +416,8 @@ def make_source(ctx, target_dir: str | Path, client: HttpClient | None = None):
     # The options are valid here (EvalOptions.validate): local, or a server with --server given.
     if o.completions == "local":
         return LocalGreedySource(target_dir, params, local_kernel(o, target_dir), cache=ctx.cache)
+    from dfcache.http import HttpClient
+
     client = client or HttpClient(offline=o.offline, timeout=o.request_timeout,
                                   pool_size=max(1, int(o.concurrency)), fixes=SERVER_FIXES)
     # The readiness wait is reported even without progress bars: it is the one place a run may

@@ -31,7 +31,7 @@ batching are provenance, not key material.
 
 from __future__ import annotations
 
-import numpy as np
+from typing import TYPE_CHECKING
 
 from dfcache.errors import BadInputError, UsageError
 from dfcache.keys import fingerprint_path
@@ -40,6 +40,9 @@ from ...graph import KeyRecipe, Node, RunContext
 from ...summaries import samples_origin
 from ...models.target import KernelSpec, kernel_problem, check_layer_ids, read_model_info, resolve_kernel
 from ...provenance_keys import key_version_inputs
+
+if TYPE_CHECKING:  # numpy is imported where arrays are made: planning a cached graph needs none
+    import numpy as np
 
 KEY = KeyRecipe("hidden_states", 2, inputs={
     "target": 'fingerprint of the target directory (the tokens node\'s "target")',
@@ -166,7 +169,12 @@ class _SegmentRows:
             self._parts.append(take)
             self._have += len(take)
             if self._have == self.lengths[self._i]:
-                one = self._parts[0] if len(self._parts) == 1 else np.concatenate(self._parts)
+                if len(self._parts) == 1:
+                    one = self._parts[0]
+                else:
+                    import numpy as np
+
+                    one = np.concatenate(self._parts)
                 w.add({"hidden": one})
                 self._parts, self._have = [], 0
                 self._i += 1
@@ -223,6 +231,8 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
     origin = samples_origin(ctx.store, (tokens_node.payload or {}).get("completions"))
     total_tokens, segments = 0, 0
     import time
+
+    import numpy as np
 
     t0 = time.perf_counter()
     stats = None
@@ -301,6 +311,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
 def read_layer(store, node: Node, positions=None):
     """A layer node's states of the samples at ``positions`` (default: the whole set), in set
     order and concatenated along tokens, as a torch tensor in the stored dtype."""
+    import numpy as np
     import torch
 
     from dfcache.samples import SampleSet
