@@ -29,7 +29,8 @@ JSON is rewritten after each phase, so a run cut short still leaves its results.
 skips the optional phases (mixed lengths, naive loop, exactness) once that much time has passed.
 
 Needs on the GPU machine, besides torch/transformers/triton: flash-linear-attention and fla-core,
-zarr, numcodecs, donfig, google-crc32c, xxhash, typer, tqdm (carry wheels if missing).
+zarr, numcodecs, donfig, crc32c (google-crc32c, the fallback, holds the GIL and slows the writer
+threads), xxhash, typer, tqdm (carry wheels if missing).
 
 JSON (``--out``): ``env`` (versions, GPU), ``model``, ``data``, ``throughput`` (list of rows
 ``{what, backend, tokens, seconds, tok_per_s, vs_bare}``), ``diff`` (per layer: rel_l2, max_abs,

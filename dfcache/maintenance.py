@@ -67,14 +67,29 @@ def manifest_row(m: Manifest) -> dict:
 
 
 def missing_upstream(store, manifests) -> list[tuple[Manifest, str]]:
-    """(artifact, what it lacks) pairs: an upstream artifact not in ``store``, or, for an artifact
+    """(artifact, what it lacks) pairs: an upstream artifact not in ``store``; for an artifact
     made from samples (``sample_refs``; its upstream keys name sets of those samples, not
-    artifacts), the referenced samples no segment of ``store`` holds."""
-    from .samples import index_of
+    artifacts), the referenced samples no segment of ``store`` holds; for a segment of a stage
+    whose samples are made from another partition's (hidden states from tokens), the upstream
+    samples no segment holds any more."""
+    from .samples import INDEX, index_of
 
     present = {m.key for m in manifests}
     out = []
     for m in manifests:
+        if m.samples:
+            ups = [v for v in (m.samples.get("partition_upstream") or {}).values() if isinstance(v, str)]
+            if len(ups) != 1:
+                continue  # samples made from records (prompts), or from several partitions at once
+            try:
+                upstream = store.open(m.key).json(INDEX)["upstream"]
+            except Exception:
+                continue  # an unreadable segment is verify's own finding
+            where = index_of(store).partition(ups[0])
+            lost = sum(1 for k in set(upstream) if k not in where)
+            if lost:
+                out.append((m, f"{lost} of {len(set(upstream))} upstream sample(s) of partition {ups[0]}"))
+            continue
         if m.sample_refs:
             idx = index_of(store)
             for ref in m.sample_refs:

@@ -856,6 +856,20 @@ def segment_problems(store, key: str) -> list[str]:
     return problems
 
 
+def read_side_by_side(parts: list[tuple[Segment, int]], name: str, out: np.ndarray, *,
+                      mapped: bool = False) -> np.ndarray:
+    """Each ``(segment, position)``'s rows of array ``name`` into consecutive columns of ``out``
+    (the layers of one sample laid side by side, as a training item concatenates them); see
+    :func:`dfcache.store.read_side_by_side`. Returns ``out``."""
+    from .store import read_side_by_side as read_ranges
+
+    ranges = []
+    for seg, pos in parts:
+        a, b = seg.rows(pos, name)
+        ranges.append((seg.reader(name), a, b))
+    return read_ranges(ranges, out, mapped=mapped)
+
+
 class SampleSet:
     """An ordered list of samples of one partition, read from whichever segments hold them.
 

@@ -179,11 +179,9 @@ class StoredSamples(_ByLocation):
             return where[0][0].read_raw(where[0][1], "hidden", mapped=True)
         else:
             out = np.empty(shape, dtype=dtype)
-        col = 0
-        for (seg, pos), w in zip(where, self.widths):
-            seg.read_raw(pos, "hidden", out=out[:, col:col + w], mapped=True)
-            col += w
-        return out
+        from dfcache.samples import read_side_by_side
+
+        return read_side_by_side(where, "hidden", out, mapped=True)
 
     def read_tokens(self, index: int) -> np.ndarray:
         """One sample's token ids (int64)."""

@@ -233,3 +233,31 @@ def test_sample_keys_memo_gives_the_keys_and_is_never_trusted_when_damaged(tmp_p
     assert len(list((tmp_path / "home" / "sample-keys").iterdir())) == 3  # only the newest are kept
     odd = u[:-1] + ["not-a-key\nwith a newline"]  # not 32-character keys: never memoised
     assert sampling.sample_keys(p, odd) == (p.sample_keys(odd), None)
+
+
+def test_gc_removes_index_files_a_killed_writer_left_half_written(tmp_path):
+    """An index is written to ``.<name>.<pid>.<hex>.tmp`` and renamed over the index file; a
+    process killed between the two leaves the temporary. gc lists and removes it once it is older
+    than the grace period, leaves a fresh one (a writer may be about to rename it) and the index
+    itself alone, and the samples still read."""
+    root, p = tmp_path / "s", part()
+    u = ups(6)
+    write(open_store(root), p, u, max_samples=3)
+    fresh(root, p.key)  # writes the index file
+    idx = index_file(root, p.key)
+    assert idx.exists()
+    stale = idx.with_name(f".{idx.name}.12345.{'ab' * 6}.tmp")
+    young = idx.with_name(f".{idx.name}.12346.{'cd' * 6}.tmp")
+    listing_tmp = root / "index" / f".snapshot.999.{'ef' * 6}.tmp"
+    for f in (stale, young, listing_tmp):
+        f.write_bytes(b"half an index")
+    old = os.stat(idx).st_mtime - 3600
+    os.utime(stale, (old, old))
+    os.utime(listing_tmp, (old, old))
+    plan = gc_plan(open_store(root))
+    listed = {i.name for i in plan.items if i.kind == "temporary"}
+    assert listed == {f"index/samples/{stale.name}", f"index/{listing_tmp.name}"}
+    plan.execute(open_store(root))
+    assert not stale.exists() and not listing_tmp.exists() and young.exists() and idx.exists()
+    ss = SampleSet(open_store(root), p.key, p.sample_keys(u))
+    assert all(same(ss.read(i, "hidden"), rows_of(u[i])) for i in range(6))

@@ -110,6 +110,42 @@ def test_one_sample_read_opens_only_its_chunks(tmp_path):
         fresh.read(outside, "hidden")
 
 
+@pytest.mark.parametrize("rows", [40, 700])  # 700 rows x 4 x 1024 x 2 B: over READ_SPLIT_BYTES, on reader threads
+@pytest.mark.parametrize("mapped", [True, False])
+def test_side_by_side_read_is_each_parts_rows_in_its_columns(tmp_path, rows, mapped):
+    from dfcache.samples import read_side_by_side
+    from dfcache.store._store import READ_SPLIT_BYTES
+
+    store = open_store(tmp_path / "s")
+    u = ups(3)
+    rng = np.random.default_rng(rows)
+    want, parts = [], []
+    for layer, width in enumerate((1024, 1024, 512, 1536)):
+        arrays = {"hidden": SampleArray((width,), "bfloat16", chunk_rows=256)}
+        states = [rng.standard_normal((rows + i, width)).astype(ml_dtypes.bfloat16) for i in range(3)]
+        with SampleSink(store, part(layer), arrays=arrays) as sink:
+            for i in range(3):
+                sink.add(u[i], {"hidden": states[i]})
+        ss = SampleSet(open_store(tmp_path / "s"), part(layer).key, part(layer).sample_keys(u))
+        parts.append(ss.segment(1))
+        want.append(states[1])
+    out = np.full((rows + 1, 4096), 7, dtype=np.uint16)
+    assert (out.nbytes >= READ_SPLIT_BYTES) == (rows == 700)
+    got = read_side_by_side(parts, "hidden", out, mapped=mapped)
+    assert got is out and same(out.view(ml_dtypes.bfloat16), np.concatenate(want, axis=1))
+    with pytest.raises(Exception, match="4096 columns"):
+        read_side_by_side(parts, "hidden", np.empty((rows + 1, 4000), np.uint16))
+    # a damaged chunk in one part (read on whichever thread) is an IntegrityError, not a torn result
+    seg, pos = parts[3]
+    first = seg.rows(pos, "hidden")[0] // 256
+    chunk = Path(store.backend.root) / "artifacts" / seg.key[:2] / seg.key / "hidden" / "c" / str(first) / "0"
+    chunk.write_bytes(b"garbage")
+    fresh = [SampleSet(open_store(tmp_path / "s"), part(layer).key, part(layer).sample_keys(u)).segment(1)
+             for layer in range(4)]
+    with pytest.raises(IntegrityError):
+        read_side_by_side(fresh, "hidden", out, mapped=mapped)
+
+
 def test_overlapping_segments_read_deterministically_and_gc_drops_only_duplicates(tmp_path):
     store = open_store(tmp_path / "s")
     p = part()
@@ -297,3 +333,33 @@ def test_an_artifact_made_from_samples_has_a_broken_chain_only_when_they_are_gon
     store = open_store(tmp_path / "s")
     [(m, what)] = missing_upstream(store, store.list_manifests())
     assert m.key == "d" * 32 and what == f"3 of 3 sample(s) of partition {p.key}"
+
+
+def test_a_segment_whose_upstream_samples_are_gone_is_a_broken_chain_in_verify(tmp_path):
+    """A hidden-states segment is made from tokens samples (its partition's upstream). Once gc
+    --force removed those, verify warns of the broken chain (exit 0: the segment's own bytes are
+    fine), as it does for an artifact whose upstream artifact is gone; before, it said nothing."""
+    from cli_util import dfcache
+    from dfcache.maintenance import missing_upstream
+
+    root = tmp_path / "s"
+    store = open_store(root)
+    tokens = Partition("tokens", 1, {"t": 1})
+    u = ups(4)
+    with SampleSink(store, tokens, arrays={"ids": SampleArray((), "int32")}) as tsink:
+        for x in u:
+            tsink.add(x, {"ids": np.arange(5, dtype=np.int32)})
+    hs = Partition("hidden_states", 2, {"layer": 1}, {"sample": tokens.key})
+    write(store, hs, tokens.sample_keys(u))
+    assert missing_upstream(store, store.list_manifests()) == []
+    res = dfcache("verify", store=root)
+    assert res.code == 0 and "BROKEN CHAIN" not in res.out
+    store.delete(tsink.committed[0].key)
+    store = open_store(root)
+    [(m, what)] = missing_upstream(store, store.list_manifests())
+    assert m.stage == "hidden_states" and what == f"4 of 4 upstream sample(s) of partition {tokens.key}"
+    res = dfcache("verify", "--json", store=root)
+    assert res.code == 0, res.err
+    out = json.loads(res.out)
+    assert out["bad"] == [] and [b["key"] for b in out["missing_upstream"]] == [m.key]
+    assert "warning" in res.err and "Traceback" not in res.err

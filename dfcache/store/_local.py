@@ -23,6 +23,7 @@ import errno
 import fcntl
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -32,6 +33,10 @@ from pathlib import Path
 from ..errors import IntegrityError, StoreWriteError, UsageError
 from ._backend import Backend, Staging, Temporary, too_large
 from .format import FORMAT_VERSION, MANIFEST, STORE_MARKER, format_refusal, store_marker_bytes
+
+# A listing or sample index being replaced: ".<name>.<pid>.<12 hex>.tmp", renamed over the index
+# file within milliseconds; one still there after the grace period was left by a killed process.
+_INDEX_TMP = re.compile(r"\.[^/]+\.[0-9]+\.[0-9a-f]{12}\.tmp")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -418,10 +423,33 @@ class LocalBackend(Backend):
         for orphan in self.orphan_dirs():
             out.append(Temporary(name=str(orphan.relative_to(self.root)), size_bytes=_dir_size(orphan),
                                  age_s=now - orphan.stat().st_mtime, in_use=False, resumable=False))
+        for rel in ("index", "index/samples"):
+            try:
+                entries = list(os.scandir(self.root / rel))
+            except OSError:
+                continue
+            for entry in entries:
+                if not _INDEX_TMP.fullmatch(entry.name):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                out.append(Temporary(name=f"{rel}/{entry.name}", size_bytes=st.st_size, age_s=now - st.st_mtime,
+                                     in_use=False, resumable=False))
         return out
 
     def remove_temporary(self, name: str, grace_s: float = 60.0) -> bool:
         path = self.root / name
+        head, _, base = name.rpartition("/")
+        if head in ("index", "index/samples") and _INDEX_TMP.fullmatch(base):
+            try:  # a plain file: no writer holds it for longer than a rename takes
+                if time.time() - os.lstat(path).st_mtime < grace_s:
+                    return False
+                os.unlink(path)
+                return True
+            except OSError:
+                return False
         if not (name.startswith("staging/") or name.startswith("artifacts/")) or ".." in name:
             return False
         try:

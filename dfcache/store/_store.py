@@ -6,6 +6,7 @@ module is the API on top of it: :class:`Store`, :class:`ArtifactWriter`, :class:
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -658,7 +659,8 @@ class ArrayReader:
         store = self.artifact.store
         for ck, sig in verified:
             if len(store._verified) >= VERIFIED_CHUNKS:
-                store._verified.pop(next(iter(store._verified)))
+                with contextlib.suppress(StopIteration, RuntimeError):  # (reads on several threads)
+                    store._verified.pop(next(iter(store._verified)), None)
             store._verified[ck] = sig
 
     def prefetch(self, start: int = 0, stop: int | None = None) -> None:
@@ -728,7 +730,9 @@ class ArrayReader:
         arr = raw[:body].view(self._storage.newbyteorder("<")).reshape((self.chunk_rows,) + self.shape[1:])
         if _settled(st):  # (an unsettled file is checked again on its next read)
             if len(store._mapped) >= MAPPED_CHUNKS:
-                store._mapped.pop(next(iter(store._mapped)))  # the mapping closes with its last view
+                # the mapping closes with its last view; another thread may evict the same one
+                with contextlib.suppress(StopIteration, RuntimeError):
+                    store._mapped.pop(next(iter(store._mapped)), None)
             store._mapped[ck] = (arr, os.fspath(path), _signature(st))
         return arr
 
@@ -812,6 +816,48 @@ class ArrayReader:
         files = {rel: role for rel, role in fmt.expected_files(art.manifest).items()
                  if role.kind == "chunk" and role.name == self.name}
         return art._file_problems(files)
+
+
+def read_side_by_side(ranges: list[tuple["ArrayReader", int, int]], out: np.ndarray, *,
+                      mapped: bool = False) -> np.ndarray:
+    """Rows [start, stop) of each ``(reader, start, stop)`` into consecutive columns of ``out``
+    (rows x the readers' row widths summed, storage dtype): arrays of the same rows laid side by
+    side, e.g. one sample's layers. ``mapped`` as :meth:`ArrayReader.read_raw`. Returns ``out``.
+
+    A large ``out`` (``READ_SPLIT_BYTES`` or more) is filled by the caller's thread and reader
+    threads together, a range each in turn: the copies out of the page cache and the checks
+    release the GIL, so such a read uses the machine's cores as one large read of a single array
+    does, instead of one core copying every range after the other."""
+    cols, col = [], 0
+    for reader, start, stop in ranges:
+        w = int(np.prod(reader.shape[1:], dtype=np.int64))
+        cols.append((col, col + w))
+        col += w
+    if out.ndim != 2 or out.shape[1] != col:
+        raise UsageError(f"out= must be 2-D with {col} columns (the arrays' widths summed), not {out.shape}.")
+
+    def copy(k: int) -> None:
+        reader, start, stop = ranges[k]
+        a, b = cols[k]
+        reader.read_raw(start, stop, out=out[:, a:b], mapped=mapped)
+
+    groups = min(len(ranges), 1 + _read_workers()) if out.nbytes >= READ_SPLIT_BYTES else 1
+    if groups <= 1:
+        for k in range(len(ranges)):
+            copy(k)
+        return out
+    # Its own pool, not the readers': a range's read may itself be split across those.
+    pool = _pool("columns", groups - 1)
+    futures = [pool.submit(lambda g=g: [copy(k) for k in range(g, len(ranges), groups)]) for g in range(1, groups)]
+    try:
+        for k in range(0, len(ranges), groups):
+            copy(k)
+    finally:  # never return (or raise) while a reader thread still writes into ``out``
+        errors = [f.exception() for f in futures]
+    for e in errors:
+        if e is not None:
+            raise e
+    return out
 
 
 class Artifact:
