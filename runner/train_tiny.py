@@ -188,7 +188,9 @@ class TrainingSequence:
 def _load_target(target_dir: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    # use_kernels=False: transformers >= 5.25 would otherwise kernelize with hub kernels (see
+    # runner/models/target.py, "Hub kernels").
+    model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32, use_kernels=False).eval()
     tok = AutoTokenizer.from_pretrained(str(target_dir))
     return model, tok
 

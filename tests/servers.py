@@ -16,8 +16,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -75,6 +77,23 @@ def _http_ok(url: str, timeout: float = 1.0) -> bool:
 # ----------------------------------------------------------------------------- transformers serve
 
 
+# The line serve writes for each request, before generating: "[Request received] Model: ..." up to
+# 5.24; from 5.25 "Request <id>: model ..." from the transformers.cli.serving.requests logger,
+# which is off unless --enable-log-requests (an option 5.24 rejects).
+_REQUEST_LINE = re.compile(r"\[Request received\]|\bRequest \S+: model ")
+
+
+def _request_log_flag() -> list[str]:
+    """``--enable-log-requests`` where this transformers' serve has it (read from its source, so
+    that the test process need not import the CLI)."""
+    spec = importlib.util.find_spec("transformers.cli.serve")
+    try:
+        has = "enable_log_requests" in Path(spec.origin).read_text()
+    except (AttributeError, TypeError, OSError):
+        has = False
+    return ["--enable-log-requests"] if has else []
+
+
 class TransformersServe:
     """``transformers serve MODEL_DIR --host 127.0.0.1 --port P --device cpu`` as a subprocess.
 
@@ -103,7 +122,7 @@ class TransformersServe:
         env.pop("DFCACHE_OFFLINE", None)
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen([str(exe), "serve", self.model_dir, "--host", "127.0.0.1",
-                                      "--port", str(self.port), "--device", "cpu"],
+                                      "--port", str(self.port), "--device", "cpu", *_request_log_flag()],
                                      stdout=self._log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
         return self
@@ -130,7 +149,7 @@ class TransformersServe:
 
     def chat_requests(self) -> int:
         """Chat requests the server received (it logs each one before generating)."""
-        return self.log_text().count("[Request received]")
+        return len(_REQUEST_LINE.findall(self.log_text()))
 
     def kill_after(self, received: int) -> threading.Thread:
         """SIGKILL the server as soon as it has received ``received`` chat requests."""

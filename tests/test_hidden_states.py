@@ -179,6 +179,19 @@ def test_manifest_records_backend_layer_and_what_was_bound(fp32_run):
     assert fp32_run["store"].verify(m.key) == []
 
 
+def test_no_hub_kernel_can_stand_in_for_the_keyed_functions(fp32_run):
+    # transformers >= 5.25 (with `kernels`) kernelizes by default and turns the kernel functions
+    # into hub-dispatching modules; the target must be loaded without kernelizing and run plain
+    # functions only (with 5.24 both hold trivially).
+    target = fp32_run["target"]
+    assert not getattr(target.model, "use_kernels", False)
+    target.rebind()
+    hub = [n for n, v in vars(target.modeling_module).items() if hasattr(type(v), "kernel_layer_name")]
+    assert hub == []
+    assert sorted(target.bound) == ["causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule",
+                                    "torch_recurrent_gated_delta_rule"]
+
+
 def test_bf16_keeps_the_model_dtype_and_has_its_own_key(fp32_run, tiny_target, tmp_path):
     import torch
 
@@ -444,6 +457,11 @@ import json, sys, warnings
 warnings.simplefilter("ignore")
 import torch
 torch.set_num_threads(1)
+# transformers >= 5.25 sends CPU inputs to the torch function itself (a device list per package,
+# read when the modeling module is imported); without it the wrapper calls fla whatever the device,
+# as 5.24's does, which is the case dfcache's torch binding must withstand.
+import transformers.integrations.hub_kernels as hub_kernels
+getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", {}).pop("fla", None)
 import transformers.models.qwen3_5.modeling_qwen3_5 as mq
 from dfcache import open_store
 from runner.graph import Node, RunCache, RunContext, RunHooks, resolve

@@ -14,13 +14,15 @@ Backend class (key material, see DESIGN §3): kernel family (``fla`` | ``torch``
 
 How kernels get bound (shared/reference/stack-notes.md §1): transformers decides, once, when it
 imports a modeling module, whether ``torch_chunk_gated_delta_rule`` and friends call fla's Triton
-kernels or the pure-PyTorch reference; it checks neither the device nor whether triton works. So
+kernels or the pure-PyTorch reference; it checks not whether triton works, nor (up to 5.24) the
+device (5.25 sends CPU inputs to the reference itself). So
 dfcache enforces the requested family itself: ``torch`` rebinds the module's functions to their
 ``__wrapped__`` PyTorch originals (works even after fla was bound, and with a broken or stub
 triton), ``fla`` restores the wrappers and requires that they really call ``fla.*``. The binding
 is re-applied before every forward pass, because the module globals are process-wide and another
 target in the same process may have rebound them. What is really bound (read from the wrapper's
-closure) is verified and recorded.
+closure) is verified and recorded. Hub kernels (transformers >= 5.25 with ``kernels``) never run
+and nothing is fetched: see "Hub kernels" below.
 
 Layer semantics: layer id ``k`` is the output of decoder layer ``k`` (Hugging Face
 ``hidden_states[k+1]``), before the final norm, including the last layer. The forward pass stops
@@ -266,11 +268,43 @@ def library_versions() -> dict:
 
 # ------------------------------------------------------------------------------ kernel binding
 
-# (modeling module name, function name) -> the wrapper transformers installed at import time.
+# Hub kernels (transformers >= 5.25 with the ``kernels`` package, which it now requires): the
+# decorators turn each kernel function of a modeling module into a ``kernels`` function module
+# (an ``nn.Module`` instance, not a function) that dispatches, through the layer being run, to a
+# per-layer copy; ``from_pretrained`` then calls ``kernelize`` by default (``use_kernels``
+# defaults to True), which swaps those copies, and decorated classes such as RMSNormGated or the
+# whole gated-DeltaNet layer, for kernels downloaded from the Hugging Face Hub
+# (kernels-community/fla, mamba-ssm, liger, rotary ... on CUDA). dfcache never downloads at run
+# time, and the kernel family is key material: a hub kernel in place of fla's Triton kernels or of
+# the PyTorch reference would put other numbers under the same key. So hub kernels are shut out
+# twice: load_target passes ``use_kernels=False`` (no kernelize, nothing fetched) and checks that
+# it held, and every function of the modeling module is pinned to a plain function: the
+# fallback functions to transformers' own wrapper (fla or torch, what we key on) or its
+# ``torch_function``, the hub-only ones (5.25's ``causal_conv1d_forward``) to their body, so the
+# layers' calls by global name never reach the kernels dispatch even if something kernelizes the
+# model later. With 5.24 (no ``kernels``) the decorators leave plain functions and nothing changes.
+
+# (modeling module name, function name) -> transformers' fallback wrapper (unwrapped from a hub
+# function module), bound for fla.
 _ORIGINAL_WRAPPERS: dict[tuple[str, str], Callable] = {}
-# the same key -> the pure-PyTorch function the wrapper falls back to
+# the same key -> the pure-PyTorch function the wrapper falls back to, bound for torch
 _TORCH_FUNCTIONS: dict[tuple[str, str], Callable] = {}
+# (modeling module name, function name) -> the body of a hub-only function module (bound always)
+_HUB_ONLY_FUNCTIONS: dict[tuple[str, str], Callable] = {}
 _SCANNED: set[str] = set()
+
+
+def _hub_function_body(obj: Any) -> Callable | None:
+    """The function behind a ``kernels`` function module (what ``use_kernel_forward_from_hub``
+    makes of a function when the ``kernels`` package is installed), or None for anything else.
+    Its class's ``forward`` closes over the decorated function as ``func``."""
+    if inspect.isfunction(obj) or not hasattr(type(obj), "kernel_layer_name"):
+        return None
+    try:
+        func = inspect.getclosurevars(type(obj).forward).nonlocals.get("func")
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return func if inspect.isfunction(func) else None
 
 
 def _fallback_closure(fn: Any) -> dict | None:
@@ -278,6 +312,7 @@ def _fallback_closure(fn: Any) -> dict | None:
     is (or wraps) one: it holds ``implementation`` (what runs) and ``torch_function``."""
     seen = 0
     while fn is not None and seen < 4:
+        fn = _hub_function_body(fn) or fn
         try:
             nl = inspect.getclosurevars(fn).nonlocals
         except (TypeError, ValueError):
@@ -289,19 +324,29 @@ def _fallback_closure(fn: Any) -> dict | None:
     return None
 
 
+def _scan(module) -> None:
+    """Record the module's kernel functions once, before any rebinding, so that the originals are
+    transformers' own."""
+    name = module.__name__
+    if name in _SCANNED:
+        return
+    for attr, obj in list(vars(module).items()):
+        body = _hub_function_body(obj)
+        fn = body or obj
+        closure = _fallback_closure(fn) if inspect.isfunction(fn) else None
+        if closure is not None:
+            _ORIGINAL_WRAPPERS[(name, attr)] = fn
+            _TORCH_FUNCTIONS[(name, attr)] = closure["torch_function"]
+        elif body is not None:
+            _HUB_ONLY_FUNCTIONS[(name, attr)] = body
+    _SCANNED.add(name)
+
+
 def kernel_wrappers(module) -> dict[str, Callable]:
     """The functions of a modeling module that transformers bound to an optional kernel package
-    (fla's gated delta rule, causal_conv1d), as the original wrappers."""
-    name = module.__name__
-    if name not in _SCANNED:
-        # Scanned once, before any rebinding, so the originals are transformers' own wrappers.
-        for attr, obj in list(vars(module).items()):
-            closure = _fallback_closure(obj) if inspect.isfunction(obj) else None
-            if closure is not None:
-                _ORIGINAL_WRAPPERS[(name, attr)] = obj
-                _TORCH_FUNCTIONS[(name, attr)] = closure["torch_function"]
-        _SCANNED.add(name)
-    return {attr: w for (mod, attr), w in _ORIGINAL_WRAPPERS.items() if mod == name}
+    (fla's gated delta rule, causal_conv1d), as transformers' fallback wrappers."""
+    _scan(module)
+    return {attr: w for (mod, attr), w in _ORIGINAL_WRAPPERS.items() if mod == module.__name__}
 
 
 def implementation_of(fn: Any) -> Any:
@@ -311,10 +356,14 @@ def implementation_of(fn: Any) -> Any:
 
 
 def apply_binding(module, kernel: str) -> None:
-    """Point the module's kernel functions at ``kernel`` (fla|torch): the original wrappers for
-    fla, their ``torch_function`` (the pure-PyTorch original) for torch."""
+    """Point the module's kernel functions at ``kernel`` (fla|torch): transformers' fallback
+    wrappers for fla, their ``torch_function`` (the pure-PyTorch original) for torch; hub-only
+    functions at their bodies whatever the kernel."""
     for attr, wrapper in kernel_wrappers(module).items():
         setattr(module, attr, _TORCH_FUNCTIONS[(module.__name__, attr)] if kernel == "torch" else wrapper)
+    for (mod, attr), body in _HUB_ONLY_FUNCTIONS.items():
+        if mod == module.__name__:
+            setattr(module, attr, body)
 
 
 def bind_kernels(module, kernel: str) -> dict[str, str]:
@@ -379,7 +428,7 @@ class TargetModel:
 
     def rebind(self) -> None:
         """Re-apply this target's kernel binding (module globals are shared by the process)."""
-        if self.modeling_module is not None and self.bound:
+        if self.modeling_module is not None:
             apply_binding(self.modeling_module, self.backend.kernel)
 
     def forward_layers(self, input_ids, layers) -> dict:
@@ -485,8 +534,10 @@ def load_target(target_dir: str | os.PathLike, backend: KernelSpec, *,
     from transformers import AutoModelForCausalLM
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[backend.dtype]
+    # use_kernels=False: transformers >= 5.25 kernelizes by default, fetching hub kernels at run
+    # time in place of the ones we key on (see "Hub kernels" above); older versions default to it.
     kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=backend.attn_implementation,
-                                  local_files_only=True)
+                                  local_files_only=True, use_kernels=False)
     if backend.device == "cuda":
         from ..distributed import current, device_for
 
@@ -516,6 +567,10 @@ def load_target(target_dir: str | os.PathLike, backend: KernelSpec, *,
     if got_dtype != dtype:
         raise BadInputError(f"the target loaded as {got_dtype}, not {backend.dtype}; dfcache does not "
                             "support quantized targets for extraction.")
+    if getattr(model, "use_kernels", False):
+        raise BadInputError(f"transformers kernelized {type(model).__name__} with hub kernels although dfcache "
+                            "passed use_kernels=False; hub kernels would replace the kernels the hidden-state "
+                            "key names. Unset any kernel_config/USE_HUB_KERNELS override and retry.")
     attn = getattr(model.config, "_attn_implementation", None)
     if attn != backend.attn_implementation:
         raise BadInputError(f"the target runs attention implementation {attn!r}, not the planned "
@@ -523,6 +578,8 @@ def load_target(target_dir: str | os.PathLike, backend: KernelSpec, *,
     base, layers = _decoder_stack(model, info.num_layers)
     modeling = sys.modules.get(type(base).__module__)
     bound: dict[str, str] = {}
+    if modeling is not None:
+        apply_binding(modeling, backend.kernel)  # pins hub-only functions in every modeling module
     if modeling is not None and kernel_wrappers(modeling):
         bound = bind_kernels(modeling, backend.kernel)
         delta = {n: m for n, m in bound.items() if _is_delta_rule(n)}
