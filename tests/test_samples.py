@@ -110,11 +110,10 @@ def test_one_sample_read_opens_only_its_chunks(tmp_path):
         fresh.read(outside, "hidden")
 
 
-@pytest.mark.parametrize("rows", [40, 700])  # 700 rows x 4 x 1024 x 2 B: over READ_SPLIT_BYTES, on reader threads
+@pytest.mark.parametrize("rows", [40, 700])
 @pytest.mark.parametrize("mapped", [True, False])
 def test_side_by_side_read_is_each_parts_rows_in_its_columns(tmp_path, rows, mapped):
     from dfcache.samples import read_side_by_side
-    from dfcache.store._store import READ_SPLIT_BYTES
 
     store = open_store(tmp_path / "s")
     u = ups(3)
@@ -130,12 +129,11 @@ def test_side_by_side_read_is_each_parts_rows_in_its_columns(tmp_path, rows, map
         parts.append(ss.segment(1))
         want.append(states[1])
     out = np.full((rows + 1, 4096), 7, dtype=np.uint16)
-    assert (out.nbytes >= READ_SPLIT_BYTES) == (rows == 700)
     got = read_side_by_side(parts, "hidden", out, mapped=mapped)
     assert got is out and same(out.view(ml_dtypes.bfloat16), np.concatenate(want, axis=1))
     with pytest.raises(Exception, match="4096 columns"):
         read_side_by_side(parts, "hidden", np.empty((rows + 1, 4000), np.uint16))
-    # a damaged chunk in one part (read on whichever thread) is an IntegrityError, not a torn result
+    # a damaged chunk in one part is an IntegrityError, not a torn result
     seg, pos = parts[3]
     first = seg.rows(pos, "hidden")[0] // 256
     chunk = Path(store.backend.root) / "artifacts" / seg.key[:2] / seg.key / "hidden" / "c" / str(first) / "0"

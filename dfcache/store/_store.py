@@ -824,39 +824,18 @@ def read_side_by_side(ranges: list[tuple["ArrayReader", int, int]], out: np.ndar
     (rows x the readers' row widths summed, storage dtype): arrays of the same rows laid side by
     side, e.g. one sample's layers. ``mapped`` as :meth:`ArrayReader.read_raw`. Returns ``out``.
 
-    A large ``out`` (``READ_SPLIT_BYTES`` or more) is filled by the caller's thread and reader
-    threads together, a range each in turn: the copies out of the page cache and the checks
-    release the GIL, so such a read uses the machine's cores as one large read of a single array
-    does, instead of one core copying every range after the other."""
+    One range after the other on the caller's thread. Splitting the ranges across reader threads
+    was measured (bench ``training``, 2026-12-04) and not kept: on 2 cores it was no faster at 0
+    workers and slower with DataLoader workers, which already share the cores."""
     cols, col = [], 0
-    for reader, start, stop in ranges:
+    for reader, _start, _stop in ranges:
         w = int(np.prod(reader.shape[1:], dtype=np.int64))
         cols.append((col, col + w))
         col += w
     if out.ndim != 2 or out.shape[1] != col:
         raise UsageError(f"out= must be 2-D with {col} columns (the arrays' widths summed), not {out.shape}.")
-
-    def copy(k: int) -> None:
-        reader, start, stop = ranges[k]
-        a, b = cols[k]
+    for (reader, start, stop), (a, b) in zip(ranges, cols):
         reader.read_raw(start, stop, out=out[:, a:b], mapped=mapped)
-
-    groups = min(len(ranges), 1 + _read_workers()) if out.nbytes >= READ_SPLIT_BYTES else 1
-    if groups <= 1:
-        for k in range(len(ranges)):
-            copy(k)
-        return out
-    # Its own pool, not the readers': a range's read may itself be split across those.
-    pool = _pool("columns", groups - 1)
-    futures = [pool.submit(lambda g=g: [copy(k) for k in range(g, len(ranges), groups)]) for g in range(1, groups)]
-    try:
-        for k in range(0, len(ranges), groups):
-            copy(k)
-    finally:  # never return (or raise) while a reader thread still writes into ``out``
-        errors = [f.exception() for f in futures]
-    for e in errors:
-        if e is not None:
-            raise e
     return out
 
 
