@@ -292,6 +292,11 @@ def test_watch_keeps_watching_takes_new_complete_checkpoints_and_stops_cleanly_o
     store, run = watched["store"], tmp_path / "run"
     run.mkdir()
     save_checkpoint(training["made"] / "s2", run / "checkpoint-2", 2)
+    # Saved a while ago: settled at the first poll however fast the watch starts (it waits for a
+    # checkpoint's files to be --interval seconds old, and its start-up takes less than that now).
+    old = time.time() - 60
+    for f in (run / "checkpoint-2").rglob("*"):
+        os.utime(f, (old, old))
     out_dir = tmp_path / "report"
     p = subprocess.Popen([sys.executable, "-c", _WRAPPER, "--store", str(store), "watch", str(run), "--interval", "0.2",
                           "--target", str(training["target"]), *EVAL, "--json", "--out", str(out_dir)],
