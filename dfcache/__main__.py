@@ -27,6 +27,8 @@ _VALUED = {"--store", "--stage", "--backend"}
 
 def _parse(argv: list[str]) -> dict | None:
     """The options of a plain ``ls`` command line, or None for anything else."""
+    from .cmdline import option_value
+
     opts: dict = {"command": None}
     i = 0
     while i < len(argv):
@@ -35,12 +37,8 @@ def _parse(argv: list[str]) -> dict | None:
         if a in _FLAGS:
             opts[a] = True
         elif name in _VALUED:
-            if not eq:
-                if i + 1 >= len(argv):
-                    return None
-                value = argv[i + 1]
-                i += 1
-            if not value or value.startswith("-"):
+            value, i = option_value(argv, i, eq, value)
+            if value is None:
                 return None
             if name != "--store" and name in opts:
                 return None  # given twice: the parser decides what that means

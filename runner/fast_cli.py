@@ -73,18 +73,16 @@ def parse(argv: list[str]) -> dict | None:
     ``store``: {where: the last --store given there}; ``global``: flag -> where it was given
     ("root" before ``run``, "command" after it);
     ``given``: run option index -> the values given, in order; ``values``: EvalOptions fields."""
+    from dfcache.cmdline import option_value
+
     out = {"target": None, "store": {}, "global": {}, "given": {}, "values": {}}
     i, command = 0, False
     while i < len(argv):
         a = argv[i]
         name, eq, value = a.partition("=")
         if name == "--store":
-            if not eq:
-                if i + 1 >= len(argv):
-                    return None
-                value = argv[i + 1]
-                i += 1
-            if not value or value.startswith("-"):
+            value, i = option_value(argv, i, eq, value)
+            if value is None:
                 return None
             out["store"]["command" if command else "root"] = value  # the later one wins, as in dfcache.cli
         elif a in _GLOBAL:
@@ -101,12 +99,8 @@ def parse(argv: list[str]) -> dict | None:
             idx, field, kind = _BY_FLAG[name]
             if kind in ("flag", "bool"):
                 return None  # --example=yes and the like: the parser says what it makes of them
-            if not eq:
-                if i + 1 >= len(argv):
-                    return None
-                value = argv[i + 1]
-                i += 1
-            if not value or value.startswith("-"):
+            value, i = option_value(argv, i, eq, value)
+            if value is None:
                 return None
             if kind in ("int", "ints") and not _INT.match(value):
                 return None
