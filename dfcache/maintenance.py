@@ -82,13 +82,13 @@ def missing_upstream(store, manifests) -> list[tuple[Manifest, str]]:
             if len(ups) != 1:
                 continue  # samples made from records (prompts), or from several partitions at once
             try:
-                upstream = store.open(m.key).json(INDEX)["upstream"]
+                upstream = set(store.open(m.key).json(INDEX)["upstream"])
             except Exception:
                 continue  # an unreadable segment is verify's own finding
             where = index_of(store).partition(ups[0])
-            lost = sum(1 for k in set(upstream) if k not in where)
+            lost = sum(1 for k in upstream if k not in where)
             if lost:
-                out.append((m, f"{lost} of {len(set(upstream))} upstream sample(s) of partition {ups[0]}"))
+                out.append((m, f"{lost} of {len(upstream)} upstream sample(s) of partition {ups[0]}"))
             continue
         if m.sample_refs:
             idx = index_of(store)

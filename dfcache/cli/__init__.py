@@ -159,9 +159,3 @@ def _is_click_error(e: Exception, name: str) -> bool:
     # typer vendors its own copy of click, so match either copy's class by name.
     return any(cls.__name__ == name and cls.__module__.split(".")[-1] == "exceptions"
                for cls in type(e).__mro__)
-
-
-def _entry() -> None:
-    from dfcache.__main__ import exit_process
-
-    exit_process(main())

@@ -17,13 +17,13 @@ from importlib import import_module
 # without the writer and reader code below.
 _WHERE = {"ArrayReader": "._store", "ArrayWriter": "._store", "Artifact": "._store", "ArtifactWriter": "._store",
           "CommitOnExit": "._store", "Store": "._store", "default_chunk_rows": "._store", "open_store": "._store",
-          "read_side_by_side": "._store", "recycled_empty": "._store",
+          "recycled_empty": "._store",
           "Backend": "._backend", "Staging": "._backend", "Temporary": "._backend", "format": ".format",
           "listing": "._index", "MigrateResult": "._migrate", "migrate_store": "._migrate"}
 
 __all__ = ["ArrayReader", "ArrayWriter", "Artifact", "ArtifactWriter", "Backend", "CommitOnExit", "MigrateResult",
            "Staging", "Store", "Temporary", "default_chunk_rows", "format", "listing", "migrate_store", "open_store",
-           "read_side_by_side", "recycled_empty"]
+           "recycled_empty"]
 
 
 def __getattr__(name: str):

@@ -6,7 +6,6 @@ module is the API on top of it: :class:`Store`, :class:`ArtifactWriter`, :class:
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import json
 import os
@@ -659,8 +658,7 @@ class ArrayReader:
         store = self.artifact.store
         for ck, sig in verified:
             if len(store._verified) >= VERIFIED_CHUNKS:
-                with contextlib.suppress(StopIteration, RuntimeError):  # (reads on several threads)
-                    store._verified.pop(next(iter(store._verified)), None)
+                store._verified.pop(next(iter(store._verified)))
             store._verified[ck] = sig
 
     def prefetch(self, start: int = 0, stop: int | None = None) -> None:
@@ -730,9 +728,7 @@ class ArrayReader:
         arr = raw[:body].view(self._storage.newbyteorder("<")).reshape((self.chunk_rows,) + self.shape[1:])
         if _settled(st):  # (an unsettled file is checked again on its next read)
             if len(store._mapped) >= MAPPED_CHUNKS:
-                # the mapping closes with its last view; another thread may evict the same one
-                with contextlib.suppress(StopIteration, RuntimeError):
-                    store._mapped.pop(next(iter(store._mapped)), None)
+                store._mapped.pop(next(iter(store._mapped)))  # the mapping closes with its last view
             store._mapped[ck] = (arr, os.fspath(path), _signature(st))
         return arr
 
@@ -816,27 +812,6 @@ class ArrayReader:
         files = {rel: role for rel, role in fmt.expected_files(art.manifest).items()
                  if role.kind == "chunk" and role.name == self.name}
         return art._file_problems(files)
-
-
-def read_side_by_side(ranges: list[tuple["ArrayReader", int, int]], out: np.ndarray, *,
-                      mapped: bool = False) -> np.ndarray:
-    """Rows [start, stop) of each ``(reader, start, stop)`` into consecutive columns of ``out``
-    (rows x the readers' row widths summed, storage dtype): arrays of the same rows laid side by
-    side, e.g. one sample's layers. ``mapped`` as :meth:`ArrayReader.read_raw`. Returns ``out``.
-
-    One range after the other on the caller's thread. Splitting the ranges across reader threads
-    was measured (bench ``training``, 2026-12-04) and not kept: on 2 cores it was no faster at 0
-    workers and slower with DataLoader workers, which already share the cores."""
-    cols, col = [], 0
-    for reader, _start, _stop in ranges:
-        w = int(np.prod(reader.shape[1:], dtype=np.int64))
-        cols.append((col, col + w))
-        col += w
-    if out.ndim != 2 or out.shape[1] != col:
-        raise UsageError(f"out= must be 2-D with {col} columns (the arrays' widths summed), not {out.shape}.")
-    for (reader, start, stop), (a, b) in zip(ranges, cols):
-        reader.read_raw(start, stop, out=out[:, a:b], mapped=mapped)
-    return out
 
 
 class Artifact:
