@@ -793,6 +793,11 @@ class Segment:
         a, b = self.rows(pos, name)
         return self.reader(name).read(a, b)
 
+    def map_rows(self, pos: int, name: str) -> np.ndarray | None:
+        """One sample's rows without a copy (ArrayReader.map_rows), or None."""
+        a, b = self.rows(pos, name)
+        return self.reader(name).map_rows(a, b)
+
     def prefetch(self, pos: int, name: str) -> None:
         a, b = self.rows(pos, name)
         self.reader(name).prefetch(a, b)
@@ -929,6 +934,10 @@ class SampleSet:
     def read_raw(self, i: int, name: str, *, out: np.ndarray | None = None, mapped: bool = False) -> np.ndarray:
         seg, pos = self.segment(i)
         return seg.read_raw(pos, name, out=out, mapped=mapped)
+
+    def map_rows(self, i: int, name: str) -> np.ndarray | None:
+        seg, pos = self.segment(i)
+        return seg.map_rows(pos, name)
 
     def rows(self, i: int, name: str) -> int:
         seg, pos = self.segment(i)

@@ -231,7 +231,8 @@ def _result(upto: str, ctx, nodes, seconds: float) -> RunResult:
 
 
 def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, layers: list[int] | None = None,
-                         max_len: int | None = None, tokens_key: str | None = None, **fields_):
+                         max_len: int | None = None, tokens_key: str | None = None, concatenated: bool = False,
+                         progress=None, **fields_):
     """A :class:`dfcache.training.HiddenStateDataset` over the stored states of a selection.
 
     The selection is what ``dfcache run hidden-states`` would use with the same options
@@ -243,6 +244,12 @@ def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, laye
 
     ``tokens_key=KEY`` with ``layers=[...]`` selects by key instead (an imported set: `dfcache
     import` prints its tokens key).
+
+    ``concatenated=True``: read from the selection's concatenated copy (``runner.concat``, what
+    `dfcache concat` writes), written first for the samples not in it yet (``progress(n)``: a
+    tqdm-like bar). The layers are then stored side by side once more, and an item's hidden
+    states are a private memory map of its rows instead of a copy: the same items, faster to
+    read, at the cost of the selected layers' bytes again on disk.
     """
     from dfcache.training import HiddenStateDataset
 
@@ -253,12 +260,21 @@ def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, laye
             from dfcache.errors import UsageError
 
             raise UsageError("tokens_key= needs layers=[...] (the layer ids, in the order to concatenate).")
-        return HiddenStateDataset(stored_selection(_open(store), tokens_key, list(layers),
-                                                   backend=fields_.pop("backend_key", None)).source(),
-                                  max_len=max_len)
+        st = _open(store)
+        source = stored_selection(st, tokens_key, list(layers), backend=fields_.pop("backend_key", None)).source()
+        if concatenated:
+            from .concat import concat
+
+            concat(source, st, progress=progress)
+        return HiddenStateDataset(source, max_len=max_len)
     opts = make_options(options, **fields_)
     sel = resolve_selection(opts, store=_open(store), layers=layers, argv=_argv("hidden-states", None, opts))
-    return HiddenStateDataset(sel.source(), max_len=max_len)
+    source = sel.source()
+    if concatenated:
+        from .concat import concat
+
+        concat(source, sel.store, progress=progress)
+    return HiddenStateDataset(source, max_len=max_len)
 
 
 __all__ = ["NodeResult", "PlanResult", "RunResult", "hidden_state_dataset", "make_options", "plan", "run",

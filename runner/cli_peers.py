@@ -1,6 +1,6 @@
-"""`dfcache export` and `dfcache import`: the store and the peers' on-disk layouts.
+"""`dfcache export`, `dfcache import` and `dfcache concat`: the store and the peers' on-disk layouts.
 
-Both take the selection options of `dfcache run` (``--target``, ``--drafter`` or ``--layer``,
+They take the selection options of `dfcache run` (``--target``, ``--drafter`` or ``--layer``,
 ``--prompts``, ``--backend``, ...), so a selection is named the same way everywhere.
 """
 
@@ -75,6 +75,29 @@ def export_command(ctx: typer.Context, **kw) -> None:
     print(f"manifest: {res.out / 'dfcache-export.json'}")
 
 
+def concat_command(ctx: typer.Context, **kw) -> None:
+    """Store a selection's layers concatenated once more, for training reads with no copy."""
+    from .concat import STAGE, concat
+    from .samples import resolve_selection
+
+    opts = _options(ctx, kw)
+    store = get_store(create=False)
+    sel = resolve_selection(opts, store=store, argv=_argv(ctx))
+    progress = None
+    if opts.progress:
+        from tqdm.auto import tqdm
+
+        progress = lambda n: tqdm(total=n, desc="concat", unit="sample", file=sys.stderr, leave=False)  # noqa: E731
+    res = concat(sel.source(), store, progress=progress)
+    if opts.json:
+        emit_json(res.to_dict())
+        return
+    print(f"stored {res.written} sample(s) of layers {res.layers} concatenated ({human_bytes(res.bytes_written)} "
+          f"in {len(res.segments)} segment(s)), {res.already} there already:")
+    print(f"  {STAGE}  partition {res.partition}")
+    print("read them: runner.api.hidden_state_dataset(..., concatenated=True) with the same selection")
+
+
 def import_command(
     directory: str = typer.Argument(..., metavar="DIR", help="The directory the peer wrote."),
     fmt: str = typer.Option(..., "--format", help="specforge|speculators|modelopt"),
@@ -146,3 +169,4 @@ def register(app: typer.Typer) -> None:
     app.command("export", context_settings={"allow_interspersed_args": True})(
         _with_params(export_command, export_params))
     app.command("import", context_settings={"allow_interspersed_args": True})(import_command)
+    app.command("concat", context_settings={"allow_interspersed_args": True})(_with_params(concat_command, []))

@@ -93,6 +93,7 @@ class StoredSamples(_ByLocation):
         self.sample_ids = list(sample_ids)
         self._pid: int | None = None
         self._handles: dict | None = None
+        self.concatenated: tuple[str, list[str]] | None = None  # (partition, sample keys): use_concatenated
         h = self._open(store)
         docs = h["tokens"].docs()
         self.prompt_lens = np.asarray([d["prompt_len"] for d in docs], dtype=np.int64)
@@ -126,6 +127,8 @@ class StoredSamples(_ByLocation):
                              "layers": [SampleSet(st, p, keys) for p, keys in
                                         zip(self.layer_partitions, self.layer_sample_keys)],
                              "local": st.backend.is_local}
+            if self.concatenated is not None:
+                self._handles["concatenated"] = SampleSet(st, *self.concatenated)
             self._pid = os.getpid()
         return self._handles
 
@@ -166,7 +169,38 @@ class StoredSamples(_ByLocation):
                       dtypes={"input_ids": "int64", "loss_mask": "int64", "hidden_states": self.dtype},
                       tensors=tensors)
 
+    def use_concatenated(self, partition: str, keys: list[str]) -> None:
+        """Read hidden states from the selection's concatenated copy (runner.concat): each sample's
+        layers side by side in one chunk, so an item in the main process is a private map of its rows."""
+        self.concatenated = (partition, list(keys))
+        if self._handles is not None:
+            from dfcache.samples import SampleSet
+
+            self._handles["concatenated"] = SampleSet(self._store(), partition, self.concatenated[1])
+
     def _hidden(self, index: int, alloc=None, tensors: dict | None = None) -> np.ndarray:
+        if self.concatenated is not None:
+            return self._concatenated_rows(index, alloc, tensors)
+        return self.read_hidden_per_layer(index, alloc, tensors)
+
+    def _concatenated_rows(self, index: int, alloc=None, tensors: dict | None = None) -> np.ndarray:
+        from dfcache.training import shared_alloc
+
+        stored = self._open()["concatenated"]
+        if alloc is not shared_alloc:  # a worker's item goes through shared memory: read it there
+            rows = stored.map_rows(index, "hidden")
+            if rows is not None:
+                return rows
+        seg, pos = stored.segment(index)
+        if alloc is None:
+            return seg.read_raw(pos, "hidden", mapped=True)
+        a, b = seg.rows(pos, "hidden")
+        out, tensors["hidden_states"] = alloc((b - a, sum(self.widths)),
+                                              np.uint16 if self.dtype == "bfloat16" else np.dtype(self.dtype))
+        return seg.read_raw(pos, "hidden", out=out, mapped=True)
+
+    def read_hidden_per_layer(self, index: int, alloc=None, tensors: dict | None = None) -> np.ndarray:
+        """One sample's layers side by side, copied from the per-layer partitions."""
         sets = self._open()["layers"]
         where = [ss.segment(index) for ss in sets]
         for seg, pos in where:  # read-ahead of every layer's chunks before the first (blocking) read

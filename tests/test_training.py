@@ -569,3 +569,138 @@ def test_a_chunk_changed_after_the_parent_read_it_is_refused_in_a_forked_worker(
     with pytest.raises(IntegrityError, match="crc32c"):
         for i in range(len(ds)):
             ds[i]
+
+
+# ------------------------------------------------------------------------------ concatenated
+
+
+def _store_copy(cached, tmp_path):
+    import shutil
+
+    shutil.copytree(cached["store"], tmp_path / "copy")
+    return tmp_path / "copy"
+
+
+def _mapped_file_of(ptr: int) -> str | None:
+    """The file the memory at ``ptr`` is a map of (/proc/self/maps), None for anonymous memory."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if lo <= ptr < hi:
+                return parts[5].strip() if len(parts) == 6 and parts[5].strip().startswith("/") else None
+    return None
+
+
+def test_concatenated_items_are_the_same_items_as_maps_of_their_rows(cached, tmp_path, monkeypatch):
+    from dfcache.store import _store
+
+    monkeypatch.setattr(_store, "RACY_NS", -(1 << 62))  # checks remembered at once (no 2 s wait)
+    store_dir = _store_copy(cached, tmp_path)
+    plain = api.hidden_state_dataset(store=store_dir, drafters=[str(cached["drafter"])], **cached["sel"])
+    ds = api.hidden_state_dataset(store=store_dir, drafters=[str(cached["drafter"])], concatenated=True, **cached["sel"])
+    assert ds.source.concatenated is not None and len(ds) == len(plain) == 4
+    for i in range(len(ds)):
+        a, b = plain[i], ds[i]
+        assert a["key"] == b["key"]
+        for name in ("input_ids", "loss_mask", "hidden_states"):
+            assert _same(a[name], b[name]), (i, name)
+    # No copy: the item's hidden states are memory of the concatenated copy's chunk file itself.
+    if os.path.exists("/proc/self/maps"):
+        item = ds[2]
+        where = _mapped_file_of(item["hidden_states"].data_ptr())
+        assert where is not None and "/hidden/c/0" in where and str(store_dir) in where, where
+        assert _mapped_file_of(plain[2]["hidden_states"].data_ptr()) is None  # the per-layer item is a copy
+    # Private: writing to an item changes neither the file nor a later read of the sample.
+    before = plain[1]["hidden_states"].clone()
+    ds[1]["hidden_states"].zero_()
+    assert _same(ds[1]["hidden_states"], before) and _same(plain[1]["hidden_states"], before)
+    # Workers read the same items (forked: into shared memory, not maps of the parent's pages).
+    if "fork" in multiprocessing.get_all_start_methods():
+        got = _collect(ds, "fork", workers=2)
+        assert sorted(got) == sorted(ds.keys())
+        for i in range(len(ds)):
+            assert _same(got[ds[i]["key"]]["hidden_states"], plain[i]["hidden_states"])
+
+
+def test_concat_writes_only_what_is_missing_and_resumes_after_an_interrupt(cached, tmp_path, monkeypatch):
+    from runner import concat as concat_mod
+
+    store_dir = _store_copy(cached, tmp_path)
+    monkeypatch.setattr(concat_mod, "SEGMENT_BYTES", 1)  # a segment per sample: commits to count
+    sel = {**cached["sel"], "num_prompts": 2}
+    source = api.hidden_state_dataset(store=store_dir, layers=[1, LAST], **sel).source
+    res = concat_mod.concat(source, open_store(store_dir))
+    assert (res.written, res.already, len(res.segments)) == (2, 0, 2)
+
+    class Interrupt:  # a progress bar that stops the run after its first sample, as Ctrl-C would
+        def __init__(self, n):
+            self.n = n
+
+        def update(self, k):
+            raise KeyboardInterrupt
+
+        def close(self):
+            pass
+
+    grown = api.hidden_state_dataset(store=store_dir, layers=[1, LAST], **cached["sel"]).source
+    with pytest.raises(KeyboardInterrupt):
+        concat_mod.concat(grown, open_store(store_dir), progress=Interrupt)
+    res = concat_mod.concat(grown, open_store(store_dir))  # the grown set: 2 cached, 1 from the interrupted run
+    assert (res.samples, res.written, res.already) == (4, 1, 3)
+    again = concat_mod.concat(grown, open_store(store_dir))
+    assert (again.written, again.already, again.bytes_written) == (0, 4, 0)
+    plain = api.hidden_state_dataset(store=store_dir, layers=[1, LAST], **cached["sel"])
+    _assert_same_dataset(plain, HiddenStateDataset(grown))
+    # Another layer order is another copy (its rows differ), never a stale hit.
+    other = api.hidden_state_dataset(store=store_dir, layers=[LAST, 1], concatenated=True, **cached["sel"])
+    assert other.source.concatenated[0] != grown.concatenated[0]
+    assert _same(other[0]["hidden_states"][0, :, :128], plain[0]["hidden_states"][0, :, 128:])
+
+
+def test_a_corrupt_concatenated_chunk_is_refused(cached, tmp_path, monkeypatch):
+    from dfcache.errors import IntegrityError
+    from dfcache.store import _store
+
+    monkeypatch.setattr(_store, "RACY_NS", -(1 << 62))
+    store_dir = _store_copy(cached, tmp_path)
+    ds = api.hidden_state_dataset(store=store_dir, layers=[1], concatenated=True, **cached["sel"])
+    seg = ds.source._open()["concatenated"].segment(0)[0].key
+    chunk = next(p for p in store_dir.rglob("hidden/c/0/0") if seg in str(p))
+    data = bytearray(chunk.read_bytes())
+    data[100] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    fresh = api.hidden_state_dataset(store=store_dir, layers=[1], concatenated=True, **cached["sel"])
+    with pytest.raises(IntegrityError, match="crc32c"):
+        fresh[0]
+
+
+def test_concat_command_prints_and_json_and_refuses_an_uncached_selection(cached, tmp_path, capsys):
+    store_dir = _store_copy(cached, tmp_path)
+    code = cli_main(["--store", str(store_dir), "concat", "--drafter", str(cached["drafter"]), "--no-progress",
+                     *_cli_sel(cached)])
+    out = capsys.readouterr().out
+    assert code == 0 and "stored 4 sample(s) of layers [3, 1] concatenated" in out and "concatenated_hidden_states" in out
+    code = cli_main(["--store", str(store_dir), "--json", "concat", "--drafter", str(cached["drafter"]),
+                     *_cli_sel(cached)])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 0 and doc["written"] == 0 and doc["already"] == 4 and doc["layers"] == DRAFTER_LAYERS
+    code = cli_main(["--store", str(store_dir), "--json", "ls"])
+    listed = json.loads(capsys.readouterr().out)
+    rows = listed if isinstance(listed, list) else listed.get("artifacts", [])
+    assert any(r.get("stage") == "concatenated_hidden_states" for r in rows)
+    before = sorted(p.relative_to(store_dir) for p in store_dir.rglob("*") if "index" not in p.parts)
+    code = cli_main(["--store", str(store_dir), "concat", "--layer", "2", "--no-progress", *_cli_sel(cached)])
+    err = capsys.readouterr().err
+    assert code == 3 and "run hidden-states" in err and "--layer 2" in err and "Traceback" not in err
+    assert sorted(p.relative_to(store_dir) for p in store_dir.rglob("*") if "index" not in p.parts) == before
+    # gc removes the copy (nothing depends on it); the per-layer states stay and a later call rewrites it.
+    code = cli_main(["--store", str(store_dir), "gc", "--stage", "concatenated_hidden_states", "--yes"])
+    capsys.readouterr()
+    assert code == 0
+    from runner.concat import concat
+
+    plain = api.hidden_state_dataset(store=store_dir, drafters=[str(cached["drafter"])], **cached["sel"])
+    again = api.hidden_state_dataset(store=store_dir, drafters=[str(cached["drafter"])], **cached["sel"])
+    assert concat(again.source, open_store(store_dir)).written == 4
+    _assert_same_dataset(plain, again)

@@ -192,13 +192,31 @@ class ArrayWriter:
         self.chunk_rows = chunk_rows
         self.codec = codec
         self.chunk_digests: list[str] = []
-        self._tail = np.empty((0,) + self.row_shape, dtype=self.storage_dtype)
+        # The rows of the chunk being filled: one chunk-sized buffer filled in place (appending
+        # to a growing array would copy the tail again on every append: quadratic for a segment
+        # written as one chunk).
+        self._buf: np.ndarray | None = None
+        self._fill = 0
         self.closed = False
         self._inflight: deque = deque()  # compressed chunks being encoded and staged
 
     @property
     def rows_written(self) -> int:
-        return len(self.chunk_digests) * self.chunk_rows + len(self._tail)
+        return len(self.chunk_digests) * self.chunk_rows + self._fill
+
+    @property
+    def _tail(self) -> np.ndarray:
+        """The rows appended since the last full chunk (a view of the fill buffer)."""
+        if self._buf is None:
+            return np.empty((0,) + self.row_shape, dtype=self.storage_dtype)
+        return self._buf[:self._fill]
+
+    def _keep(self, rows: np.ndarray) -> None:
+        """Copy rows (fewer than a chunk) to the end of the fill buffer."""
+        if self._buf is None:
+            self._buf = np.empty((self.chunk_rows,) + self.row_shape, dtype=self.storage_dtype)
+        self._buf[self._fill:self._fill + len(rows)] = rows
+        self._fill += len(rows)
 
     def _as_storage(self, data: np.ndarray) -> np.ndarray:
         data = np.asarray(data)
@@ -219,18 +237,18 @@ class ArrayWriter:
         if self.total_rows is not None and self.rows_written + len(data) > self.total_rows:
             raise UsageError(f"array {self.name} has {self.total_rows} rows; appending "
                              f"{len(data)} to {self.rows_written} overflows it.")
-        if len(self._tail):
-            need = self.chunk_rows - len(self._tail)
-            self._tail = np.concatenate([self._tail, data[:need]])
+        if self._fill:
+            need = self.chunk_rows - self._fill
+            self._keep(data[:need])
             data = data[need:]
-            if len(self._tail) == self.chunk_rows:
-                self._write_chunk(self._tail)
-                self._tail = self._tail[:0]
+            if self._fill == self.chunk_rows:
+                self._write_chunk(self._buf)  # consumed before it returns: the buffer is free again
+                self._fill = 0
         while len(data) >= self.chunk_rows:
             self._write_chunk(data[: self.chunk_rows])
             data = data[self.chunk_rows:]
         if len(data):
-            self._tail = np.array(data, copy=True)
+            self._keep(data)
 
     def _write_chunk(self, rows: np.ndarray) -> None:
         index = len(self.chunk_digests)
@@ -271,9 +289,9 @@ class ArrayWriter:
                 raise UsageError(f"array {self.name} has {self.rows_written} of {self.total_rows} rows; "
                                  "write them all before committing.")
             self.total_rows = self.rows_written
-            if len(self._tail):
+            if self._fill:
                 self._write_chunk(self._tail)
-                self._tail = self._tail[:0]
+                self._fill = 0
             self.closed = True
         self.drain()
         shape = [self.total_rows] + list(self.row_shape)
@@ -428,7 +446,7 @@ class ArtifactWriter(CommitOnExit):
                 if raw is not None:
                     tail = np.frombuffer(raw, dtype=aw.storage_dtype).reshape((-1,) + aw.row_shape)
                     if len(tail) == prev["tail_rows"] and prev.get("tail_digest") == fmt.chunk_digest(tail):
-                        aw._tail = tail.copy()
+                        aw._keep(tail)
         self._arrays[name] = aw
         return aw
 
@@ -731,6 +749,45 @@ class ArrayReader:
                 store._mapped.pop(next(iter(store._mapped)))  # the mapping closes with its last view
             store._mapped[ck] = (arr, os.fspath(path), _signature(st))
         return arr
+
+    def map_rows(self, start: int, stop: int) -> np.ndarray | None:
+        """Rows [start, stop) with no copy: a private (copy-on-write) memory map of just those
+        rows of their chunk file, or None when they are not in one local uncompressed chunk
+        whose check this store remembers (then read them with ``read_raw``).
+
+        The chunk's crc32c is checked when the store first maps it (as ``read_raw(mapped=True)``),
+        and the file this map is made from is the one checked (same signature). Writing to the
+        result changes this process's copy of the pages, never the file or another result; the
+        pages are read from the page cache on first touch, as ``torch.load(mmap=True)`` does."""
+        if self.spec.codec != "none" or stop <= start or start < 0 or stop > self.shape[0]:
+            return None
+        index = start // self.chunk_rows
+        if (stop - 1) // self.chunk_rows != index or self._mapped_chunk(index) is None:
+            return None
+        hit = self.artifact.store._mapped.get((self.artifact.key, self.name, index))
+        if hit is None:  # checked now but too fresh to remember (see _settled): read_raw reads it
+            return None
+        import mmap
+
+        try:
+            fd = os.open(hit[1], os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            if _signature(os.fstat(fd)) != hit[2]:
+                return None  # replaced since it was checked: read_raw checks the new file
+            row_bytes = self._row_bytes
+            a = (start - index * self.chunk_rows) * row_bytes
+            b = a + (stop - start) * row_bytes
+            lo = a - a % mmap.ALLOCATIONGRANULARITY
+            mm = mmap.mmap(fd, b - lo, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=lo)
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
+        rows = np.frombuffer(mm, dtype=self._storage.newbyteorder("<"), count=(b - a) // self._storage.itemsize,
+                             offset=a - lo)  # the map closes with the last view of it
+        return rows.reshape((stop - start,) + tuple(self.shape[1:]))
 
     def _open_local(self, c0: int, c1: int) -> dict[int, int] | None:
         """Descriptors of chunks c0..c1 (a missing one left out: _chunk() reports it), with the
