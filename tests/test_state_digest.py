@@ -1,0 +1,34 @@
+"""bench/state_digest.py (digests of stored hidden states, to compare library versions bit for bit
+on a GPU: docs/benchmarks.md, "transformers 5.25 on the H200") runs on the CPU: the same digests
+twice, no network, no hub kernels, plain kernel functions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(out: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "state_digest.py"), "--cpu-smoke", "--out", str(out),
+                        "--work", str(out.parent / (out.stem + "-work"))],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return json.loads(out.read_text())
+
+
+def test_state_digest_on_the_cpu(tmp_path):
+    a, b = _run(tmp_path / "a.json"), _run(tmp_path / "b.json")
+    assert a["states_xxh3"] == b["states_xxh3"] and a["model"]["weights_xxh3"] == b["model"]["weights_xxh3"]
+    assert sorted(a["layers"]) == ["1", "3"] and all(len(v["per_sample"]) == 3 for v in a["layers"].values())
+    assert a["network_attempts"] == [] and a["use_kernels"] is False and a["modeling_functions_all_plain"]
+    assert all(v.startswith("transformers.") for v in a["bound"].values())  # torch on the CPU
