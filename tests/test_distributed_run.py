@@ -159,7 +159,8 @@ def _killed_then_rerun(store, env, args, rerun_cmd, s3=None):
     assert killed.returncode != 0, "torchrun reports the lost rank"
     kept = _states(_open(store, s3))
     committed = sum(len(v) for v in kept.values())
-    assert 1 <= committed <= N - 2, committed  # rank 1 committed one of its 3, never its other two
+    # rank 1 committed one of its 3, never its other two (else: what the ranks said)
+    assert 1 <= committed <= N - 2, (committed, killed.stdout[-3000:], killed.stderr[-6000:])
     r = _run(rerun_cmd, env, extra)
     assert r.returncode == 0, r.stderr
     summary = [line for line in r.stdout.splitlines() if line.startswith("{")]

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import IntegrityError, UsageError
 from ..keys import KEY_PATTERN
 from ._backend import Backend
-from ._local import LocalBackend
+from ._local import LocalBackend, foreign_entries
 from .format import MANIFEST, MAX_MANIFEST_BYTES, STORE_MARKER, check_relpath
 
 
@@ -34,7 +34,7 @@ class FileRemoteBackend(LocalBackend):
         if not (path / STORE_MARKER).is_file():
             if not create:
                 raise UsageError(f"no dfcache store at file://{path}; check the URL or push to it first.")
-            if path.exists() and any(p.name not in {"README.md", ".gitignore", ".gitkeep"} for p in path.iterdir()):
+            if path.exists() and path.is_dir() and foreign_entries(path) and not (path / STORE_MARKER).is_file():
                 raise UsageError(f"file://{path} exists and is not a dfcache store; push to a new or empty "
                                  "directory, or to an existing store.")
         super().__init__(path, create=create)

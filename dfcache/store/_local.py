@@ -32,7 +32,7 @@ from pathlib import Path
 
 from ..errors import IntegrityError, StoreWriteError, UsageError
 from ._backend import Backend, Staging, Temporary, too_large
-from .format import FORMAT_VERSION, MANIFEST, STORE_MARKER, format_refusal, store_marker_bytes
+from .format import FORMAT_VERSION, MANIFEST, RESERVED_DIRS, STORE_MARKER, format_refusal, store_marker_bytes
 
 # A listing or sample index being replaced: ".<name>.<pid>.<12 hex>.tmp", renamed over the index
 # file within milliseconds; one still there after the grace period was left by a killed process.
@@ -100,6 +100,25 @@ def _fsync_path(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_NOT_FOREIGN = {"README.md", ".gitignore", ".gitkeep"}
+_MARKER_TMP = re.compile(re.escape(STORE_MARKER) + r"\.[0-9a-f]{32}\.tmp")
+
+
+def foreign_entries(root: Path) -> list[str]:
+    """What a directory without a store marker holds that a new store would not: not the files
+    a repository keeps in an empty directory, not a marker being written by another process
+    creating the same store, and not a store's own directories left empty (a creation cut short
+    before the marker existed)."""
+    out = []
+    for p in root.iterdir():
+        if p.name in _NOT_FOREIGN or _MARKER_TMP.fullmatch(p.name):
+            continue
+        if p.name in RESERVED_DIRS and p.is_dir() and not p.is_symlink() and not any(p.iterdir()):
+            continue
+        out.append(p.name)
+    return out
 
 
 def _try_lock(fd: int) -> bool:
@@ -269,23 +288,30 @@ class LocalBackend(Backend):
         if self.root.exists() and not self.root.is_dir():
             raise UsageError(f"store {self.root} is a file, not a directory; pass a store directory (or a "
                              "path that does not exist yet) with --store or DFCACHE_STORE.")
+        made = False
         if not marker.exists():
-            if self.root.exists() and any(p.name not in {"README.md", ".gitignore", ".gitkeep"}
-                                          for p in self.root.iterdir()):
+            # (each "marker.exists()" again: another process may be creating this store right now)
+            if self.root.exists() and foreign_entries(self.root) and not marker.exists():
                 raise UsageError(f"{self.root} exists and is not a dfcache store (no {STORE_MARKER}); "
                                  "pass an empty or new directory with --store.")
-            if not create:
-                raise UsageError(f"no dfcache store at {self.root}; pass an existing store with --store.")
-            try:
-                for sub in ("artifacts", "staging", "locks"):
-                    (self.root / sub).mkdir(parents=True, exist_ok=True)
-                tmp = marker.with_name(f"{STORE_MARKER}.{os.urandom(16).hex()}.tmp")
-                tmp.write_bytes(store_marker_bytes())
-                os.replace(tmp, marker)
-            except OSError as e:
-                raise UsageError(f"cannot create a store at {self.root}: {e.strerror}; pass a "
-                                 "writable directory with --store.") from None
-        else:
+            if not marker.exists():
+                if not create:
+                    raise UsageError(f"no dfcache store at {self.root}; pass an existing store with --store.")
+                try:
+                    # The marker first, then the directories: several workers creating one new store
+                    # at once (torchrun ranks) then never see a store's directories without its
+                    # marker, which would pass for someone else's directory.
+                    self.root.mkdir(parents=True, exist_ok=True)
+                    tmp = marker.with_name(f"{STORE_MARKER}.{os.urandom(16).hex()}.tmp")
+                    tmp.write_bytes(store_marker_bytes())
+                    os.replace(tmp, marker)
+                    for sub in ("artifacts", "staging", "locks"):
+                        (self.root / sub).mkdir(exist_ok=True)
+                except OSError as e:
+                    raise UsageError(f"cannot create a store at {self.root}: {e.strerror}; pass a "
+                                     "writable directory with --store.") from None
+                made = True
+        if not made:
             try:
                 info = json.loads(marker.read_text())
             except (OSError, ValueError):

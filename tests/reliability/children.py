@@ -257,6 +257,18 @@ def writer_job(store_path: str, job_json: str) -> int:
     return 0
 
 
+def new_store_job(stores_json: str, start_at: str) -> int:
+    """Open (create) each store of a list at the same instant as the other children do, one after
+    the other, printing ``O <path>`` for each opened."""
+    from dfcache.store import open_store
+
+    for path, at in zip(json.loads(stores_json), json.loads(start_at)):
+        time.sleep(max(0.0, at - time.time()))
+        open_store(path)
+        mark(f"O {path}")
+    return 0
+
+
 def boundaries_of(spec: dict) -> list[int]:
     """Where a resumable writer checkpoints: a fixed, spec-given schedule of row counts."""
     out, pos = [], 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 from children import check_artifact, key_of
@@ -70,6 +71,26 @@ def test_eight_processes_write_different_artifacts(zygote, fast_tmp, figures):
     assert all(check_artifact(s, sp) == [] for sp in specs)
     store_is_sound(zygote, store, keys, keys, "different keys")
     figures.record("race_different_keys", writers=8, readers=2)
+
+
+def test_processes_creating_one_new_store_at_once_all_open_it(zygote, fast_tmp, figures):
+    """torchrun ranks given a --store that does not exist yet all create it at once: each must
+    open it, none may take another's half-made store for a foreign directory (CI saw rank 1 fail
+    with "exists and is not a dfcache store" while rank 0 was between its mkdir and its marker)."""
+    rounds, n = 30, 6
+    stores = [str(fast_tmp / f"new{r}" / "store") for r in range(rounds)]
+    start = time.time() + 0.5
+    at = [start + 0.02 * r for r in range(rounds)]
+    procs = [(f"opener{w}", zygote.spawn("children:new_store_job", json.dumps(stores), json.dumps(at),
+                                         name=f"new{w}")) for w in range(n)]
+    run_all(zygote, procs)
+    for _, c in procs:
+        assert c.out.count("O ") == rounds
+    for path in stores:
+        s = open_store(path, create=False)
+        assert s.keys() == []
+        assert sorted(p.name for p in Path(path).iterdir()) == ["artifacts", "dfcache-store.json", "locks", "staging"]
+    figures.record("race_new_store", openers=n, stores=rounds)
 
 
 @pytest.mark.parametrize("grace", ["60", "0"], ids=["gc-default-grace", "gc-grace-0"])
