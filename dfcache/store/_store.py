@@ -229,8 +229,11 @@ class ArrayWriter:
             raise UsageError(f"array {self.name} rows have shape {self.row_shape}; got {data.shape[1:]}.")
         return data
 
-    def append(self, data: np.ndarray) -> None:
-        """Append rows (first axis). bf16 may be given as ml_dtypes.bfloat16 or its uint16 bits."""
+    def append(self, data: np.ndarray, *, kept: bool = False) -> None:
+        """Append rows (first axis). bf16 may be given as ml_dtypes.bfloat16 or its uint16 bits.
+
+        ``kept=True``: the caller leaves ``data`` unchanged until the writer is finished or
+        drained (``write_array`` does), so compressed chunks are encoded from it without a copy."""
         if self.closed:
             raise UsageError(f"array {self.name} is already finished.")
         data = self._as_storage(data)
@@ -245,33 +248,37 @@ class ArrayWriter:
                 self._write_chunk(self._buf)  # consumed before it returns: the buffer is free again
                 self._fill = 0
         while len(data) >= self.chunk_rows:
-            self._write_chunk(data[: self.chunk_rows])
+            self._write_chunk(data[: self.chunk_rows], kept=kept)
             data = data[self.chunk_rows:]
         if len(data):
             self._keep(data)
 
-    def _write_chunk(self, rows: np.ndarray) -> None:
+    def _write_chunk(self, rows: np.ndarray, *, kept: bool = False) -> None:
         index = len(self.chunk_digests)
-        digest = fmt.chunk_digest(rows)
+        full = rows
         if len(rows) < self.chunk_rows:
             full = np.zeros((self.chunk_rows,) + self.row_shape, dtype=self.storage_dtype)
             full[: len(rows)] = rows
-        else:
-            full = rows
+            kept = True  # a private copy
         if full.dtype.byteorder == ">":
             full = full.astype(full.dtype.newbyteorder("<"))
+            kept = True
         rel = fmt.chunk_relpath(self.name, index, 1 + len(self.row_shape))
-        self.chunk_digests.append(digest)
         if self.codec == "none":
+            self.chunk_digests.append(fmt.chunk_digest(full[:len(rows)]))
             self.owner._put(rel, fmt.encode_chunk(full, self.codec))
             return
-        if full is rows:  # the caller's rows: it may reuse its buffer once append() returns
+        if not kept and full is rows:  # the caller's rows: it may reuse its buffer once append() returns
             full = np.array(rows, copy=True)
-        self._inflight.append(_encode_pool().submit(self._encode_put, rel, full))
+        # The digest is taken on the encoder thread, from the rows it is about to compress (read
+        # from memory once, then compressed from the cache), filled in here before drain() returns.
+        self.chunk_digests.append(None)
+        self._inflight.append(_encode_pool().submit(self._encode_put, rel, index, full, len(rows)))
         while len(self._inflight) > ENCODE_AHEAD:
             self._inflight.popleft().result()
 
-    def _encode_put(self, rel: str, full: np.ndarray) -> None:
+    def _encode_put(self, rel: str, index: int, full: np.ndarray, rows: int) -> None:
+        self.chunk_digests[index] = fmt.chunk_digest(full[:rows])
         self.owner._put(rel, fmt.encode_chunk(full, self.codec))
 
     def drain(self, *, raise_errors: bool = True) -> None:
@@ -459,7 +466,8 @@ class ArtifactWriter(CommitOnExit):
         aw = self.create_array(name, data.shape, dtype or fmt.logical_dtype_of(data), chunk_rows=chunk_rows,
                                codec=codec)
         if aw.rows_written == 0:
-            aw.append(data)
+            aw.append(data, kept=True)
+            aw.drain()  # the encoders are done with ``data`` when this returns
 
     def put_json(self, name: str, obj: Any) -> None:
         """Store a small JSON document with the artifact (read back with ``Artifact.json``)."""
@@ -630,46 +638,47 @@ class ArrayReader:
                     chunk = self._chunk(i)
                 out[a - start:b - start] = chunk[a - lo:b - lo]
             return out
-        fds = self._open_local(c0, c1)
-        try:
-            todo = list(range(c0, c1 + 1))
-            if fds:
-                groups = 1 + _read_workers() if rows * self._row_bytes >= READ_SPLIT_BYTES else 1
-                groups = min(groups, len(todo))
-                if groups > 1:  # contiguous runs of chunks, the caller's thread reading the first
-                    cut = [len(todo) * g // groups for g in range(groups + 1)]
-                    pool = _pool("read", groups - 1)
-                    futures = [pool.submit(self._read_run, fds, todo[cut[g]:cut[g + 1]], start, stop, out)
-                               for g in range(1, groups)]
-                    done = [self._read_run(fds, todo[cut[0]:cut[1]], start, stop, out)]
-                    done += [f.result() for f in futures]
-                else:
-                    done = [self._read_run(fds, todo, start, stop, out)]
-                self._remember(v for verified, _ in done for v in verified)
-                todo = [i for _, failed in done for i in failed]
-            for i in todo:  # not local, missing or failing its check: _chunk() says what is wrong
-                lo = i * self.chunk_rows
-                a, b = max(lo, start), min(lo + self.chunk_rows, stop)
-                out[a - start:b - start] = self._chunk(i)[a - lo:b - lo]
-        finally:
-            for fd in (fds or {}).values():
-                os.close(fd)
-        return out
-
-    def _read_run(self, fds: dict[int, int], chunks: list[int], start: int, stop: int,
-                  out: np.ndarray) -> tuple[list, list[int]]:
-        """Chunks' rows of [start, stop) into ``out`` (run on any thread). Returns the chunk
-        files checked now (to remember) and the chunks to read through _chunk()."""
-        verified, failed = [], []
-        for i in chunks:
+        todo = list(range(c0, c1 + 1))
+        if self.spec.codec == "none" and self.artifact._local_dir() is not None:
+            self._check_meta()
+            groups = 1 + _read_workers() if rows * self._row_bytes >= READ_SPLIT_BYTES else 1
+            groups = min(groups, len(todo))
+            if groups > 1:  # contiguous runs of chunks, the caller's thread reading the first
+                cut = [len(todo) * g // groups for g in range(groups + 1)]
+                pool = _pool("read", groups - 1)
+                futures = [pool.submit(self._read_run, todo[cut[g]:cut[g + 1]], start, stop, out)
+                           for g in range(1, groups)]
+                done = [self._read_run(todo[cut[0]:cut[1]], start, stop, out)]
+                done += [f.result() for f in futures]
+            else:
+                done = [self._read_run(todo, start, stop, out)]
+            self._remember(v for verified, _ in done for v in verified)
+            todo = [i for _, failed in done for i in failed]
+        for i in todo:  # not local, missing or failing its check: _chunk() says what is wrong
             lo = i * self.chunk_rows
             a, b = max(lo, start), min(lo + self.chunk_rows, stop)
-            fd = fds.get(i)
-            sig = self._read_local(fd, i, a, b, out[a - start:b - start]) if fd is not None else False
-            if sig is False:
-                failed.append(i)
-            elif sig is not True:
-                verified.append(sig)
+            out[a - start:b - start] = self._chunk(i)[a - lo:b - lo]
+        return out
+
+    def _read_run(self, chunks: list[int], start: int, stop: int, out: np.ndarray) -> tuple[list, list[int]]:
+        """Chunks' rows of [start, stop) into ``out`` (run on any thread; each run opens its own
+        files, so a reader thread starts at once). Returns the chunk files checked now (to
+        remember) and the chunks to read through _chunk()."""
+        verified, failed = [], []
+        fds = self._open_local(chunks)
+        try:
+            for i in chunks:
+                lo = i * self.chunk_rows
+                a, b = max(lo, start), min(lo + self.chunk_rows, stop)
+                fd = fds.get(i)
+                sig = self._read_local(fd, i, a, b, out[a - start:b - start]) if fd is not None else False
+                if sig is False:
+                    failed.append(i)
+                elif sig is not True:
+                    verified.append(sig)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
         return verified, failed
 
     def _remember(self, verified) -> None:
@@ -789,21 +798,18 @@ class ArrayReader:
                              offset=a - lo)  # the map closes with the last view of it
         return rows.reshape((stop - start,) + tuple(self.shape[1:]))
 
-    def _open_local(self, c0: int, c1: int) -> dict[int, int] | None:
-        """Descriptors of chunks c0..c1 (a missing one left out: _chunk() reports it), with the
-        kernel asked to read them all ahead at once: a cold read then has every chunk in flight
-        instead of one file's readahead at a time. None: not a local uncompressed array."""
-        if self.spec.codec != "none" or self.artifact._local_dir() is None:
-            return None
-        self._check_meta()
+    def _open_local(self, chunks: list[int]) -> dict[int, int]:
+        """Descriptors of the local uncompressed chunks ``chunks`` (a missing one left out:
+        _chunk() reports it), with the kernel asked to read them all ahead at once: a cold read
+        then has every chunk in flight instead of one file's readahead at a time."""
         prefix, suffix = f"{self.name}/c/", "/0" * (self._ndim - 1)
         fds: dict[int, int] = {}
-        for i in range(c0, c1 + 1):
+        for i in chunks:
             fd = self.artifact._open_local(f"{prefix}{i}{suffix}")
             if fd is None:
                 continue
             fds[i] = fd
-            if c1 > c0:
+            if len(chunks) > 1:
                 try:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
                 except (AttributeError, OSError):
@@ -834,7 +840,17 @@ class ArrayReader:
             return True
         whole = contiguous and a == lo and b - lo == self.chunk_rows
         buf = dest.reshape(-1).view(np.uint8) if whole else _scratch(body)
-        if _pread_full(fd, buf, 0) != body or not fmt.crc_ok(buf, os.pread(fd, 5, body)):
+        # The body and the crc32c after it in one system call (the fifth byte asked for must not
+        # come: the file ends there); a short read (rare) is finished one call at a time.
+        trailer = bytearray(5)
+        got = os.preadv(fd, [buf, trailer], 0)
+        if got == body + 4:
+            trailer = bytes(trailer[:4])
+        elif got >= body or _pread_full(fd, buf, 0) != body:
+            return False
+        else:
+            trailer = os.pread(fd, 5, body)
+        if not fmt.crc_ok(buf, trailer):
             return False
         if not whole:
             rows = buf.view(self._storage.newbyteorder("<")).reshape((self.chunk_rows,) + self.shape[1:])
