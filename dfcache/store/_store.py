@@ -31,7 +31,7 @@ np = LazyModule("numpy")  # imported by the first array read or write: opening a
 
 MAPPED_CHUNKS = 512  # mapped chunks kept per store: address space only, the page cache holds the data
 VERIFIED_CHUNKS = 1 << 18  # chunk files whose crc32c a store remembers having checked (~40 MB at most)
-ENCODE_AHEAD = 4  # compressed chunks in flight per array (about 4 MiB of copies)
+ENCODE_AHEAD = 8  # compressed chunks in flight per array (up to 8 MiB of copies); beyond, the writer encodes too
 
 _pools: dict[str, tuple[int, object]] = {}
 _pools_lock = threading.Lock()
@@ -273,9 +273,12 @@ class ArrayWriter:
         # The digest is taken on the encoder thread, from the rows it is about to compress (read
         # from memory once, then compressed from the cache), filled in here before drain() returns.
         self.chunk_digests.append(None)
-        self._inflight.append(_encode_pool().submit(self._encode_put, rel, index, full, len(rows)))
-        while len(self._inflight) > ENCODE_AHEAD:
+        while self._inflight and self._inflight[0].done():
             self._inflight.popleft().result()
+        if len(self._inflight) >= ENCODE_AHEAD:  # the encoders are busy: this thread encodes too
+            self._encode_put(rel, index, full, len(rows))
+            return
+        self._inflight.append(_encode_pool().submit(self._encode_put, rel, index, full, len(rows)))
 
     def _encode_put(self, rel: str, index: int, full: np.ndarray, rows: int) -> None:
         self.chunk_digests[index] = fmt.chunk_digest(full[:rows])
