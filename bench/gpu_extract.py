@@ -201,17 +201,11 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
 
     # ------------------------------------------------------------------ model
     def build_model():
-        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+        from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
 
-        L, H = args.num_layers, args.hidden
-        cfg = Qwen3_5TextConfig(
-            vocab_size=args.vocab, hidden_size=H, intermediate_size=3 * H, num_hidden_layers=L,
-            num_attention_heads=max(1, H // 128), num_key_value_heads=min(2, max(1, H // 128)), head_dim=256,
-            linear_num_key_heads=max(1, H // 128), linear_num_value_heads=max(2, H // 64),
-            linear_key_head_dim=128, linear_value_head_dim=128,
-            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (L // 4) + ["linear_attention"] * (L % 4),
-            max_position_embeddings=max(8192, 2 * args.seq_len), bos_token_id=1, eos_token_id=2, pad_token_id=0,
-            tie_word_embeddings=False)
+        from runner.tiny import qwen35_shape_config
+
+        cfg = qwen35_shape_config(args.num_layers, args.hidden, args.vocab, args.seq_len)
         torch.manual_seed(0)
         with torch.device(DEV):
             model = Qwen3_5ForCausalLM(cfg)
@@ -221,7 +215,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         del model
         if DEV == "cuda":
             torch.cuda.empty_cache()
-        b.res["model"] = {"params": n, "hidden": H, "layers": L, "layer_types": cfg.layer_types,
+        b.res["model"] = {"params": n, "hidden": args.hidden, "layers": args.num_layers, "layer_types": cfg.layer_types,
                           "extracted_layers": layers,
                           "extracted_kinds": [cfg.layer_types[k] for k in layers]}
         log(f"model: {n / 1e9:.2f} B parameters in {model_dir}")

@@ -146,7 +146,8 @@ def run(ctx: Ctx) -> Result:
         Row(NAME, f"one block ({BLOCK} tokens), warm: dfcache read_raw vs torch.load of its sample",
             ms(m["dfc_block"]), ms(m["sf_block"]), m["sf_block"] / m["dfc_block"], target=1.0),
         Row(NAME, "one sample, cold (files evicted): dfcache vs torch.load", ms(m["dfc_sample_cold"]),
-            ms(m["sf_sample_cold"]), m["sf_sample_cold"] / m["dfc_sample_cold"]),
+            ms(m["sf_sample_cold"]), m["sf_sample_cold"] / m["dfc_sample_cold"], target=0.8,
+            note="issue 17's target for a cold read: 0.8x"),
         Row(NAME, "chunk files opened by a sample read (only that sample's chunks)",
             f"{mean_files:.2f} files", f"{total_chunks} chunks in array", 1.0 if files_ok else 0.0, unit="",
             target=1.0, note=f"chunk_rows={cr}; every pick opened exactly ceil-range chunks: {files_ok} "

@@ -24,6 +24,22 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
                  "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+def qwen35_shape_config(num_layers: int, hidden: int, vocab: int, seq_len: int):
+    """A Qwen3.5 text config of a given depth and width (three gated-DeltaNet layers to one full
+    attention layer, as the released models), for the GPU benchmarks' random-weight targets."""
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+    L, H = num_layers, hidden
+    return Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=H, intermediate_size=3 * H, num_hidden_layers=L,
+        num_attention_heads=max(1, H // 128), num_key_value_heads=min(2, max(1, H // 128)), head_dim=256,
+        linear_num_key_heads=max(1, H // 128), linear_num_value_heads=max(2, H // 64),
+        linear_key_head_dim=128, linear_value_head_dim=128,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * (L // 4) + ["linear_attention"] * (L % 4),
+        max_position_embeddings=max(8192, 2 * seq_len), bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        tie_word_embeddings=False)
+
+
 def _training_texts() -> list[str]:
     texts = []
     for name in ("coding.jsonl", "reasoning.jsonl"):
