@@ -88,6 +88,16 @@ class RunResult:
     report_key: str | None = None
     markdown: str | None = None
     files: dict[str, Path] = field(default_factory=dict)  # report files materialized in the store
+    # One worker of a distributed run (torchrun, or ``shard=``; docs/distributed.md): its place and
+    # share (``rank``, ``world``, ``my_prompts``, ``complete``, ...), None for a run of one process.
+    # ``complete`` False: other workers' shares are not all stored yet, so ``nodes`` says what this
+    # worker did and there is no report; a torchrun rank other than 0 gets no nodes at all (rank 0
+    # speaks for the job).
+    worker: dict | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.worker is None or bool(self.worker.get("complete"))
 
 
 def make_options(options: EvalOptions | None = None, **fields_) -> EvalOptions:
@@ -190,16 +200,40 @@ def plan(upto: str = "eval", *, store=None, options: EvalOptions | None = None,
 
 
 def run(upto: str = "eval", *, store=None, options: EvalOptions | None = None,
-        argv: list[str] | None = None, log: Callable[[str], None] | None = None, **fields_) -> RunResult:
+        argv: list[str] | None = None, log: Callable[[str], None] | None = None, shard: str | None = None,
+        **fields_) -> RunResult:
     """Produce the graph up to ``upto``, reusing everything cached; returns what happened.
+
+    Under torchrun (``RANK``/``WORLD_SIZE`` set), or with ``shard="I/N"`` (or ``"slurm"``), this
+    process is one worker of a distributed run, as ``dfcache run`` is: it makes its share of the
+    missing samples into the shared store (docs/distributed.md) and ``result.worker`` says which.
 
     Raises the errors the command line turns into exit codes (``OfflineMissingError`` 3,
     ``NetworkError`` 4, ``BadInputError`` 6, ...; see docs/cli.md).
     """
     started = time.perf_counter()
     opts = make_options(options, **fields_)
-    ctx, nodes = _run(upto, opts, store, argv=argv, log=log)
-    return _result(upto, ctx, nodes, time.perf_counter() - started)
+    from .distributed import discover, run_worker
+
+    worker = discover(shard)
+    if not worker.distributed:
+        ctx, nodes = _run(upto, opts, store, argv=argv, log=log)
+        return _result(upto, ctx, nodes, time.perf_counter() - started)
+    done = run_worker(upto, opts, _open(store), worker=worker, argv=argv, log=log)
+    return worker_result(upto, done, time.perf_counter() - started)
+
+
+def worker_result(upto: str, done, seconds: float) -> RunResult:
+    """The :class:`RunResult` of one worker's :class:`runner.distributed.WorkerRun`."""
+    if done.ctx is None:  # a torchrun rank other than 0: rank 0 has the job's result
+        return RunResult(upto=upto, nodes=[], computed=[], seconds=seconds, worker=done.to_dict())
+    if not done.complete:
+        res = RunResult(upto=upto, nodes=[_node_result(n, "computed" if n.key in done.ctx.work_done else "cached")
+                                          for n in done.nodes], computed=list(done.ctx.work_done), seconds=seconds)
+    else:
+        res = _result(upto, done.ctx, done.nodes, seconds)
+    res.worker = done.to_dict() if done.worker.distributed else None
+    return res
 
 
 def _run(upto: str, opts: EvalOptions, store, *, argv=None, log=None, out=None):

@@ -203,13 +203,6 @@ def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None
     done = run_worker(upto, opts, get_store(), worker=worker, argv=argv, log=log)
     if done.ctx is None:
         return None, None
-    seconds = time.perf_counter() - started
-    if not done.complete:
-        from .api import RunResult, _node_result
-
-        result = RunResult(upto=upto, nodes=[_node_result(n, "computed" if n.key in done.ctx.work_done else "cached")
-                                             for n in done.nodes], computed=list(done.ctx.work_done), seconds=seconds)
-    else:
-        result = api._result(upto, done.ctx, done.nodes, seconds)
+    result = api.worker_result(upto, done, time.perf_counter() - started)
     print_run(result, opts, done if worker.distributed else None)
     return done.ctx, done.nodes

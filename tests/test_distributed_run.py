@@ -207,3 +207,61 @@ def test_bad_shard_is_a_usage_error(tmp_path, env, args):
     r = _run([sys.executable, *_dfcache(tmp_path / "store", *args, "--shard", "2/2")], env)
     assert r.returncode == 2 and "--shard '2/2'" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "store" / "artifacts").exists()
+
+
+_API_CHILD = """
+import json, sys
+from runner import api
+r = api.run("hidden-states", store=sys.argv[1], target=sys.argv[2], server=sys.argv[3], completions="server",
+            num_prompts=int(sys.argv[4]), max_new_tokens=8, layers=[1], backend="torch", device="cpu",
+            dtype="float32")
+hs = [n.samples for n in r.nodes if n.stage == "hidden_states"]
+print("RESULT " + json.dumps({"worker": r.worker, "complete": r.complete, "nodes": len(r.nodes),
+                              "computed": hs[0]["produced"] if hs else None}), flush=True)
+"""
+
+
+def test_python_api_run_under_torchrun_is_one_worker_like_the_cli(tmp_path, env, server, tiny_target, reference):
+    """runner.api.run in a script that torchrun starts twice makes each rank's share, as `dfcache
+    run` would; rank 0's result speaks for the job, rank 1's says only who it was."""
+    store = tmp_path / "store"
+    script = tmp_path / "api_child.py"
+    script.write_text(_API_CHILD)
+    r = _run(_torchrun(2, str(script), str(store), str(tiny_target), server.url, str(N)), env)
+    assert r.returncode == 0, r.stderr
+    out = sorted((json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")),
+                 key=lambda d: d["worker"]["rank"])
+    assert [d["worker"]["rank"] for d in out] == [0, 1] and all(d["worker"]["world"] == 2 for d in out)
+    assert out[0]["complete"] and out[0]["nodes"] > 0 and out[0]["computed"] == N  # summed over both ranks
+    assert out[1]["nodes"] == 0  # rank 0 has the job's result
+    assert out[0]["worker"]["my_prompts"] + out[1]["worker"]["my_prompts"] == N
+    assert _states(_open(store)) == reference
+
+
+def test_python_api_run_with_shard_makes_only_its_share(tmp_path, server, tiny_target, reference, monkeypatch):
+    """shard="I/N" from Python: each call makes its share of the whole set; the second finds the
+    set complete, and the two together hold exactly one process's samples."""
+    import torch
+
+    from runner import api
+
+    for k in ("DFCACHE_OFFLINE", "HF_HUB_OFFLINE", "DFCACHE_STORE", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("DFCACHE_SEGMENT_BYTES", str(128 * 4))
+    store = tmp_path / "store"
+    opts = dict(store=str(store), target=str(tiny_target), server=server.url, completions="server", num_prompts=N,
+                max_new_tokens=8, layers=[1], backend="torch", device="cpu", dtype="float32")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the reference was made
+    try:
+        first = api.run("hidden-states", shard="1/2", **opts)
+        second = api.run("hidden-states", shard="0/2", **opts)
+    finally:
+        torch.set_num_threads(threads)
+    assert first.worker["rank"] == 1 and first.worker["world"] == 2 and not first.complete
+    assert second.worker["rank"] == 0 and second.complete
+    made = [sum(n.samples["produced"] for n in res.nodes if n.stage == "hidden_states") for res in (first, second)]
+    assert made == [first.worker["my_prompts"], second.worker["my_prompts"]] and sum(made) == N
+    assert _states(_open(store)) == reference
+    with pytest.raises(Exception, match="--shard '2/2'|2/2"):
+        api.run("hidden-states", shard="2/2", **opts)
