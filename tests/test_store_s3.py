@@ -224,3 +224,96 @@ def test_format_1_prefix_is_refused_with_the_fix_then_migrated(s3):
     store = open_store(url, endpoint_url=s3.endpoint)
     assert [m.key for m in store.list_manifests()] == [key] and store.verify(key) == []
     assert not migrate_store(url, endpoint_url=s3.endpoint).migrated
+
+
+_LEASE_HOLDER = """
+import sys, time
+import numpy as np
+from dfcache.store import open_store
+store = open_store(sys.argv[1], endpoint_url=sys.argv[2])
+w = store.writer(sys.argv[3], stage="conformance", stage_version=1, inputs={})
+assert w._staging.lease is not None  # direct mode: it holds the key's lease
+w.write_array("x", np.zeros((40, 2), np.float32), chunk_rows=10)
+print("HELD", flush=True)
+time.sleep(600)
+"""
+
+
+def _lease_holder(s3, url: str, key: str):
+    import subprocess
+
+    p = subprocess.Popen([sys.executable, "-c", _LEASE_HOLDER, url, s3.endpoint, key], stdout=subprocess.PIPE,
+                         text=True, env={**os.environ, **s3.env})
+    assert p.stdout.readline().strip() == "HELD"
+    return p
+
+
+def test_a_lease_of_a_killed_process_of_this_machine_is_taken_over_at_once(s3):
+    """A rank killed mid-write leaves its lease; a rerun on the same machine sees that process is
+    gone and takes the lease at once instead of waiting LEASE_STALE_S (120 s) for it to go stale."""
+    from dfcache.store._s3_lease import LEASE_STALE_S
+
+    url = f"s3://{s3.create_bucket()}/p"
+    key = "d1" * 16
+    holder = _lease_holder(s3, url, key)
+    holder.kill()
+    holder.wait()
+    store = open_store(url, endpoint_url=s3.endpoint)
+    t = time.monotonic()
+    w = store.writer(key, stage="conformance", stage_version=1, inputs={})
+    assert w._staging.lease is not None  # direct mode, the dead holder's leftovers cleared
+    w.write_array("x", np.ones((40, 2), np.float32), chunk_rows=10)
+    w.commit()
+    assert w.won and time.monotonic() - t < LEASE_STALE_S / 4
+    assert store.verify(key) == [] and store.open(key).array("x")[:].tobytes() == np.ones((40, 2), np.float32).tobytes()
+    assert store.backend.list_temporaries() == []
+
+
+def test_a_live_holders_lease_is_waited_for_then_taken_when_it_dies(s3):
+    import threading
+
+    url = f"s3://{s3.create_bucket()}/p"
+    key = "d2" * 16
+    holder = _lease_holder(s3, url, key)
+    try:
+        store = open_store(url, endpoint_url=s3.endpoint)
+        w = store.writer(key, stage="conformance", stage_version=1, inputs={})
+        assert w._staging.lease is None  # the holder runs: this writer uploads aside
+        w.write_array("x", np.ones((40, 2), np.float32), chunk_rows=10)
+        done = threading.Event()
+        th = threading.Thread(target=lambda: (w.commit(), done.set()))
+        th.start()
+        assert not done.wait(1.5)  # waits while the holder lives
+    finally:
+        holder.kill()
+        holder.wait()
+    th.join(30)
+    assert done.is_set() and w.won  # taken over once the holder is gone, not after LEASE_STALE_S
+    assert store.open(key).array("x")[:].tobytes() == np.ones((40, 2), np.float32).tobytes()
+
+
+def test_a_lease_from_another_machine_or_container_is_not_taken_over_early(s3):
+    """Only a holder of this boot and PID namespace can be looked up; any other lease is dead only
+    once stale, whatever its pid."""
+    import json
+
+    from dfcache.store._s3_lease import _place, holder_gone
+
+    here = _place()
+    assert here, "this test needs /proc (Linux)"
+    gone_pid = 2 ** 22 + 12345  # above pid_max's default: no such process
+    for other in ({"boot": "0" * 36}, {"pidns": "pid:[1]"}):
+        body = json.dumps({"writer": "w", "host": "h", "pid": gone_pid, "n": 0, **here, **other}).encode()
+        assert not holder_gone(body)
+    assert holder_gone(json.dumps({"writer": "w", "pid": gone_pid, "n": 0, **here}).encode())
+    assert not holder_gone(json.dumps({"writer": "w", "pid": os.getpid(), "n": 0, **here}).encode())  # alive
+    # the pid runs, but not the process that wrote the lease (it started at another time): reused
+    assert holder_gone(json.dumps({"writer": "w", "pid": os.getpid(), "n": 0, **{**here, "start": "1"}}).encode())
+    assert not holder_gone(b'{"writer": "w", "host": "h", "pid": 1, "n": 0}')  # an older dfcache's lease
+    url = f"s3://{s3.create_bucket()}/p"
+    key = "d3" * 16
+    body = json.dumps({"writer": "w", "host": "h", "pid": gone_pid, "n": 0, **here, "boot": "0" * 36}).encode()
+    s3.client().put_object(Bucket=url.split("/")[2], Key=f"p/locks/{key}.lease", Body=body)
+    w = open_store(url, endpoint_url=s3.endpoint).writer(key, stage="conformance", stage_version=1, inputs={})
+    assert w._staging.lease is None  # not taken: it may be a live writer elsewhere
+    w.abort()

@@ -38,7 +38,8 @@ with create-if-absent and rewritten every ``LEASE_REFRESH_S`` by its holder's he
   ``staging/<key>.<writer>/``. To publish it waits for the lease: if the holder's manifest appears
   it has lost (drop our copy, return False; both callers succeed, one copy stays). A lease unchanged
   for ``LEASE_STALE_S`` on the waiter's own clock (so no clock skew) belongs to a dead writer and
-  is taken over. With the lease it clears leftovers, copies the staged objects over (server-side
+  is taken over; so, at once, is a lease whose holder was a process of this machine (same boot,
+  same PID namespace) that no longer runs, such as a killed torchrun rank. With the lease it clears leftovers, copies the staged objects over (server-side
   copies), writes the manifest with create-if-absent and deletes its staging.
 - A key already published when the writer opens needs no upload at all.
 
@@ -182,9 +183,12 @@ class _ObjectStaging(Staging):
             self.prefix = f"staging/{key}.{self.writer}/"
 
     async def _open(self, lease: _Lease) -> bool:
-        """Take the lease if free; clear a crashed writer's leftovers. True for direct mode."""
+        """Take the lease if free (or held by a dead process of this machine); clear a crashed
+        writer's leftovers. True for direct mode."""
         if not await lease.try_create():
-            return False
+            current = await self.backend._get(lease.path, limit=1 << 16)
+            if not await lease.take_over_if_gone(current) or not await lease.try_create():
+                return False
         try:
             present = [m["path"] for m in await self.backend._list(self.final)]
             if self.final + MANIFEST in present:
@@ -482,6 +486,8 @@ class ObjectStoreBackend(Backend):
                 return None
             if current is None:
                 continue  # released between our PUT and GET: try again at once
+            if await lease.take_over_if_gone(current):
+                continue  # its writer was a process of this machine that is gone (a killed rank)
             if time.monotonic() > give_up:
                 try:
                     holder = json.loads(current)

@@ -20,6 +20,59 @@ LEASE_REFRESH_S = 20.0
 LEASE_MARGIN_S = 40.0  # how late a write may land after it started (request timeouts, retries)
 LEASE_WAIT_S = 600.0  # how long a publisher waits for another live writer of the same key
 
+_HERE: dict = {}  # pid -> this process's place (see _place), read once per process
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def _start_time(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot, /proc/PID/stat field 22), None if
+    there is no such process here (or no /proc)."""
+    stat = _read(f"/proc/{pid}/stat")
+    if stat is None:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()  # after the command name, which may hold spaces
+    return fields[19] if len(fields) > 19 else None
+
+
+def _place() -> dict:
+    """What tells this process apart from every other process that could hold a lease: the
+    machine's boot, the PID namespace (containers on one machine share a boot), the pid and its
+    start time (a pid is reused). Empty where /proc cannot tell (another OS)."""
+    pid = os.getpid()
+    got = _HERE.get(pid)
+    if got is None:
+        boot = (_read("/proc/sys/kernel/random/boot_id") or "").strip()
+        try:
+            pidns = os.readlink("/proc/self/ns/pid")
+        except OSError:
+            pidns = ""
+        start = _start_time(pid)
+        got = _HERE[pid] = {"boot": boot, "pidns": pidns, "start": start} if boot and pidns and start else {}
+    return got
+
+
+def holder_gone(body: bytes | None) -> bool:
+    """Whether a lease was written by a process of this very boot and PID namespace that no longer
+    runs (its pid is gone, or is another process's now). Such a lease is dead at once; one of any
+    other process, here or elsewhere, is dead only once it has not changed for ``LEASE_STALE_S``."""
+    here = _place()
+    if not here or not body:
+        return False
+    try:
+        held = json.loads(body)
+        if held.get("boot") != here["boot"] or held.get("pidns") != here["pidns"] or not held.get("start"):
+            return False
+        return _start_time(int(held["pid"])) != held["start"]
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return False
+
 
 class _Lease:
     """``locks/<key>.lease``: the right to write under ``artifacts/<key[:2]>/<key>/``.
@@ -47,7 +100,15 @@ class _Lease:
 
     def _make_body(self) -> bytes:
         return json.dumps({"writer": self.writer, "host": socket.gethostname(), "pid": os.getpid(),
-                           "n": self.n}).encode()
+                           "n": self.n, **_place()}).encode()
+
+    async def take_over_if_gone(self, current: bytes | None) -> bool:
+        """Delete the lease if ``current``, what it holds now, is a dead process's of this machine
+        (:func:`holder_gone`) and is still what it holds. True if it was deleted."""
+        if not holder_gone(current) or await self.backend._get(self.path, limit=1 << 16) != current:
+            return False
+        await self.backend.zstore.delete(self.path)
+        return True
 
     async def try_create(self) -> bool:
         started = time.monotonic()
