@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import IntegrityError, UsageError
 from ..keys import KEY_PATTERN
 from ._backend import Backend
-from ._local import LocalBackend, foreign_entries
+from ._local import LocalBackend
 from .format import MANIFEST, MAX_MANIFEST_BYTES, STORE_MARKER, check_relpath
 
 
@@ -31,12 +31,8 @@ class FileRemoteBackend(LocalBackend):
 
     def __init__(self, root: str | os.PathLike, create: bool = True) -> None:
         path = Path(root).expanduser().absolute()
-        if not (path / STORE_MARKER).is_file():
-            if not create:
-                raise UsageError(f"no dfcache store at file://{path}; check the URL or push to it first.")
-            if path.exists() and path.is_dir() and foreign_entries(path) and not (path / STORE_MARKER).is_file():
-                raise UsageError(f"file://{path} exists and is not a dfcache store; push to a new or empty "
-                                 "directory, or to an existing store.")
+        if not create and not (path / STORE_MARKER).is_file():
+            raise UsageError(f"no dfcache store at file://{path}; check the URL or push to it first.")
         super().__init__(path, create=create)
         self.url = f"file://{self.root}"
 
@@ -45,6 +41,10 @@ class FileRemoteBackend(LocalBackend):
 
     def sample_index_dir(self):
         return None  # the same for its sample indexes
+
+    def _refuse_foreign(self) -> UsageError:
+        return UsageError(f"file://{self.root} exists and is not a dfcache store; push to a new or empty "
+                          "directory, or to an existing store.")
 
     def _url_for_refusal(self) -> str:
         return f"file://{self.root}"

@@ -288,29 +288,7 @@ class LocalBackend(Backend):
         if self.root.exists() and not self.root.is_dir():
             raise UsageError(f"store {self.root} is a file, not a directory; pass a store directory (or a "
                              "path that does not exist yet) with --store or DFCACHE_STORE.")
-        made = False
-        if not marker.exists():
-            # (each "marker.exists()" again: another process may be creating this store right now)
-            if self.root.exists() and foreign_entries(self.root) and not marker.exists():
-                raise UsageError(f"{self.root} exists and is not a dfcache store (no {STORE_MARKER}); "
-                                 "pass an empty or new directory with --store.")
-            if not marker.exists():
-                if not create:
-                    raise UsageError(f"no dfcache store at {self.root}; pass an existing store with --store.")
-                try:
-                    # The marker first, then the directories: several workers creating one new store
-                    # at once (torchrun ranks) then never see a store's directories without its
-                    # marker, which would pass for someone else's directory.
-                    self.root.mkdir(parents=True, exist_ok=True)
-                    tmp = marker.with_name(f"{STORE_MARKER}.{os.urandom(16).hex()}.tmp")
-                    tmp.write_bytes(store_marker_bytes())
-                    os.replace(tmp, marker)
-                    for sub in ("artifacts", "staging", "locks"):
-                        (self.root / sub).mkdir(exist_ok=True)
-                except OSError as e:
-                    raise UsageError(f"cannot create a store at {self.root}: {e.strerror}; pass a "
-                                     "writable directory with --store.") from None
-                made = True
+        made = not marker.exists() and self._make(marker, create)
         if not made:
             try:
                 info = json.loads(marker.read_text())
@@ -320,6 +298,34 @@ class LocalBackend(Backend):
             found = info.get("format_version") if isinstance(info, dict) else None
             if found != FORMAT_VERSION:
                 raise format_refusal(self._url_for_refusal(), found)
+
+    def _make(self, marker: Path, create: bool) -> bool:
+        """Make a new store here. False: another process made it meanwhile (each "marker.exists()"
+        looks again, since several workers may be creating this store right now)."""
+        if self.root.exists() and foreign_entries(self.root) and not marker.exists():
+            raise self._refuse_foreign()
+        if marker.exists():
+            return False
+        if not create:
+            raise UsageError(f"no dfcache store at {self.root}; pass an existing store with --store.")
+        try:
+            # The marker first, then the directories: workers creating one new store at once
+            # (torchrun ranks) then never see a store's directories without its marker, which would
+            # pass for someone else's directory.
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = marker.with_name(f"{STORE_MARKER}.{os.urandom(16).hex()}.tmp")
+            tmp.write_bytes(store_marker_bytes())
+            os.replace(tmp, marker)
+            for sub in ("artifacts", "staging", "locks"):
+                (self.root / sub).mkdir(exist_ok=True)
+        except OSError as e:
+            raise UsageError(f"cannot create a store at {self.root}: {e.strerror}; pass a "
+                             "writable directory with --store.") from None
+        return True
+
+    def _refuse_foreign(self) -> UsageError:
+        return UsageError(f"{self.root} exists and is not a dfcache store (no {STORE_MARKER}); "
+                          "pass an empty or new directory with --store.")
 
     def _url_for_refusal(self) -> str:
         return str(self.root)

@@ -39,8 +39,9 @@ with create-if-absent and rewritten every ``LEASE_REFRESH_S`` by its holder's he
   it has lost (drop our copy, return False; both callers succeed, one copy stays). A lease unchanged
   for ``LEASE_STALE_S`` on the waiter's own clock (so no clock skew) belongs to a dead writer and
   is taken over; so, at once, is a lease whose holder was a process of this machine (same boot,
-  same PID namespace) that no longer runs, such as a killed torchrun rank. With the lease it clears leftovers, copies the staged objects over (server-side
-  copies), writes the manifest with create-if-absent and deletes its staging.
+  same PID namespace) that no longer runs, such as a killed torchrun rank. With the lease it
+  clears leftovers, copies the staged objects over (server-side copies), writes the manifest with
+  create-if-absent and deletes its staging.
 - A key already published when the writer opens needs no upload at all.
 
 A holder stops writing if it cannot confirm its lease for longer than the stale period (a network

@@ -270,8 +270,8 @@ class ArrayWriter:
             return
         if not kept and full is rows:  # the caller's rows: it may reuse its buffer once append() returns
             full = np.array(rows, copy=True)
-        # The digest is taken on the encoder thread, from the rows it is about to compress (read
-        # from memory once, then compressed from the cache), filled in here before drain() returns.
+        # The encoder fills in the digest, taken from the rows it is about to compress (read from
+        # memory once, then compressed from the cache); drain() waits for it.
         self.chunk_digests.append(None)
         while self._inflight and self._inflight[0].done():
             self._inflight.popleft().result()
