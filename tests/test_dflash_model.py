@@ -128,6 +128,16 @@ def test_iter_score_roots_chunks_cover_every_root_once():
     assert sorted(seen) == list(range(len(roots)))
 
 
+def test_logits_written_into_the_result_are_the_bits_a_chunk_yields():
+    # score_roots writes each pass's logits straight into its rows of the result (ascending roots)
+    d, head = _drafter(), _head()
+    feats, toks = _inputs(d)
+    roots = list(range(1, 40))
+    whole = score_roots(d, head, feats, toks, roots, max_batch_roots=8)
+    chunks = torch.cat([lg for _, lg in iter_score_roots(d, head, feats, toks, roots, max_batch_roots=8)])
+    assert torch.equal(whole, chunks)
+
+
 def test_output_multiplier_softcap_and_embedding_scale():
     plain, head = _drafter(), _head()
     feats, toks = _inputs(plain)
