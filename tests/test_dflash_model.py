@@ -138,6 +138,22 @@ def test_logits_written_into_the_result_are_the_bits_a_chunk_yields():
     assert torch.equal(whole, chunks)
 
 
+def test_rope_written_into_a_strided_buffer_is_rope_bit_for_bit():
+    from runner.models.dflash import Rope, _rope_into
+
+    rope = Rope(32, 1e6)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 16, 4, 32, generator=gen) * 10
+    cos, sin = rope.cos_sin(torch.arange(16)[None] + 97 * torch.arange(5)[:, None], torch.float32)
+    want = Rope.apply(x, cos[:, :, None], sin[:, :, None])
+    out = torch.empty(5, 4, 16, 32).transpose(1, 2)          # the layout the attention call reads
+    _rope_into(x, cos[:, :, None], sin[:, :, None], out)
+    assert torch.equal(out, want)
+    shared = x[:1, :1]                                        # one row broadcast over every position
+    _rope_into(shared, cos[:, :, None], sin[:, :, None], out)
+    assert torch.equal(out, Rope.apply(shared.expand_as(x), cos[:, :, None], sin[:, :, None]))
+
+
 def test_output_multiplier_softcap_and_embedding_scale():
     plain, head = _drafter(), _head()
     feats, toks = _inputs(plain)

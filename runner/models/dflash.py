@@ -362,6 +362,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _rope_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``Rope.apply(x, cos, sin)`` written into ``out`` (any strides; ``x``, ``cos`` and ``sin``
+    broadcast to it), by halves: no rotated copy of ``x``, and the rows land in the layout the
+    attention call reads. The same bits: x1*c - x2*s is x1*c + (-x2)*s exactly."""
+    h = x.shape[-1] // 2
+    x1, x2, o1, o2 = x[..., :h], x[..., h:], out[..., :h], out[..., h:]
+    torch.mul(x1, cos[..., :h], out=o1).sub_(x2 * sin[..., :h])
+    torch.mul(x2, cos[..., h:], out=o2).add_(x1 * sin[..., h:])
+    return out
+
+
 class Rope:
     """Plain RoPE tables (Qwen3 layout: the two halves of head_dim share frequencies)."""
 
@@ -584,6 +595,35 @@ class DFlashDrafter(nn.Module):
         return (layer.rotate(spread(q0), cos, sin), layer.rotate(spread(k0), cos, sin),
                 spread(v0).transpose(1, 2))
 
+    def _rows_qkv(self, layer: "DFlashLayer", h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, first: bool):
+        """q, k, v of a layer for :func:`_block_attention_split`, RoPE written straight into its
+        layouts: q [n, kvh, g*B, hd] (a KV head's query heads stacked as rows), k and v
+        [n, kvh, B, hd]. ``first``: the blocks enter as [x[p], MASK, ..., MASK] (see block_logits)."""
+        n, B = h.shape[0], h.shape[1]
+        kvh, hd = layer.num_kv_heads, layer.head_dim
+        g = layer.num_heads // kvh
+        q = h.new_empty((n, kvh, g, B, hd))
+        k = h.new_empty((n, kvh, B, hd))
+        qv, kv_ = q.permute(0, 3, 1, 2, 4), k.transpose(1, 2)              # [n, B, kvh, g, hd], [n, B, kvh, hd]
+        c5, s5 = cos[:, :, None, None], sin[:, :, None, None]
+        c4, s4 = cos[:, :, None], sin[:, :, None]
+        if first:
+            x = layer.input_layernorm(torch.cat([h[:, 0], h[:1, 1]]))    # [n + 1, H]: roots, MASK
+            q0, (k0, v0) = layer.q_unrotated(x), layer.kv_unrotated(x)
+            q0 = q0.view(n + 1, 1, kvh, g, hd)
+            _rope_into(q0[:n], c5[:, :1], s5[:, :1], qv[:, :1])
+            _rope_into(q0[n:], c5[:, 1:], s5[:, 1:], qv[:, 1:])
+            _rope_into(k0[:n, None], c4[:, :1], s4[:, :1], kv_[:, :1])
+            _rope_into(k0[n:, None], c4[:, 1:], s4[:, 1:], kv_[:, 1:])
+            v = torch.cat([v0[:n, None], v0[n:, None].expand(n, B - 1, kvh, hd)], dim=1)
+        else:
+            x = layer.input_layernorm(h)
+            qu = layer.q_unrotated(x)                                       # [n, B, nh, hd]
+            ku, v = layer.kv_unrotated(x)                                   # [n, B, kvh, hd]
+            _rope_into(qu.view(n, B, kvh, g, hd), c5, s5, qv)
+            _rope_into(ku, c4, s4, kv_)
+        return q.view(n, kvh, g * B, hd), k, v.transpose(1, 2)
+
     def block_logits(self, ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], roots: torch.Tensor,
                      root_tokens: torch.Tensor, head: TargetHead, out: torch.Tensor | None = None) -> torch.Tensor:
         """Draft logits [n, B-1, V] (float32) for blocks rooted at ``roots`` (written into ``out``
@@ -606,17 +646,21 @@ class DFlashDrafter(nn.Module):
         masks: dict = {}
         last = len(self.layers) - 1
         for i, (layer, (k_ctx, v_ctx)) in enumerate(zip(self.layers, ctx_kv)):
-            if i == 0:
-                # Every block enters the first layer as [x[p], MASK, ..., MASK]: the B-1 MASK rows are
-                # the same vector in every block until RoPE, so project them once, not n*(B-1) times.
-                q, k_blk, v_blk = self._first_layer_qkv(layer, h, cos, sin)
+            # Every block enters the first layer as [x[p], MASK, ..., MASK]: the B-1 MASK rows are
+            # the same vector in every block until RoPE, so project them once, not n*(B-1) times.
+            if split:
+                q, k_blk, v_blk = self._rows_qkv(layer, h, cos, sin, first=i == 0)
+                attn = _block_attention_split(q, k_ctx, v_ctx, k_blk, v_blk, sorted_roots, groups,
+                                              causal=layer.is_causal, window=layer.sliding_window, masks=masks)
             else:
-                x = layer.input_layernorm(h)
-                q = layer.q(x, cos, sin)                                 # [n, nh, B, hd]
-                k_blk, v_blk = layer.kv(x, cos, sin)                     # [n, kvh, B, hd]
-            attend = _block_attention_split if split else _block_attention
-            attn = attend(q, k_ctx, v_ctx, k_blk, v_blk, sorted_roots, groups,
-                          causal=layer.is_causal, window=layer.sliding_window, masks=masks)
+                if i == 0:
+                    q, k_blk, v_blk = self._first_layer_qkv(layer, h, cos, sin)
+                else:
+                    x = layer.input_layernorm(h)
+                    q = layer.q(x, cos, sin)                             # [n, nh, B, hd]
+                    k_blk, v_blk = layer.kv(x, cos, sin)                 # [n, kvh, B, hd]
+                attn = _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, sorted_roots, groups,
+                                        causal=layer.is_causal, window=layer.sliding_window, masks=masks)
             if i == last:
                 # Only slots 1..B-1 give logits (§1.7); slot 0's last residual/MLP step is unused.
                 h, attn = h[:, 1:], attn[:, 1:]
@@ -680,6 +724,9 @@ def _block_attention_split(q, k_ctx, v_ctx, k_blk, v_blk, roots, groups, *, caus
                            window: int | None, masks: dict | None = None):
     """:func:`_block_attention` as two softmaxes merged by their log-sum-exp (inference, CPU).
 
+    ``q`` [n, kvh, g*B, hd]: a KV head's query heads stacked as rows (head h uses KV head h // g),
+    as ``DFlashDrafter._rows_qkv`` lays it out. Returns [n, B, nh*hd].
+
     The context part of a group of m blocks is one flash-attention call with the m blocks as the
     batch and the context keys ``ctx[:largest root]`` broadcast over it (a stride-0 view: no
     copy), masked per block by a [m, 1, 1, tg] row (t < root; per slot under a sliding window);
@@ -689,14 +736,13 @@ def _block_attention_split(q, k_ctx, v_ctx, k_blk, v_blk, roots, groups, *, caus
     exp(lse_part - lse_all). Rows that see no context at all (root 0, or a window shorter than
     the slot offset) get lse -inf, i.e. weight 0.
     """
-    n, nh, B, hd = q.shape
-    kvh = k_ctx.shape[0]
-    g = nh // kvh
+    n, kvh, gB, hd = q.shape
+    B = k_blk.shape[2]
+    g = gB // B
     dev = q.device
     masks = {} if masks is None else masks
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-    # [n, kvh, g*B, hd]: a KV head's query heads stacked as rows (head h uses KV head h // g)
-    qf = q.float().reshape(n, kvh, g * B, hd)
+    qf = q.float()
     offs = torch.arange(B, device=dev)
 
     bkey = ("blk", causal, window)
@@ -711,14 +757,19 @@ def _block_attention_split(q, k_ctx, v_ctx, k_blk, v_blk, roots, groups, *, caus
             ~allowed.repeat(g, 1), _NEG_INF)[None, None]
     o_blk, lse_blk = flash(qf, k_blk.float(), v_blk.float(), attn_mask=masks[bkey])
 
-    o_ctx = torch.zeros_like(o_blk)
-    lse_ctx = torch.full_like(lse_blk, _NEG_INF)
+    # Each group's two partial outputs are merged as soon as its context call returns, while they
+    # are in the cache, into the rows o_proj reads ([n, B, kvh, g, hd]): no full-size context
+    # buffer, no permuting copy at the end.
+    out = qf.new_empty((n, B, kvh, g, hd))
+    merged = out.permute(0, 2, 3, 1, 4)                                   # [n, kvh, g, B, hd]
     kc, vc = k_ctx.float(), v_ctx.float()
     for start, stop in groups:
         tg = int(roots[stop - 1])
-        if tg == 0:
-            continue
         m = stop - start
+        if tg == 0:  # root 0: no context at all (lse -inf, weight 0)
+            _merge_into(merged[start:stop], qf.new_zeros((m, kvh, gB, hd)),
+                        qf.new_full((m, kvh, gB), _NEG_INF), o_blk[start:stop], lse_blk[start:stop], g)
+            continue
         ckey = ("ctx", start, stop, window)
         if ckey not in masks:
             r = roots[start:stop]
@@ -743,11 +794,19 @@ def _block_attention_split(q, k_ctx, v_ctx, k_blk, v_blk, roots, groups, *, caus
         if dead is not None:
             # the flash kernel reports lse 0 (and output 0) for a row with every key masked
             lse.masked_fill_(dead[:, None, :], _NEG_INF)
-        o_ctx[start:stop] = o
-        lse_ctx[start:stop] = lse
+        _merge_into(merged[start:stop], o, lse, o_blk[start:stop], lse_blk[start:stop], g)
+    return out.view(n, B, kvh * g * hd).to(q.dtype)
+
+
+def _merge_into(dest, o_ctx, lse_ctx, o_blk, lse_blk, g: int) -> None:
+    """dest [m, kvh, g, B, hd] = the softmax over context and block keys from the two partial
+    ones (outputs [m, kvh, g*B, hd], log-sum-exps [m, kvh, g*B]): each weighted by exp(its lse -
+    the union's). o_ctx is scaled in place."""
     lse = torch.logaddexp(lse_ctx, lse_blk)
-    out = o_ctx.mul_((lse_ctx - lse).exp_()[..., None]).add_(o_blk * (lse_blk - lse).exp_()[..., None])
-    return out.view(n, kvh, g, B, hd).permute(0, 3, 1, 2, 4).reshape(n, B, nh * hd).to(q.dtype)
+    a = o_ctx.mul_((lse_ctx - lse).exp_()[..., None])
+    b = o_blk * (lse_blk - lse).exp_()[..., None]
+    m, kvh, gB, hd = a.shape
+    torch.add(a.view(m, kvh, g, gB // g, hd), b.view(m, kvh, g, gB // g, hd), out=dest)
 
 
 def _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, roots, groups, *, causal: bool, window: int | None,
