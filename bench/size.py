@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 
 import numpy as np
 
@@ -113,15 +114,21 @@ def run(ctx: Ctx) -> Result:
     store = open_store(root / "store")
     counter = itertools.count()
     sizes: dict[str, int] = {}
+    cpu: dict[str, list[float]] = {}  # user+sys of the whole process (all its threads) per write
 
     def writer(data: np.ndarray, codec: str, tag: str):
         def go() -> float:
+            import resource
+
             key = compute_key("bench_size", 1, {"n": next(counter)})
 
             def w():
                 with store.writer(key, stage="hidden_states", stage_version=1, inputs={"n": key}) as wr:
                     wr.write_array("states", data, dtype="bfloat16", codec=codec)
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             t = clock(w)
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            cpu.setdefault(tag, []).append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
             sizes[tag] = _chunk_bytes(store, key)
             store.delete(key)
             return t
@@ -138,6 +145,7 @@ def run(ctx: Ctx) -> Result:
                        "real_zstd": writer(real_t, "zstd", "t_real_zstd")}, reps, log=ctx.log)
     rmtree(root)
     m = {k: med(v) for k, v in times.items()}
+    cpu_ms = {k: med(v) * 1e3 for k, v in cpu.items()}
     B = real_t.nbytes
     per_tok = {k: v / tokens for k, v in sizes.items() if not k.startswith('t_')}
     rows = [
@@ -149,7 +157,10 @@ def run(ctx: Ctx) -> Result:
         Row(NAME, f"write throughput, {source}: bitshuffle-lz4 vs none (fsync)", gbps(B, m["real_lz4"]),
             gbps(B, m["real_none"]), m["real_none"] / m["real_lz4"], target=0.8, direction=">=",
             note=f"throughput ratio over {B / 1e6:.0f} MB (the states tiled {reps_tile}x), writers alternating; "
-            f"tiled ratio {sizes['t_real_none'] / sizes['t_real_lz4']:.3f}x"),
+            f"tiled ratio {sizes['t_real_none'] / sizes['t_real_lz4']:.3f}x; CPU (user+sys, all threads) "
+            f"{cpu_ms['t_real_lz4']:.0f} ms vs {cpu_ms['t_real_none']:.0f} ms, i.e. "
+            f"{cpu_ms['t_real_lz4'] / (m['real_lz4'] * 1e3):.2f} vs {cpu_ms['t_real_none'] / (m['real_none'] * 1e3):.2f} "
+            f"cores busy of {os.cpu_count()}"),
         Row(NAME, f"bytes/token, {source} ({width} wide bf16): shuffle-zstd vs none",
             f"{per_tok['real_shuf']:.0f} B/token", f"{per_tok['real_none']:.0f} B/token (none)",
             sizes["real_none"] / sizes["real_shuf"],
@@ -171,4 +182,5 @@ def run(ctx: Ctx) -> Result:
     for r in rows:
         r.judge()
     return Result(rows, {"tokens": tokens, "source": source, "bytes": sizes, "bytes_per_token": per_tok,
-                         "data": info, "reps": reps, "throughput_bytes": B, "seconds": {k: summary(v) for k, v in times.items()}})
+                         "data": info, "reps": reps, "throughput_bytes": B, "seconds": {k: summary(v) for k, v in times.items()},
+                         "cpu_seconds": {k: summary(v) for k, v in cpu.items()}})
