@@ -584,10 +584,16 @@ class DFlashDrafter(nn.Module):
             emb = emb * self.config.input_embedding_scale
         return emb
 
+    @staticmethod
+    def _first_layer_rows(layer: "DFlashLayer", h: torch.Tensor):
+        """Unrotated q, k, v of the first layer's n + 1 distinct rows: the n roots, then the MASK
+        row every block shares (see block_logits)."""
+        x = layer.input_layernorm(torch.cat([h[:, 0], h[:1, 1]]))        # [n + 1, H]: roots, MASK
+        return (layer.q_unrotated(x), *layer.kv_unrotated(x))
+
     def _first_layer_qkv(self, layer: "DFlashLayer", h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         n, B = h.shape[0], h.shape[1]
-        x = layer.input_layernorm(torch.cat([h[:, 0], h[:1, 1]]))        # [n + 1, H]: roots, MASK
-        q0, (k0, v0) = layer.q_unrotated(x), layer.kv_unrotated(x)
+        q0, k0, v0 = self._first_layer_rows(layer, h)
 
         def spread(t):                                                   # [n + 1, heads, hd] -> [n, B, heads, hd]
             return torch.cat([t[:n, None], t[n:, None].expand(n, B - 1, *t.shape[1:])], dim=1)
@@ -608,8 +614,7 @@ class DFlashDrafter(nn.Module):
         c5, s5 = cos[:, :, None, None], sin[:, :, None, None]
         c4, s4 = cos[:, :, None], sin[:, :, None]
         if first:
-            x = layer.input_layernorm(torch.cat([h[:, 0], h[:1, 1]]))    # [n + 1, H]: roots, MASK
-            q0, (k0, v0) = layer.q_unrotated(x), layer.kv_unrotated(x)
+            q0, k0, v0 = self._first_layer_rows(layer, h)
             q0 = q0.view(n + 1, 1, kvh, g, hd)
             _rope_into(q0[:n], c5[:, :1], s5[:, :1], qv[:, :1])
             _rope_into(q0[n:], c5[:, 1:], s5[:, 1:], qv[:, 1:])
@@ -975,15 +980,14 @@ def score_roots(drafter: DFlashDrafter, head: TargetHead, context_features: torc
     in the order of ``roots``. Equal (to float rounding) to :func:`score_roots_one_at_a_time`.
     """
     roots = [int(r) for r in roots]
-    shape = (len(roots), drafter.block_size - 1, head.vocab_size)
+    out = torch.empty((len(roots), drafter.block_size - 1, head.vocab_size), dtype=torch.float32,
+                      device=drafter.device)
     if all(a <= b for a, b in zip(roots, roots[1:])):
         # ascending (the usual case): every chunk's logits are written straight into their rows
-        out = torch.empty(shape, dtype=torch.float32, device=drafter.device)
         for _ in _score_chunks(drafter, head, context_features, token_ids, roots, max_batch_roots,
                                max_score_elems, out=out):
             pass
         return out
-    out = torch.empty(shape, dtype=torch.float32, device=drafter.device)
     for idx, logits in _score_chunks(drafter, head, context_features, token_ids, roots, max_batch_roots,
                                      max_score_elems, out=None):
         out[torch.tensor(idx, device=logits.device)] = logits
