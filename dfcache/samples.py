@@ -366,17 +366,10 @@ def sample_index_stamp() -> str:
     validation, keys, the store format): an index written by other code is not used."""
     global _sample_index_stamp
     if _sample_index_stamp is None:
-        import os
+        from .store._index import source_stamp
 
-        pkg = os.path.dirname(os.path.abspath(__file__))
-        h = xxhash.xxh3_64(str(SAMPLE_INDEX_VERSION).encode())
-        for rel in ("samples.py", "manifest.py", "keys.py", "store/format.py"):
-            try:
-                with open(os.path.join(pkg, rel), "rb") as f:
-                    h.update(f.read())
-            except OSError:
-                h.update(b"?")
-        _sample_index_stamp = h.hexdigest()
+        _sample_index_stamp = source_stamp(SAMPLE_INDEX_VERSION, (
+            "samples.py", "manifest.py", "keys.py", "store/format.py"))
     return _sample_index_stamp
 
 
