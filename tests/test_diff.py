@@ -12,23 +12,13 @@ from cli_util import dfcache
 from dfcache import compute_key, open_store
 from dfcache.diff import diff_artifacts
 from dfcache.errors import BadInputError
-from test_hidden_states import run_layers, segments_of, write_tokens
+from test_hidden_states import one_torch_thread, run_layers, segments_of, write_tokens  # noqa: F401 (autouse)
 
 
 def segment(store, node) -> str:
     """The key of the one segment holding a layer node's samples."""
     (key,) = segments_of(store, node)
     return key
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
