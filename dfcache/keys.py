@@ -211,3 +211,17 @@ def fingerprint_path(path: str | os.PathLike, *, all_files: bool = False) -> str
 def fingerprint_text(text: str) -> str:
     """xxh3-128 of a string (for chat templates and other small inputs)."""
     return xxhash.xxh3_128_hexdigest(text.encode("utf-8"))
+
+
+def source_stamp(version: int, sources: tuple[str, ...]) -> str:
+    """xxh3-64 of ``version`` and the source files ``sources`` (paths inside the dfcache package):
+    a derived file stamped with it is rebuilt by any other code."""
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    h = xxhash.xxh3_64(str(version).encode())
+    for rel in sources:
+        try:
+            with open(os.path.join(pkg, rel), "rb") as f:
+                h.update(f.read())
+        except OSError:
+            h.update(b"?")
+    return h.hexdigest()

@@ -366,7 +366,7 @@ def sample_index_stamp() -> str:
     validation, keys, the store format): an index written by other code is not used."""
     global _sample_index_stamp
     if _sample_index_stamp is None:
-        from .store._index import source_stamp
+        from .keys import source_stamp
 
         _sample_index_stamp = source_stamp(SAMPLE_INDEX_VERSION, (
             "samples.py", "manifest.py", "keys.py", "store/format.py"))

@@ -44,25 +44,13 @@ RACY_NS = 3 * 10**9  # above the coarsest timestamp granularity in use (2 s on F
 _stamp_cache: str | None = None
 
 
-def source_stamp(version: int, sources: tuple[str, ...]) -> str:
-    """xxh3-64 of ``version`` and the source files ``sources`` (paths inside the dfcache package):
-    a derived file stamped with it is rebuilt by any other code."""
-    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    h = xxhash.xxh3_64(str(version).encode())
-    for rel in sources:
-        try:
-            with open(os.path.join(pkg, rel), "rb") as f:
-                h.update(f.read())
-        except OSError:
-            h.update(b"?")
-    return h.hexdigest()
-
-
 def stamp() -> str:
     """xxh3-64 of the source files whose code decides what an entry holds."""
     global _stamp_cache
     if _stamp_cache is None:
         # format.py too: a snapshot's format_version is then that of the code reading it.
+        from ..keys import source_stamp
+
         _stamp_cache = source_stamp(INDEX_VERSION, (
             "store/_index.py", "store/format.py", "manifest.py", "maintenance.py", "listing.py", "keys.py",
             "__init__.py"))
