@@ -21,3 +21,18 @@ def dfcache(*args, store=None, env=None, timeout=600, cwd=None) -> Result:
     p = subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
                        env=full_env, cwd=cwd)
     return Result(p.returncode, p.stdout, p.stderr)
+
+
+def run_side_by_side(code: str, *argsets, timeout: int = 120) -> None:
+    """Run ``python -c code REPO *args`` once per argument set, all at once (the repo importable),
+    and check that each exits 0 having printed ``done``."""
+    from pathlib import Path
+
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": repo}
+    procs = [subprocess.Popen([sys.executable, "-c", code, repo, *map(str, args)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for args in argsets]
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0 and "done" in out, err

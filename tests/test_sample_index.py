@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from cli_util import run_side_by_side
 
 import dfcache.samples as samples_mod
 from dfcache.maintenance import gc_plan
@@ -87,14 +87,7 @@ def test_concurrent_commits_both_end_up_in_the_index(tmp_path):
     root, p = tmp_path / "s", part()
     write(open_store(root), p, ups(4), max_samples=4)
     fresh(root, p.key)  # an index exists before the writers start
-    repo = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": repo}
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, repo, str(root), str(lo), str(hi)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for lo, hi in ((2, 20), (10, 30))]
-    for pr in procs:
-        out, err = pr.communicate(timeout=120)
-        assert pr.returncode == 0 and "done" in out, err
+    run_side_by_side(CHILD, (root, 2, 20), (root, 10, 30))
     want = truth(root, p.key)
     assert len(want) == 30
     got, _ = fresh(root, p.key)

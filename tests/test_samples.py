@@ -293,16 +293,11 @@ print("done")
 
 
 def test_two_processes_writing_overlapping_sets_both_succeed(tmp_path):
-    root = str(Path(__file__).resolve().parents[1])
+    from cli_util import run_side_by_side  # here: the children import this module without tests/ on the path
+
     s = tmp_path / "s"
     open_store(s)
-    env = {**os.environ, "PYTHONPATH": root}
-    procs = [subprocess.Popen([sys.executable, "-c", CHILD, root, str(s), str(lo), str(hi)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for lo, hi in ((0, 30), (10, 40))]
-    for pr in procs:
-        out, err = pr.communicate(timeout=120)
-        assert pr.returncode == 0 and "done" in out, err
+    run_side_by_side(CHILD, (s, 0, 30), (s, 10, 40))
     store = open_store(s)
     p = part()
     u = ups(40)
