@@ -70,8 +70,8 @@ class StoredSamples(_ByLocation):
     the parent checked, valid in the child as they are, so workers neither re-map nor re-check
     what the parent read (a remote store is reopened: its clients are not fork-safe).
 
-    Reads: every layer's chunk files of the sample are first handed to the kernel's read-ahead
-    (all at once, so a cold read loads them in parallel), then each layer's rows are copied from
+    Reads: every layer's chunk files of the sample that are not in the page cache are first set
+    loading (all at once, so a cold read loads them in parallel), then each layer's rows are copied from
     the mapped chunks straight into its columns of the item (one copy). A chunk's crc32c is
     checked when this process tree first maps it (``ArrayReader.read_raw(mapped=True)``); a
     chunk file changed on disk after that (its signature differs) is checked again on its next

@@ -83,3 +83,109 @@ def test_a_chunk_changed_on_disk_is_checked_again_in_the_same_process(tmp_path, 
     with pytest.raises(IntegrityError, match="chunk 9 of array x .*crc32c"):
         arr.read_raw(0, ROWS, mapped=mapped)
     assert np.array_equal(arr.read_raw(0, 9 * CHUNK_ROWS, mapped=mapped), data[:9 * CHUNK_ROWS])
+
+
+def _evict(paths) -> bool:
+    """Drop the files' pages from the page cache; False where this file system keeps them."""
+    from dfcache.store import _pagecache
+
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            missing = _pagecache.missing_pages(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        if not missing:
+            return False
+    return True
+
+
+def _missing(paths) -> list[int]:
+    from dfcache.store import _pagecache
+
+    out = []
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            out.append(_pagecache.missing_pages(fd, os.fstat(fd).st_size))
+        finally:
+            os.close(fd)
+    return out
+
+
+@pytest.fixture
+def cold_capable():
+    from dfcache.store import _pagecache
+
+    if not hasattr(os, "posix_fadvise") or not _pagecache.available():
+        pytest.skip("no cachestat here (Linux 6.5+): cold files are read with plain read-ahead")
+
+
+@pytest.mark.parametrize("how", ["read_raw", "split", "mapped", "prefetch", "plain read-ahead"])
+def test_a_cold_read_loads_the_missing_files_and_returns_the_rows(tmp_path, cold_capable, monkeypatch, how):
+    from dfcache.store import _pagecache
+
+    store, key, data = _array(tmp_path)
+    if how == "split":
+        monkeypatch.setattr(_store, "READ_SPLIT_BYTES", 0)
+        monkeypatch.setattr(_store, "_read_workers", lambda: 2)
+    arr = store.open(key).array("x")
+    n_chunks = -(-ROWS // CHUNK_ROWS)
+    files = [_chunk_file(store, key, i) for i in range(n_chunks)]
+    assert np.array_equal(arr.read_raw(0, ROWS), data)  # checked while warm
+    if not _evict(files):
+        pytest.skip("this file system keeps evicted pages (tmpfs?)")
+    if how == "plain read-ahead":
+        monkeypatch.setattr(_pagecache, "ENABLED", False)
+    if how == "prefetch":
+        arr.prefetch(100, 700)  # returns at once; the loader threads bring the files in
+        want = range(100 // CHUNK_ROWS, 699 // CHUNK_ROWS + 1)
+        import time
+
+        deadline = time.monotonic() + 30
+        while any(_missing([files[i] for i in want])) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _missing([files[i] for i in want]) == [0] * len(want)
+        assert np.array_equal(arr.read_raw(100, 700), data[100:700])
+        return
+    got = arr.read_raw(5, ROWS - 7, mapped=how == "mapped")
+    assert np.array_equal(got, data[5:ROWS - 7])
+    monkeypatch.setattr(_pagecache, "ENABLED", True)
+    if how != "plain read-ahead":  # (plain read-ahead may stop short of a file's tail)
+        assert _missing(files) == [0] * n_chunks
+
+
+@pytest.mark.parametrize("mapped", [False, True])
+def test_a_truncated_chunk_read_cold_is_an_integrity_error(tmp_path, cold_capable, mapped):
+    """The loader maps the size a chunk file must have: a shorter file fails the read's check
+    (an IntegrityError naming the chunk), never a bus error from the mapping."""
+    store, key, data = _array(tmp_path)
+    path = _chunk_file(store, key, 3)
+    os.truncate(path, os.path.getsize(path) - 4096)
+    if not _evict([_chunk_file(store, key, i) for i in range(2, 5)]):
+        pytest.skip("this file system keeps evicted pages (tmpfs?)")
+    arr = store.open(key).array("x")
+    with pytest.raises(IntegrityError, match="chunk 3 of array x"):
+        arr.read_raw(2 * CHUNK_ROWS, 5 * CHUNK_ROWS, mapped=mapped)
+    assert np.array_equal(arr.read_raw(0, 3 * CHUNK_ROWS, mapped=mapped), data[:3 * CHUNK_ROWS])
+
+
+def test_pagecache_counts_missing_pages_and_loads_them(tmp_path, cold_capable):
+    from dfcache.store import _pagecache
+
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(3 * 4096 + 10))
+    size = os.path.getsize(path)
+    assert _missing([path]) == [0]  # just written
+    if not _evict([path]):
+        pytest.skip("this file system keeps evicted pages (tmpfs?)")
+    assert _missing([path]) == [4]
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert _pagecache.load_large(fd, size) in (True, False)  # False: no THP here; the pages come anyway
+        assert _pagecache.missing_pages(fd, size) == 0
+        assert _pagecache.load_large(fd, 0) is False and _pagecache.load_large(-1, size) is False
+    finally:
+        os.close(fd)

@@ -23,6 +23,7 @@ from ..errors import (AmbiguousKeyError, ArtifactNotFoundError, IntegrityError, 
 from ..keys import KEY_PATTERN
 from ..manifest import (CODECS, NAME_PATTERN, STORAGE_DTYPE, ArraySpec, BlobSpec, Manifest,
                         validate_manifest)
+from . import _pagecache
 from . import format as fmt
 from ._backend import Backend, Staging
 from .format import PROGRESS, default_chunk_rows  # noqa: F401  (default_chunk_rows: public via dfcache.store)
@@ -58,6 +59,14 @@ def _encode_pool():
 
 
 READ_SPLIT_BYTES = 4 << 20  # a read of at least this much is shared with the reader threads
+LOAD_THREADS = 4  # chunk files loaded into the page cache at once by a cold read (they wait on the disk, not a core)
+
+
+def _load_and_close(fd: int, size: int) -> None:
+    try:
+        _pagecache.load_large(fd, size)
+    finally:
+        os.close(fd)
 
 
 def _read_workers() -> int:
@@ -604,7 +613,9 @@ class ArrayReader:
         the rows read are returned as a view of it.
 
         Local uncompressed chunks are read with one ``pread`` each, straight into the result, the
-        kernel asked to read them all ahead first; a read of 4 MiB or more is split into runs of
+        chunk files not in the page cache first set loading all at once (in large folios where
+        the kernel allows, so later warm reads of them copy as fast as of freshly written ones;
+        see ``_pagecache``); a read of 4 MiB or more is split into runs of
         chunks read and checked on reader threads beside the caller's (one per further core, up
         to 3). Each chunk file's crc32c is checked the first time this store reads it and
         remembered by the file's inode, size, mtime and ctime, so a later read reads only the
@@ -668,18 +679,22 @@ class ArrayReader:
         files, so a reader thread starts at once). Returns the chunk files checked now (to
         remember) and the chunks to read through _chunk()."""
         verified, failed = [], []
-        fds = self._open_local(chunks)
+        fds, loads = self._open_local(chunks)
         try:
             for i in chunks:
                 lo = i * self.chunk_rows
                 a, b = max(lo, start), min(lo + self.chunk_rows, stop)
                 fd = fds.get(i)
+                if i in loads:
+                    loads[i].result()
                 sig = self._read_local(fd, i, a, b, out[a - start:b - start]) if fd is not None else False
                 if sig is False:
                     failed.append(i)
                 elif sig is not True:
                     verified.append(sig)
         finally:
+            for load in loads.values():  # a load still running uses its descriptor
+                load.result()
             for fd in fds.values():
                 os.close(fd)
         return verified, failed
@@ -692,10 +707,12 @@ class ArrayReader:
             store._verified[ck] = sig
 
     def prefetch(self, start: int = 0, stop: int | None = None) -> None:
-        """Ask the kernel to start reading the chunk files of rows [start, stop) that this store
-        has not mapped yet (POSIX_FADV_WILLNEED, which returns at once). A reader of several
-        arrays calls it on each before reading any, so the files of one sample load in parallel
-        instead of one blocking read after another; a no-op for remote or already mapped chunks."""
+        """Start loading the chunk files of rows [start, stop) that this store has not mapped
+        yet and that are not already in the page cache, and return at once (on loader threads
+        in large folios where the system allows, see _pagecache; else POSIX_FADV_WILLNEED). A
+        reader of several arrays calls it on each before reading any, so the files of one sample
+        load in parallel instead of one blocking read after another; a no-op for remote or
+        already mapped chunks."""
         if self.spec.codec != "none" or not hasattr(os, "posix_fadvise"):
             return
         n = self.shape[0]
@@ -703,6 +720,8 @@ class ArrayReader:
         if stop <= start:
             return
         mapped = self.artifact.store._mapped
+        large = _pagecache.available()
+        size = self.chunk_rows * self._row_bytes + 4  # an uncompressed chunk file: body, crc32c
         for i in range(max(0, start) // self.chunk_rows, (stop - 1) // self.chunk_rows + 1):
             if (self.artifact.key, self.name, i) in mapped:
                 continue
@@ -710,11 +729,15 @@ class ArrayReader:
             if path is None:
                 return
             try:
-                fd = os.open(path, os.O_RDONLY)
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 continue  # the read reports it
+            if large and _pagecache.missing_pages(fd, size):
+                _pool("load", LOAD_THREADS).submit(_load_and_close, fd, size)
+                continue
             try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                if not large:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
             finally:
                 os.close(fd)
 
@@ -742,13 +765,16 @@ class ArrayReader:
         import mmap
 
         body = self.chunk_rows * int(np.prod(self.shape[1:], dtype=np.int64)) * self._storage.itemsize
+        loaded = False
         try:
             with open(path, "rb") as f:
                 st = os.fstat(f.fileno())
+                if _pagecache.missing_pages(f.fileno(), st.st_size):
+                    loaded = _pagecache.load_large(f.fileno(), st.st_size)
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError):
             return None  # _chunk() reports what is wrong
-        if hasattr(mm, "madvise"):  # one large read-ahead for the crc pass, not a fault per few pages
+        if not loaded and hasattr(mm, "madvise"):  # one large read-ahead for the crc pass, not a fault per few pages
             mm.madvise(mmap.MADV_WILLNEED)
         raw = np.frombuffer(mm, dtype=np.uint8)
         if len(raw) != body + 4 or not fmt.crc_ok(raw[:body], raw[body:].tobytes()):
@@ -801,23 +827,33 @@ class ArrayReader:
                              offset=a - lo)  # the map closes with the last view of it
         return rows.reshape((stop - start,) + tuple(self.shape[1:]))
 
-    def _open_local(self, chunks: list[int]) -> dict[int, int]:
+    def _open_local(self, chunks: list[int]) -> tuple[dict[int, int], dict]:
         """Descriptors of the local uncompressed chunks ``chunks`` (a missing one left out:
-        _chunk() reports it), with the kernel asked to read them all ahead at once: a cold read
-        then has every chunk in flight instead of one file's readahead at a time."""
+        _chunk() reports it), and for a read of several chunks the files not in the page cache
+        set loading at once, so a cold read has every chunk in flight instead of one file's
+        readahead at a time: each on a loader thread in large folios where the system allows
+        (see _pagecache; returned as futures by chunk), else by POSIX_FADV_WILLNEED."""
         prefix, suffix = f"{self.name}/c/", "/0" * (self._ndim - 1)
         fds: dict[int, int] = {}
         for i in chunks:
             fd = self.artifact._open_local(f"{prefix}{i}{suffix}")
-            if fd is None:
-                continue
-            fds[i] = fd
-            if len(chunks) > 1:
-                try:
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-                except (AttributeError, OSError):
-                    pass
-        return fds
+            if fd is not None:
+                fds[i] = fd
+        loads: dict = {}
+        if len(chunks) < 2:
+            return fds, loads
+        if _pagecache.available():
+            size = self.chunk_rows * self._row_bytes + 4  # an uncompressed chunk file: body, crc32c
+            for i, fd in fds.items():
+                if _pagecache.missing_pages(fd, size):
+                    loads[i] = _pool("load", LOAD_THREADS).submit(_pagecache.load_large, fd, size)
+            return fds, loads
+        for fd in fds.values():
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except (AttributeError, OSError):
+                pass
+        return fds, loads
 
     def _read_local(self, fd: int, index: int, a: int, b: int, dest: np.ndarray):
         """Rows [a, b) of uncompressed local chunk ``index`` into ``dest``. The chunk's crc32c is
