@@ -916,11 +916,14 @@ def _check_roots(roots: Sequence[int], n_tokens: int, n_features: int) -> list[i
     return roots
 
 
-# On the CPU a pass of 64 roots (1,024 block rows) keeps a small drafter's activations in the
-# L2 cache between operators: an RMSNorm over 1,024 x 128 floats takes 0.06 ms, over 8,176 x 128
-# 1.06 ms. The tiny bench drafter scored 512 roots in 110-120 ms this way against 126-135 ms in
-# passes of 256 (2-core Intel Xeon VM, one thread, 2026-12-05).
-CPU_BATCH_ROOTS = 64
+# On the CPU a pass of 128 roots (2,048 block rows) keeps a small drafter's activations in the
+# L2 cache between operators (an RMSNorm over 1,024 x 128 floats takes 0.06 ms, over 8,176 x 128
+# 1.06 ms) while giving each operator enough rows to share among threads. The tiny bench drafter
+# scored 512 roots (2-core Intel Xeon VM, 2026-12-05, nine runs each, medians) in 87.3 ms at one
+# thread against 91.8 ms in passes of 64 and 94.5 ms in passes of 192, and at two threads in 51.6
+# ms against 57.5 ms (64) and 51.1 ms (192). The pass size is fixed, not chosen by the thread
+# count: the attention groups follow the passes, so it moves logits at float rounding.
+CPU_BATCH_ROOTS = 128
 
 
 def iter_score_roots(drafter: DFlashDrafter, head: TargetHead, context_features: torch.Tensor,

@@ -2,7 +2,7 @@
 
 Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
 
-    partition = compute_key('drafter_eval', 3, inputs, upstream)
+    partition = compute_key('drafter_eval', 4, inputs, upstream)
     sample    = sample_key(partition, tokens sample key)
     inputs:
         drafter           fingerprint of the checkpoint directory (config + weights)
@@ -51,7 +51,8 @@ from ...values import int_list
 # version 3: CPU scoring runs in passes of 64 roots (dflash.CPU_BATCH_ROOTS), not 256; the attention
 # groups follow the passes, so CPU logits moved at float rounding (2e-6 on the bench drafter) and an
 # argmax at a near-tie could move with them.
-KEY = KeyRecipe("drafter_eval", 3, inputs={
+# version 4: passes of 128 roots on the CPU (faster at one thread and at two), the same reason.
+KEY = KeyRecipe("drafter_eval", 4, inputs={
     "drafter": "fingerprint of the checkpoint directory (config + weights)",
     "target_head": "fingerprint of the target (its embeddings and lm_head are used)",
     "block_size": "from the drafter's config",
