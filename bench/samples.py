@@ -9,7 +9,9 @@
    samples in every stage of the graph (prompts, completions, tokens, two hidden-state layers:
    500,000 samples in all), as subprocesses (interpreter start included). The store is made
    through the real stages' keys (the graph is built by the runner) with small synthetic
-   contents (two tokens per sample), and kept in ``bench/out/cache/samples/``. Target: < 1 s each.
+   contents (two tokens per sample), and kept in ``bench/out/cache/samples/``. Target: < 0.5 s each
+   (issue 17: `ls --json` at 10,000 artifacts < 0.5 s, "the same for `plan` over 100,000 cached samples";
+   issue 14 had asked < 1 s).
    A first, untimed plan parses and hashes the 100,000-line prompt file and leaves its ids and
    digests in the prompt-set memo, each stage's sample keys in the sample-key memo and each
    partition's on-disk sample index (as a user's first plan does); its time is printed, as is
@@ -178,7 +180,7 @@ def _big_store(n: int) -> tuple[Path, Path, list[str]]:
     nodes = build_graph(ctx, "hidden-states")
     hidden = None
     for node in nodes:
-        arrays, doc = {}, None
+        arrays = {}
         if node.stage == "prompts":
             def make(i, node=node):
                 return {}, {"messages": node.payload[i]["messages"]}
@@ -235,7 +237,7 @@ def at_scale(ctx: Ctx, result: Result) -> None:
         # CPU time beside the wall time: on a shared machine the wall time is mostly waiting.
         note = f"CPU {cpu[what]:.2f} s (empty-store ls {cpu['empty']:.2f} s)"
         result.rows.append(Row(bench=NAME, measure=f"`{cmd}` over {n:,} cached samples per stage "
-                               f"({5 * n:,} in all)", dfcache=ms(t), ratio=t, unit=" s", target=1.0,
+                               f"({5 * n:,} in all)", dfcache=ms(t), ratio=t, unit=" s", target=0.5,
                                direction="<", note=note if ok else "plan did not see every sample cached").judge())
     result.rows.append(Row(bench=NAME, measure="`dfcache ls --json` of an empty store (start-up, for scale)",
                            dfcache=ms(med(times["empty"]))).judge())
