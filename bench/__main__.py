@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import importlib
 import json
@@ -248,6 +249,22 @@ def main(argv: list[str] | None = None) -> int:
                     "benchmarks_run": names},
            "benchmarks": {}, "rows": []}
 
+    @contextlib.contextmanager
+    def torch_threads_kept():
+        """Each benchmark starts at torch's default thread count: some pin one thread for
+        steadier timings, and `eval-batching` judges its target at the default."""
+        try:
+            import torch
+        except ImportError:
+            yield
+            return
+        default = ctx.options.setdefault("torch_threads", torch.get_num_threads())
+        torch.set_num_threads(default)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(default)
+
     def save() -> None:
         doc["meta"]["duration_s"] = round(time.time() - started, 1)
         doc["meta"]["load_avg_end"] = list(os.getloadavg())
@@ -262,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
             entry: dict = {}
             try:
                 mod = importlib.import_module(BENCHMARKS[name])
-                res = mod.run(ctx)
+                with torch_threads_kept():
+                    res = mod.run(ctx)
                 entry = {"rows": [r.to_dict() for r in res.rows], "details": res.details}
             except KeyboardInterrupt:
                 raise
