@@ -33,18 +33,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ._common import OUT_DIR, Ctx, med, rmtree
+from ._common import OUT_DIR, Ctx, evict, med, rmtree
 
 SIZE = (1 << 20) + 4  # a 128-row chunk of 4096 bf16 columns and its crc32c
-
-
-def _evict(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _load_gil(fd: int, size: int) -> None:
@@ -97,7 +88,7 @@ def files_part(n_files: int, rounds: int) -> None:
         after: dict[str, list] = {m: [] for m in cold}
         for _ in range(rounds):
             for m in cold:
-                _evict(paths)
+                evict(paths)
                 cold[m].append(read_all(m))
                 after[m].append(med([read_all("warm") for _ in range(5)]))
         mb = n_files * SIZE / 1e6
