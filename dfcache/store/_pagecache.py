@@ -20,26 +20,29 @@ from __future__ import annotations
 
 import os
 import threading
+from types import SimpleNamespace
 
-_SYS_CACHESTAT = {"x86_64": 451, "aarch64": 451}  # the same number on every arch that has it
+_SYS_CACHESTAT = 451  # the same number on every architecture that has it (asm-generic table)
+_ARCHES = {"x86_64", "aarch64"}
 _MADV_HUGEPAGE, _MADV_POPULATE_READ = 14, 22  # Linux (POPULATE_READ since 5.14)
 _PROT_READ, _MAP_SHARED = 1, 1
 _MAP_FAILED = (1 << 64) - 1  # (void *) -1 as ctypes.c_void_p gives it on a 64-bit system
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 ENABLED = True  # False: plain readahead everywhere (for side-by-side timing)
-_cachestat = None  # (syscall, nr, Range, Stat, byref) once probed; False: not available
-_local = threading.local()  # each thread its own argument structs
+_calls = None  # the ctypes calls once set up (see _setup); False: cachestat is not available here
+_local = threading.local()  # each thread its own cachestat argument structs
 
 
-def _probe():
-    global _cachestat
+def _setup():
+    """The libc calls this module makes, with their ctypes signatures, once a probe of
+    ``cachestat`` on this file has succeeded; False where it fails."""
+    global _calls
     try:
         import ctypes
         import platform
 
-        nr = _SYS_CACHESTAT.get(platform.machine())
-        if nr is None:
+        if platform.machine() not in _ARCHES:
             raise OSError("no cachestat on this architecture")
 
         class Range(ctypes.Structure):
@@ -48,39 +51,43 @@ def _probe():
         class Stat(ctypes.Structure):
             _fields_ = [(n, ctypes.c_uint64) for n in ("cache", "dirty", "writeback", "evicted", "recently_evicted")]
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        rng, stat = Range(0, 0), Stat()
+        lib = ctypes.CDLL(None, use_errno=True)
+        mmap_, madvise, munmap = lib.mmap, lib.madvise, lib.munmap
+        mmap_.restype, mmap_.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                          ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        madvise.restype, madvise.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        munmap.restype, munmap.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
         fd = os.open(__file__, os.O_RDONLY)
         try:
-            if libc.syscall(nr, fd, ctypes.byref(rng), ctypes.byref(stat), 0) != 0:
+            if lib.syscall(_SYS_CACHESTAT, fd, ctypes.byref(Range(0, 0)), ctypes.byref(Stat()), 0) != 0:
                 raise OSError(ctypes.get_errno(), "cachestat failed")
         finally:
             os.close(fd)
-        _cachestat = (libc.syscall, nr, Range, Stat, ctypes.byref)
+        _calls = SimpleNamespace(syscall=lib.syscall, Range=Range, Stat=Stat, byref=ctypes.byref,
+                                 mmap=mmap_, madvise=madvise, munmap=munmap)
     except (OSError, AttributeError, ImportError):
-        _cachestat = False
-    return _cachestat
+        _calls = False
+    return _calls
 
 
 def available() -> bool:
     """Whether cold files are loaded in large folios here (then callers skip their WILLNEED,
     which would start small-folio readahead first)."""
-    return ENABLED and bool(_cachestat if _cachestat is not None else _probe())
+    return ENABLED and bool(_calls if _calls is not None else _setup())
 
 
 def missing_pages(fd: int, size: int) -> int | None:
     """Pages of the file's first ``size`` bytes not in the page cache (0: all cached), or None
     when this system cannot tell (then do nothing special)."""
-    cs = _cachestat if _cachestat is not None else _probe()
-    if not cs or not ENABLED:
+    calls = _calls if _calls is not None else _setup()
+    if not calls or not ENABLED:
         return None
-    syscall, nr, Range, Stat, byref = cs
     args = getattr(_local, "args", None)
     if args is None:
-        rng, stat = Range(0, 0), Stat()
-        args = _local.args = (byref(rng), stat, byref(stat))
+        rng, stat = calls.Range(0, 0), calls.Stat()
+        args = _local.args = (calls.byref(rng), stat, calls.byref(stat))
     rng_ref, stat, stat_ref = args
-    if syscall(nr, fd, rng_ref, stat_ref, 0) != 0:
+    if calls.syscall(_SYS_CACHESTAT, fd, rng_ref, stat_ref, 0) != 0:
         return None
     return max(0, -(-size // _PAGE) - stat.cache)
 
@@ -94,35 +101,15 @@ def load_large(fd: int, size: int) -> bool:
     load. Without THP the pages still load (small folios, as plain read-ahead); a failure (a
     file shorter than ``size``: the pages past its end are refused, not a bus error) leaves the
     reader's own read to bring in what is missing and to find what is wrong."""
-    libc = _libc if _libc is not None else _load_libc()
-    if not libc or size <= 0:
+    calls = _calls if _calls is not None else _setup()
+    if not calls or size <= 0:
         return False
-    mmap_, madvise, munmap = libc
-    addr = mmap_(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
+    addr = calls.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
     if addr is None or addr == _MAP_FAILED:
         return False
     try:
-        madvise(addr, size, _MADV_HUGEPAGE)  # refused without THP: the pages still load, in small folios
-        return madvise(addr, size, _MADV_POPULATE_READ) == 0
+        calls.madvise(addr, size, _MADV_HUGEPAGE)  # refused without THP: the pages still load, in small folios
+        return calls.madvise(addr, size, _MADV_POPULATE_READ) == 0
     finally:
-        munmap(addr, size)
+        calls.munmap(addr, size)
 
-
-_libc = None  # (mmap, madvise, munmap) with their ctypes signatures; False: not available
-
-
-def _load_libc():
-    global _libc
-    try:
-        import ctypes
-
-        lib = ctypes.CDLL(None, use_errno=True)
-        mmap_, madvise, munmap = lib.mmap, lib.madvise, lib.munmap
-        mmap_.restype, mmap_.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                                          ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        madvise.restype, madvise.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        munmap.restype, munmap.argtypes = ctypes.c_int, [ctypes.c_void_p, ctypes.c_size_t]
-        _libc = (mmap_, madvise, munmap)
-    except (OSError, AttributeError, ImportError):
-        _libc = False
-    return _libc

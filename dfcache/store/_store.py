@@ -569,6 +569,7 @@ class ArrayReader:
         self._ndim = len(self.shape)
         self._storage = np.dtype(STORAGE_DTYPE[spec.dtype])
         self._row_bytes = int(np.prod(self.shape[1:], dtype=np.int64)) * self._storage.itemsize
+        self._file_bytes = self.chunk_rows * self._row_bytes + 4  # an uncompressed chunk file: body, crc32c
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -721,7 +722,6 @@ class ArrayReader:
             return
         mapped = self.artifact.store._mapped
         large = _pagecache.available()
-        size = self.chunk_rows * self._row_bytes + 4  # an uncompressed chunk file: body, crc32c
         for i in range(max(0, start) // self.chunk_rows, (stop - 1) // self.chunk_rows + 1):
             if (self.artifact.key, self.name, i) in mapped:
                 continue
@@ -732,8 +732,8 @@ class ArrayReader:
                 fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 continue  # the read reports it
-            if large and _pagecache.missing_pages(fd, size):
-                _pool("load", LOAD_THREADS).submit(_load_and_close, fd, size)
+            if large and _pagecache.missing_pages(fd, self._file_bytes):
+                _pool("load", LOAD_THREADS).submit(_load_and_close, fd, self._file_bytes)
                 continue
             try:
                 if not large:
@@ -764,7 +764,7 @@ class ArrayReader:
             return None
         import mmap
 
-        body = self.chunk_rows * int(np.prod(self.shape[1:], dtype=np.int64)) * self._storage.itemsize
+        body = self._file_bytes - 4
         loaded = False
         try:
             with open(path, "rb") as f:
@@ -843,10 +843,9 @@ class ArrayReader:
         if len(chunks) < 2:
             return fds, loads
         if _pagecache.available():
-            size = self.chunk_rows * self._row_bytes + 4  # an uncompressed chunk file: body, crc32c
             for i, fd in fds.items():
-                if _pagecache.missing_pages(fd, size):
-                    loads[i] = _pool("load", LOAD_THREADS).submit(_pagecache.load_large, fd, size)
+                if _pagecache.missing_pages(fd, self._file_bytes):
+                    loads[i] = _pool("load", LOAD_THREADS).submit(_pagecache.load_large, fd, self._file_bytes)
             return fds, loads
         for fd in fds.values():
             try:
