@@ -49,6 +49,7 @@ _OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
     (("--top-p",), "top_p", "float"),
     (("--seed",), "seed", "int"),
     (("--enable-thinking", "--no-enable-thinking"), "enable_thinking", "bool"),
+    (("--accept-retokenized",), "accept_retokenized", "flag"),
     (("--layer",), "layers", "ints"),
     (("--backend",), "backend", "str"),
     (("--device",), "device", "str"),

@@ -46,6 +46,9 @@ class EvalOptions:
     top_p: float = 1.0
     seed: int | None = None
     enable_thinking: bool = False
+    # keep completions whose ids were rebuilt from text and failed their check (count against the
+    # server's usage, decode round trip); marked in every report row that uses them
+    accept_retokenized: bool = False
     # hidden states
     layers: list[int] | None = None  # explicit layer ids (run hidden-states without a drafter)
     backend: str = "auto"  # auto|fla|torch

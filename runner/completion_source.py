@@ -1,0 +1,40 @@
+"""Where a sample's completion ids came from, in the words every report row uses.
+
+The tokens stage records, per sample, ``tokens_source`` (``server`` | ``local`` |
+``retokenized``) and, for ids rebuilt from the completion's text, ``ids_check``: the facts of
+the check made when they were rebuilt (``{"ok": bool, "ids": n, "server_count": m | None,
+"round_trip": bool, "problem": str | None}``). Whether a run may use a sample whose check failed
+is decided when results are used or shown (``--accept-retokenized``), never stored: see
+DESIGN.md, trust rules.
+
+Labels (docs/metrics.md "Where completions come from"):
+
+``server ids``                           the server returned the ids it generated
+``local greedy``                         greedy generation on this machine
+``retokenized, verified``                text only; the rebuilt ids passed both checks
+``retokenized, unverified (accepted)``   text only; a check failed, kept by --accept-retokenized
+``retokenized, unchecked``               text only, cached before checks existed
+"""
+
+from __future__ import annotations
+
+SERVER = "server ids"
+LOCAL = "local greedy"
+VERIFIED = "retokenized, verified"
+ACCEPTED = "retokenized, unverified (accepted)"
+UNCHECKED = "retokenized, unchecked"
+LABELS = (SERVER, LOCAL, VERIFIED, ACCEPTED, UNCHECKED)
+EXACT = frozenset({SERVER, LOCAL})  # ids the target generated, as it generated them
+
+
+def label_of(doc: dict) -> str:
+    """The label of one tokens (or completions) sample document."""
+    source = doc.get("tokens_source")
+    if source == "server":
+        return SERVER
+    if source == "local":
+        return LOCAL
+    check = doc.get("ids_check")
+    if not isinstance(check, dict):
+        return UNCHECKED
+    return VERIFIED if check.get("ok") else ACCEPTED
