@@ -5,8 +5,8 @@
     python -m bench --only write,read        # some of them
     python -m bench --out bench/out/x.json   # default bench/out/latest.json
     python -m bench --gpu-json gpu.json      # include GPU results made by bench/gpu_extract.py
-    python -m bench --markdown [--from JSON] [--doc docs/benchmarks.md]
-                                             # the table of a finished run, as markdown
+    python -m bench --markdown [--from A.json,B.json] [--doc docs/benchmarks.md]
+                                             # the latest figure of every judged row, as markdown
 """
 
 from __future__ import annotations
@@ -103,86 +103,43 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def format_markdown(doc: dict) -> str:
-    m = doc["meta"]
-    mach = m["machine"]
-    lines = [
-        f"Run of {m['date']} (took {m['duration_s']:.0f} s), size `{m['size']}` (factor {m['factor']:g}):",
-        "",
-        "```",
-        m["command"],
-        "```",
-        "",
-        f"Machine: {mach['cpu_model']}, {mach['usable_cpus']} usable of {mach['logical_cpus']} logical CPUs, "
-        f"{mach['mem_gib']} GiB RAM, Linux {mach['kernel']}, Python {mach['python']}; "
-        + ", ".join(f"{k} {v}" for k, v in mach["packages"].items() if v)
-        + f"; dfcache at git {mach['git_commit']}{' (uncommitted changes)' if mach['git_dirty'] else ''}. "
-        f"Load average at start {', '.join(f'{x:.2f}' for x in m['load_avg_start'])}, "
-        f"at end {', '.join(f'{x:.2f}' for x in m['load_avg_end'])} (colleagues' jobs share the machine).",
-        "",
-        "| benchmark | measure | dfcache | competitor | ratio | target | result |",
-        "|---|---|---|---|---:|---|---|",
-    ]
+def _run_source(doc: dict) -> str:
+    m, mach = doc["meta"], doc["meta"]["machine"]
+    cores = f"{mach['usable_cpus']} cores" if mach.get("usable_cpus") else "cores unknown"
+    return f"{m['date'][:10]}, {mach['cpu_model']} ({cores})"
+
+
+def latest_rows(docs: list[dict]) -> list[dict]:
+    """The judged rows of several runs, a later run's benchmark replacing an earlier run's rows of
+    the same benchmark; each row says where and when it was measured (``source``)."""
+    by_bench: dict[str, list[dict]] = {}
+    for doc in docs:
+        for name in doc["meta"].get("benchmarks_run") or sorted({r["bench"] for r in doc["rows"]}):
+            rows = [dict(r) for r in doc["rows"] if r["bench"] == name]
+            for r in rows:
+                r["source"] = r.get("source") or f"{_run_source(doc)}, `{doc['meta']['command']}`"
+            if rows:
+                by_bench.pop(name, None)
+                by_bench[name] = rows
+    return [r for rows in by_bench.values() for r in rows if r["status"] != "INFO"]
+
+
+def format_markdown(docs: list[dict]) -> str:
+    """The one table of docs/benchmarks.md: the latest figure of every row with a target, where,
+    when and by what command it was measured. INFO rows (context, breakdowns, profiles) stay in
+    the runs' JSON."""
     esc = lambda s: str(s).replace("|", "\\|")  # noqa: E731
-    for r in doc["rows"]:
-        lines.append("| " + " | ".join(esc(c) for c in _cells(r)) + " |")
-    notes = [r for r in doc["rows"] if r.get("note")]
+    lines = ["| benchmark | measure | dfcache | competitor | ratio | target | result | measured |",
+             "|---|---|---|---|---:|---|---|---|"]
+    rows = latest_rows(docs)
+    for r in rows:
+        lines.append("| " + " | ".join(esc(c) for c in _cells(r)) + f" | {esc(r['source'])} |")
+    notes = [r for r in rows if r.get("note")]
     if notes:
         lines += ["", "Notes:", ""]
         for r in notes:
             lines.append(f"- **{esc(r['bench'])}**, {esc(r['measure'])}: {esc(r['note'])}")
-    extra = _markdown_details(doc)
-    if extra:
-        lines += [""] + extra
     return "\n".join(lines) + "\n"
-
-
-def _markdown_details(doc: dict) -> list[str]:
-    out = []
-    w = doc["benchmarks"].get("write", {}).get("details", {})
-    bd = w.get("breakdown_s")
-    if bd:
-        gb = bd["bytes"] / 1e9
-        out += [f"Write path broken down ({bd['bytes'] / 1e6:.0f} MB, {bd['chunks']} chunks of "
-                f"{bd['chunk_rows']} rows, medians, seconds):", "",
-                "| piece | s | GB/s |", "|---|---:|---:|"]
-        for k, v in bd.items():
-            if k in ("chunk_rows", "chunks", "bytes"):
-                continue
-            out.append(f"| {k} | {v:.3f} | {gb / v:.2f} |" if v > 0 else f"| {k} | {v:.3f} | |")
-    prof = w.get("profile_dfcache_write")
-    if prof:
-        out += ["", f"cProfile of one dfcache write ({prof[0]['total_s']:.2f} s), top functions by own time:", "",
-                "| function | calls | own s | share |", "|---|---:|---:|---:|"]
-        for p in prof[1:11]:
-            out.append(f"| `{p['function']}` | {p['calls']} | {p['tottime_s']:.3f} | {p['share'] * 100:.0f} % |")
-    ls = doc["benchmarks"].get("ls", {}).get("details", {})
-    lprof = ls.get("profile_ls")
-    if lprof:
-        out += ["", f"cProfile of `dfcache ls --json` in-process over {ls.get('profile_n')} artifacts "
-                f"({lprof[0]['total_s']:.2f} s), top functions by own time:", "",
-                "| function | calls | own s | share |", "|---|---:|---:|---:|"]
-        for p in lprof[1:11]:
-            out.append(f"| `{p['function']}` | {p['calls']} | {p['tottime_s']:.3f} | {p['share'] * 100:.0f} % |")
-    sa = doc["benchmarks"].get("samples", {}).get("details", {}).get("at_scale", {})
-    sprof = sa.get("profile_plan")
-    if sprof and "total_s" in sprof[0]:
-        out += ["", f"cProfile of the `dfcache plan hidden-states --json` subprocess over "
-                f"{sa.get('samples_per_stage'):,} samples per stage ({sprof[0]['total_s']:.2f} s under cProfile), "
-                "top functions by own time:", "", "| function | calls | own s | share |", "|---|---:|---:|---:|"]
-        for p in sprof[1:11]:
-            out.append(f"| `{p['function']}` | {p['calls']} | {p['tottime_s']:.3f} | {p['share'] * 100:.0f} % |")
-    eb = doc["benchmarks"].get("eval-batching", {}).get("details", {})
-    eprof = eb.get("profile_batched")
-    if eprof:
-        out += ["", f"Profile of one batched `score_roots` call ({eb.get('profile_n')} tokens, "
-                f"{eprof[0]['total_s']:.2f} s under cProfile): top Python functions, then torch operators, "
-                "by own time:", "", "| function | calls | own s | share |", "|---|---:|---:|---:|"]
-        py = [p for p in eprof[1:] if not p["function"].startswith("torch op ")][:6]
-        ops = [p for p in eprof[1:] if p["function"].startswith("torch op ")][:8]
-        for p in py + ops:
-            out.append(f"| `{p['function']}` | {p['calls']} | {p['tottime_s']:.3f} | {p['share'] * 100:.0f} % |")
-    return out
 
 
 def write_doc(doc_path: Path, md: str) -> None:
@@ -214,13 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     ap.add_argument("--strict", action="store_true", help="exit 1 if a target fails or a benchmark errors")
     ap.add_argument("--markdown", action="store_true", help="print the markdown table of a finished run")
-    ap.add_argument("--from", dest="from_json", default=str(DEFAULT_OUT), help="JSON to read with --markdown")
+    ap.add_argument("--from", dest="from_json", default=str(DEFAULT_OUT), help="JSON of runs to read with --markdown, comma-separated, oldest first (a later run's benchmark replaces an earlier run's)")
     ap.add_argument("--doc", default=None, help="with --markdown: also write it into this file between markers")
     args = ap.parse_args(argv)
 
     if args.markdown:
-        doc = json.loads(Path(args.from_json).read_text())
-        md = format_markdown(doc)
+        docs = [json.loads(Path(p.strip()).read_text()) for p in args.from_json.split(",") if p.strip()]
+        md = format_markdown(docs)
         if args.doc:
             write_doc(Path(args.doc), md)
             print(f"wrote the table of {args.from_json} into {args.doc}", file=sys.stderr)

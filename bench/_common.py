@@ -48,6 +48,9 @@ class Row:
     direction: str = ">="
     status: str = "INFO"
     note: str = ""
+    # Where and when the figure was measured, for rows not measured by this run (GPU rows read
+    # from --gpu-json): "NVIDIA H200, 2026-12-04, bench/results/gpu/x.json". Empty: this run.
+    source: str = ""
 
     def judge(self) -> "Row":
         if self.status == "SKIPPED" or self.target is None or self.ratio is None:

@@ -71,7 +71,7 @@ def main() -> int:
     else:
         H, L, V, heads, kv, hd, inter, dl = 4096, 36, 151936, 32, 8, 128, 12288, 5
         ids_layers = [1, 9, 17, 25, 33]
-    res: dict = {"config": {"target": {"hidden": H, "layers": L, "vocab": V, "heads": heads, "kv_heads": kv},
+    res: dict = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "config": {"target": {"hidden": H, "layers": L, "vocab": V, "heads": heads, "kv_heads": kv},
                             "drafter": {"layers": dl, "block": 16, "target_layer_ids": ids_layers},
                             "prompts": args.prompts, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                             "dtype": "float32, TF32 off"},

@@ -72,7 +72,7 @@ def log(msg: str) -> None:
 class Bench:
     def __init__(self, args) -> None:
         self.args = args
-        self.res: dict = {"args": vars(args), "env": {}, "model": {}, "data": {}, "throughput": [],
+        self.res: dict = {"date": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "args": vars(args), "env": {}, "model": {}, "data": {}, "throughput": [],
                           "diff": {}, "exactness": {}, "timings": {}, "memory": {}, "errors": []}
 
     def save(self) -> None:

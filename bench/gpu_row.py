@@ -14,6 +14,7 @@ numeric fields are then shown one row each.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from ._common import Ctx, Result, Row, fmt_num, skipped
@@ -44,10 +45,25 @@ def run(ctx: Ctx) -> Result:
             rows.append(skipped(NAME, "GPU results", f"SKIPPED: cannot read {path}: {e}"))
             continue
         raw[str(path)] = doc
-        rows += _rows_of(doc, path)
+        source = _source(doc, path)
+        for row in _rows_of(doc, path):
+            row.source = source
+            rows.append(row)
     if not rows:
         rows.append(skipped(NAME, "GPU results", f"SKIPPED: {ctx.gpu_json} holds no results"))
     return Result(rows, {"source": str(ctx.gpu_json), "raw": raw})
+
+
+def _source(doc, path: Path) -> str:
+    """"GPU, date, file" of a GPU result: the card from its ``env``, the date from its ``date`` field
+    or, for the files written before it had one, the ``YYYY-MM-DD`` in the file name."""
+    env = doc.get("env") if isinstance(doc, dict) and isinstance(doc.get("env"), dict) else {}
+    date = doc.get("date") if isinstance(doc, dict) and isinstance(doc.get("date"), str) else None
+    if date is None:
+        m = re.search(r"(\d{4}-\d{2}-\d{2})", path.name)
+        date = m.group(1) if m else "date unknown"
+    parts = [str(env.get("gpu") or env.get("device") or "GPU"), date[:10], str(path)]
+    return ", ".join(parts)
 
 
 def _rows_of(doc, path: Path) -> list[Row]:

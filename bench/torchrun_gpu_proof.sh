@@ -1,5 +1,5 @@
 #!/bin/bash
-# The GPU proof of the torchrun rank mapping (docs/distributed.md, docs/benchmarks.md "torchrun").
+# The GPU proof of the torchrun rank mapping (docs/distributed.md; logs in bench/results/gpu/torchrun_proof_*.log).
 # Run on a GPU machine from a copy of the tree whose code is on PYTHONPATH (with a
 # dfcache-*.dist-info beside it when dfcache is not pip-installed, so `run` is registered), and
 # fla/transformers installed; writes its log to ${OUT:-.}/torchrun_proof.log.

@@ -1,5 +1,5 @@
 """bench/state_digest.py (digests of stored hidden states, to compare library versions bit for bit
-on a GPU: docs/benchmarks.md, "transformers 5.25 on the H200") runs on the CPU: the same digests
+on a GPU: bench/results/gpu/state_digest_*_2026-12-04-t525.json, transformers 5.24 vs 5.25) runs on the CPU: the same digests
 twice, no network, no hub kernels, plain kernel functions."""
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Why: one forward of a Qwen3.5-style target launches on the order of a thousand k
 Python. Inside the extraction pipeline, the thread that launches them shares the GIL with the
 writer threads (digests, crc32c, file writes): an H200 measured the forwards' GPU span at 16.45 s
 inside the extraction against 10.9 s for the same one-sample forwards bare, the GPU waiting for
-launches (docs/benchmarks.md, "GPU"). A replayed graph is one launch per forward, whatever the
+launches (the 2026-12-03 profiles in bench/results/gpu/). A replayed graph is one launch per forward, whatever the
 other threads do.
 
 Exactness: a graph replays the kernels its capture recorded with the same launch parameters, on
