@@ -107,8 +107,9 @@ class RunResult:
 
 
 def make_options(options: EvalOptions | None = None, **fields_) -> EvalOptions:
-    """``options`` (default: the CLI's defaults, without progress output) with ``fields_``
-    replaced; unknown names refused.
+    """``options`` (default: the CLI's defaults) with ``fields_`` replaced; unknown names refused.
+    Progress output is the call's own: ``progress=True`` as a keyword, never an options object's
+    field (whose dataclass default, the CLI's, is on), so nothing prints unless asked.
 
     ``server=URL`` means completions from that server, as ``--server`` does on the command line
     (runner/cli.py): ``completions`` becomes ``"server"`` unless given, and ``completions="local"``
@@ -121,8 +122,8 @@ def make_options(options: EvalOptions | None = None, **fields_) -> EvalOptions:
     if unknown:
         raise UsageError(f"unknown option(s) {', '.join(unknown)}; the options are the fields of "
                          "runner.options.EvalOptions.")
-    base = options if options is not None else EvalOptions(progress=False)
-    opts = replace(base, **fields_)
+    base = options if options is not None else EvalOptions()
+    opts = replace(base, **{"progress": False, **fields_})
     if opts.server is not None and opts.completions == "local":
         if "completions" in fields_:
             raise UsageError("completions='local' does not use server=; drop server=, or pass "

@@ -124,13 +124,14 @@ def test_runs_print_nothing_and_give_progress_to_log(tiny_target, tmp_path, capf
     import transformers.utils.logging as tlog
 
     from runner import api
+    from runner.options import EvalOptions
 
     sel = dict(target=str(tiny_target), num_prompts=2, max_new_tokens=8, backend="torch", device="cpu",
                completions="local", layers=[1])
     bars, verbosity = tlog.is_progress_bar_enabled(), tlog.get_verbosity()
     capfd.readouterr()
     api.plan("hidden-states", store=tmp_path / "s", **sel)
-    api.run("hidden-states", store=tmp_path / "s", **sel)
+    api.run("hidden-states", store=tmp_path / "s", options=EvalOptions(**sel))  # its progress field is on
     api.hidden_state_dataset(store=tmp_path / "s", **sel)
     assert capfd.readouterr() == ("", "")
     assert (tlog.is_progress_bar_enabled(), tlog.get_verbosity()) == (bars, verbosity)
