@@ -215,9 +215,10 @@ def refusal(check: LayerCheck, cands: list[Candidate], fmt: str, root) -> BadInp
                                 f"the declared layer {c.declared_distance:.1e})")
             matched.append(c.layer)
         elif c.nearest == f"layer {c.declared}":
+            of = "this backend class" if check.same_class else "a CPU recomputation"
             lines.append(head + f"nearest is the declared layer, but at {c.distance:.1e}, over the tolerance "
-                                f"{check.tolerance:g} of {'this backend class' if check.same_class else 'a CPU recomputation'}:"
-                                " the states were made by another backend class or model than declared")
+                                f"{check.tolerance:g} of {of}: the states were made by another backend class or "
+                                "model than declared")
             matched.append(None)
         else:
             lines.append(head + f"matches no layer convention (nearest: {c.nearest} at {c.distance:.1e}, over the "
