@@ -503,6 +503,14 @@ def test_gpu_declared_states_are_checked_on_the_cpu_within_the_cross_kernel_tole
     assert check["recomputed_with"] == "torch/cpu/bfloat16/sdpa"
     assert cli_main([*args, "--layer", "2", "--layer", "4"]) == 6
     assert [c["layer"] for c in json.loads(capsys.readouterr().out)["layer_check"]["columns"]] == [1, 3]
+    # The right layers, but 3 % off: not this CPU class's rounding (declared torch/cpu, tolerance 1e-2).
+    for f in src.glob("*.pt"):
+        rec = torch.load(f, weights_only=True)
+        rec["aux_hidden_states"] = (rec["aux_hidden_states"].float() * 1.03).to(torch.bfloat16)
+        torch.save(rec, f)
+    assert _import(tmp_path / "s2", "modelopt", src, target_path, 1, 3) == 6
+    err = capsys.readouterr().err
+    assert "nearest is the declared layer, but at 2.9e-02, over the tolerance 0.01 of this backend class" in err, err
 
 
 def test_layer_check_tolerance_lies_between_kernel_rounding_and_the_next_layer(cached, target_path):
