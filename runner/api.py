@@ -1,11 +1,15 @@
 """The runner's Python API: what `dfcache plan` and `dfcache run` do, returning results.
 
-Nothing here prints (progress bars go to stderr only when ``progress=True``); the CLI prints
-from the same results. Options are the fields of :class:`runner.options.EvalOptions`, the
-ones the command line fills in (``--num-prompts 4`` is ``num_prompts=4``)::
+Nothing here prints: progress lines go to ``log=`` (a callable taking one line) when given,
+progress bars and lines to stderr only with ``progress=True``, and transformers' own bars and
+notices are off for the length of a call that computes; the CLI prints from the same results.
+Options are the fields of :class:`runner.options.EvalOptions`, the ones the command line fills
+in (``--num-prompts 4`` is ``num_prompts=4``), and mean what the flags mean: ``server=URL``
+takes completions from that server, as ``--server`` does. Errors name these keywords in their
+fixes (``server=URL``, not ``--server URL``; runner/api_errors.py)::
 
     from runner import api
-    result = api.run("eval", store="./store", example=True, progress=False)
+    result = api.run("eval", store="./store", example=True)
     result.report["drafters"][0]["tau_chain"]
 
 See docs/python.md for the whole API, doctested by tests/test_python_api.py.
@@ -13,6 +17,8 @@ See docs/python.md for the whole API, doctested by tests/test_python_api.py.
 
 from __future__ import annotations
 
+import functools
+import sys
 import time
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -101,7 +107,14 @@ class RunResult:
 
 
 def make_options(options: EvalOptions | None = None, **fields_) -> EvalOptions:
-    """``options`` (default: the CLI's defaults) with ``fields_`` replaced; unknown names refused."""
+    """``options`` (default: the CLI's defaults) with ``fields_`` replaced; unknown names refused.
+    Progress output is the call's own: ``progress=True`` as a keyword, never an options object's
+    field (whose dataclass default, the CLI's, is on), so nothing prints unless asked.
+
+    ``server=URL`` means completions from that server, as ``--server`` does on the command line
+    (runner/cli.py): ``completions`` becomes ``"server"`` unless given, and ``completions="local"``
+    given beside ``server=`` is refused, as ``--completions local --server URL`` is.
+    """
     from dfcache.errors import UsageError
 
     known = {f.name for f in fields(EvalOptions)}
@@ -109,40 +122,48 @@ def make_options(options: EvalOptions | None = None, **fields_) -> EvalOptions:
     if unknown:
         raise UsageError(f"unknown option(s) {', '.join(unknown)}; the options are the fields of "
                          "runner.options.EvalOptions.")
-    base = options if options is not None else EvalOptions(progress=False)
-    return replace(base, **fields_)
+    base = options if options is not None else EvalOptions()
+    opts = replace(base, **{"progress": False, **fields_})
+    if opts.server is not None and opts.completions == "local":
+        if "completions" in fields_:
+            raise UsageError("completions='local' does not use server=; drop server=, or pass "
+                             "completions='server' to take completions from it.")
+        opts.completions = "server"  # a server named and no source chosen: that server's completions
+    return opts
 
 
-def _open(store):
+def _open(store, opts: EvalOptions | None = None):
+    """``store``: a Store, a path or URL, or None for ``$DFCACHE_STORE``, else ``./store`` (never
+    the command line's state: a Python caller has none)."""
     from dfcache import open_store
     from dfcache.store import Store
 
     if isinstance(store, Store):
         return store
-    if store is None:
-        from dfcache.cli.common import get_store
-
-        return get_store()
-    return open_store(store)
+    return open_store(store, offline=True if opts is not None and opts.offline else None)
 
 
 _FLAGS = {"target": "--target", "target_revision": "--revision", "drafters": "--drafter", "layers": "--layer",
           "tree_budgets": "--tree-budget", "remotes": "--remote"}
-_NO_FLAG = ("json", "progress", "attn_implementation")
+_NO_FLAG = ("json", "progress")
 
 
 def cli_args(opts: EvalOptions) -> list[str]:
     """The command-line flags that give ``opts`` (those that differ from the defaults), for
-    "produce it with: dfcache ..." messages of Python calls."""
+    "produce it with: dfcache ..." messages of Python calls: the command resolves as the call did."""
     default = EvalOptions()
     args: list[str] = []
     for f in fields(EvalOptions):
         value = getattr(opts, f.name)
         if f.name in _NO_FLAG or value == getattr(default, f.name):
             continue
+        if f.name == "completions" and value == "server" and opts.server:
+            continue  # --server implies it, as typed on the command line
         flag = _FLAGS.get(f.name, "--" + f.name.replace("_", "-"))
         if isinstance(value, bool):
             args.append(flag if value else f"--no-{flag[2:]}")
+        elif f.name == "key_versions":
+            args += [flag, ",".join(value)]  # one comma list (runner/provenance_keys.py)
         elif isinstance(value, list):
             for v in value:
                 args += [flag, str(v)]
@@ -151,13 +172,131 @@ def cli_args(opts: EvalOptions) -> list[str]:
     return args
 
 
-def _argv(upto: str, argv: list[str] | None, opts: EvalOptions | None = None) -> list[str]:
-    return list(argv) if argv is not None else ["run", upto, *(cli_args(opts) if opts else [])]
+def _store_args(store) -> list[str]:
+    """``--store LOCATION`` unless ``store`` is the one `dfcache` opens by default."""
+    import os
+
+    from dfcache.config import default_store_location
+
+    if store is None:
+        return []
+    url = str(store.url)
+    default = default_store_location()
+    if "://" not in url and "://" not in default:
+        if os.path.realpath(os.path.expanduser(default)) == os.path.realpath(url):
+            return []
+    elif url == default:
+        return []
+    return ["--store", url]
+
+
+def _argv(upto: str, argv: list[str] | None, opts: EvalOptions | None = None, store=None) -> list[str]:
+    if argv is not None:
+        return list(argv)
+    return [*_store_args(store), "run", upto, *(cli_args(opts) if opts else [])]
+
+
+class _Lines:
+    """A stream that hands each whole line to ``log`` (a Python caller's progress callback)."""
+
+    def __init__(self, log: Callable[[str], None]) -> None:
+        self.log, self._part = log, ""
+
+    def write(self, text: str) -> int:
+        *lines, self._part = (self._part + text).split("\n")
+        for line in lines:
+            line = line.rsplit("\r", 1)[-1]  # what a terminal would show of a rewritten line
+            if line.strip():
+                self.log(line)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+class _Null:
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+class _Output:
+    """Where one call's progress goes: lines to ``log`` if given, else to stderr with
+    ``progress=True``, else nowhere; bars (tqdm) to stderr with ``progress=True`` only.
+
+    transformers prints bars of its own ("Loading weights", "Writing model shards") and notices;
+    without ``progress=True`` they are off while the call computes and as they were afterwards.
+    :meth:`hush` is called only where the call is about to compute (it imports transformers'
+    logging module, 1.7 s here): a fully cached call imports no transformers."""
+
+    def __init__(self, opts: EvalOptions, log: Callable[[str], None] | None) -> None:
+        self.out = _Lines(log) if log is not None else (sys.stderr if opts.progress else _Null())
+        self.bars = sys.stderr if opts.progress else None
+        self.quiet = not opts.progress
+        self._saved = None
+
+    def line(self, message: str) -> None:
+        self.out.write(message + "\n")
+        self.out.flush()
+
+    def hush(self) -> None:
+        if not self.quiet or self._saved is not None:
+            return
+        from transformers.utils import logging as tlog
+
+        self._saved = (tlog.is_progress_bar_enabled(), tlog.get_verbosity())
+        tlog.disable_progress_bar()
+        tlog.set_verbosity_error()
+
+    def __enter__(self) -> "_Output":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._saved is None:
+            return
+        from transformers.utils import logging as tlog
+
+        bars, verbosity = self._saved
+        if bars:
+            tlog.enable_progress_bar()
+        tlog.set_verbosity(verbosity)
+        self._saved = None
+
+
+def _python_errors(func):
+    """Errors leaving ``func`` name the API's keywords in their fixes (runner/api_errors.py)."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        from dfcache.errors import DfcacheError
+
+        try:
+            return func(*args, **kwargs)
+        except DfcacheError as e:
+            from .api_errors import for_python
+
+            new = for_python(e)
+            if new is e:
+                raise
+            raise new.with_traceback(e.__traceback__) from None
+
+    return wrapper
 
 
 def resolve_graph(upto: str, opts: EvalOptions, store=None, *, argv: list[str] | None = None,
-                  log: Callable[[str], None] | None = None):
-    """Build and resolve the graph (no work). Returns ``(ctx, nodes)``: the runner's own objects."""
+                  log: Callable[[str], None] | None = None, out=None, bars=None):
+    """Build and resolve the graph (no work). Returns ``(ctx, nodes)``: the runner's own objects.
+
+    ``log``: the example build's lines (default: none); ``out``/``bars``: the run's progress
+    lines and bars (default: stderr, as the command line prints them)."""
     from dfcache.errors import UsageError
 
     from .graph import RunContext, resolve
@@ -165,16 +304,33 @@ def resolve_graph(upto: str, opts: EvalOptions, store=None, *, argv: list[str] |
 
     if upto not in TARGETS:
         raise UsageError(f"unknown target {upto!r}; use {', '.join(TARGETS)}.")
-    st = _open(store)
+    st = _open(store, opts)
+    argv = _argv(upto, argv, opts, st)  # before the example fills in its paths: `--example` says them
     if opts.example:
         from .example import apply_example
 
         apply_example(st, opts, log=log or (lambda m: None))
     from .cli_support import open_remotes
 
-    ctx = RunContext(st, opts, remotes=open_remotes(opts), argv=_argv(upto, argv, opts))
+    note = (lambda m: (out.write(m + "\n"), out.flush())) if out is not None else None
+    ctx = RunContext(st, opts, remotes=open_remotes(opts, log=note), argv=argv, out=out, bars=bars)
     nodes = resolve(ctx, build_graph(ctx, upto))
     return ctx, nodes
+
+
+def _prepare(upto: str, opts: EvalOptions, store, output: _Output):
+    """The store opened for a call, and the example built (quietly) where the call asks for it."""
+    from dfcache.errors import UsageError
+
+    if upto not in TARGETS:
+        raise UsageError(f"unknown target {upto!r}; use {', '.join(TARGETS)}.")
+    st = _open(store, opts)
+    if opts.example:
+        from .example import example_built
+
+        if not example_built(st):
+            output.hush()  # the build saves and loads models with transformers
+    return st
 
 
 def _node_result(n, outcome: str | None = None) -> NodeResult:
@@ -183,43 +339,56 @@ def _node_result(n, outcome: str | None = None) -> NodeResult:
                       partition=n.partition.key if n.partition is not None else None, samples=n.samples_dict())
 
 
+@_python_errors
 def plan(upto: str = "eval", *, store=None, options: EvalOptions | None = None,
-         argv: list[str] | None = None, **fields_) -> PlanResult:
+         argv: list[str] | None = None, log: Callable[[str], None] | None = None, **fields_) -> PlanResult:
     """Resolve the graph up to ``upto`` and give each node its status; does no work.
 
     Offline (``offline=True``), missing nodes that need the network raise
     :class:`dfcache.errors.OfflineMissingError` (exit code 3 on the command line), all together.
+    ``log``: a callable given each progress line (the example's build, notes about remotes).
     """
     from .graph import check_offline
 
     opts = make_options(options, **fields_)
-    ctx, nodes = resolve_graph(upto, opts, store, argv=argv)
+    with _Output(opts, log) as output:
+        st = _prepare(upto, opts, store, output)
+        ctx, nodes = resolve_graph(upto, opts, st, argv=argv, log=output.line, out=output.out, bars=output.bars)
     if opts.offline:
         check_offline(ctx, nodes)
     return PlanResult(upto=upto, nodes=[_node_result(n) for n in nodes])
 
 
+@_python_errors
 def run(upto: str = "eval", *, store=None, options: EvalOptions | None = None,
         argv: list[str] | None = None, log: Callable[[str], None] | None = None, shard: str | None = None,
         **fields_) -> RunResult:
     """Produce the graph up to ``upto``, reusing everything cached; returns what happened.
+
+    Prints nothing: ``log`` (a callable) is given each progress line ("hidden states: 2
+    sample(s) ..."); ``progress=True`` shows bars and lines on stderr, as the command line does.
 
     Under torchrun (``RANK``/``WORLD_SIZE`` set), or with ``shard="I/N"`` (or ``"slurm"``), this
     process is one worker of a distributed run, as ``dfcache run`` is: it makes its share of the
     missing samples into the shared store (docs/distributed.md) and ``result.worker`` says which.
 
     Raises the errors the command line turns into exit codes (``OfflineMissingError`` 3,
-    ``NetworkError`` 4, ``BadInputError`` 6, ...; see docs/cli.md).
+    ``NetworkError`` 4, ``BadInputError`` 6, ...; see docs/cli.md), their fixes naming this
+    function's keywords.
     """
     started = time.perf_counter()
     opts = make_options(options, **fields_)
     from .distributed import discover, run_worker
 
     worker = discover(shard)
-    if not worker.distributed:
-        ctx, nodes = _run(upto, opts, store, argv=argv, log=log)
-        return _result(upto, ctx, nodes, time.perf_counter() - started)
-    done = run_worker(upto, opts, _open(store), worker=worker, argv=argv, log=log)
+    with _Output(opts, log) as output:
+        st = _prepare(upto, opts, store, output)
+        if not worker.distributed:
+            ctx, nodes = _run(upto, opts, st, argv=argv, log=output.line, output=output)
+            return _result(upto, ctx, nodes, time.perf_counter() - started)
+        output.hush()  # a distributed worker computes (its share, or the report)
+        done = run_worker(upto, opts, st, worker=worker, argv=argv or _argv(upto, None, opts, st), log=output.line,
+                          out=output.out)
     return worker_result(upto, done, time.perf_counter() - started)
 
 
@@ -236,14 +405,17 @@ def worker_result(upto: str, done, seconds: float) -> RunResult:
     return res
 
 
-def _run(upto: str, opts: EvalOptions, store, *, argv=None, log=None, out=None):
+def _run(upto: str, opts: EvalOptions, store, *, argv=None, log=None, out=None, output: _Output | None = None):
     from .graph import check_offline
     from .pipeline import execute
 
-    ctx, nodes = resolve_graph(upto, opts, store, argv=argv, log=log)
-    if out is not None:
-        ctx.out = out
+    if output is not None:
+        out = output.out
+    ctx, nodes = resolve_graph(upto, opts, store, argv=argv, log=log, out=out,
+                               bars=output.bars if output is not None else None)
     check_offline(ctx, nodes)
+    if output is not None and any(n.status.startswith("compute") or n.status == "network" for n in nodes):
+        output.hush()  # work to do: the stages load models and tokenizers with transformers
     execute(ctx, nodes)
     return ctx, nodes
 
@@ -264,15 +436,16 @@ def _result(upto: str, ctx, nodes, seconds: float) -> RunResult:
     return res
 
 
+@_python_errors
 def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, layers: list[int] | None = None,
                          max_len: int | None = None, tokens_key: str | None = None, concatenated: bool = False,
-                         progress=None, **fields_):
+                         progress=None, log: Callable[[str], None] | None = None, **fields_):
     """A :class:`dfcache.training.HiddenStateDataset` over the stored states of a selection.
 
     The selection is what ``dfcache run hidden-states`` would use with the same options
-    (``target``, ``drafters`` or ``layers``, ``prompts``, ``backend``, ...). Hidden states are
-    concatenated in the drafter's ``target_layer_ids`` order (or ``layers``' order). Nothing is
-    computed: a selection that is not fully cached raises
+    (``target``, ``drafters`` or ``layers``, ``prompts``, ``backend``, ``server``, ...). Hidden
+    states are concatenated in the drafter's ``target_layer_ids`` order (or ``layers``' order).
+    Nothing is computed: a selection that is not fully cached raises
     :class:`dfcache.errors.OfflineMissingError` naming what is missing and the command that
     produces it.
 
@@ -280,15 +453,17 @@ def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, laye
     import` prints its tokens key).
 
     ``concatenated=True``: read from the selection's concatenated copy (``runner.concat``, what
-    `dfcache concat` writes), written first for the samples not in it yet (``progress(n)``: a
-    tqdm-like bar). The layers are then stored side by side once more, and an item's hidden
-    states are a private memory map of its rows instead of a copy: the same items, faster to
-    read, at the cost of the selected layers' bytes again on disk.
+    `dfcache concat` writes), written first for the samples not in it yet. The layers are then
+    stored side by side once more, and an item's hidden states are a private memory map of its
+    rows instead of a copy: the same items, faster to read, at the cost of the selected layers'
+    bytes again on disk. ``progress``: ``True`` for a bar on stderr while the copy is written, or a
+    tqdm-like factory ``progress(n)``; default none. ``log``: a callable given progress lines.
     """
     from dfcache.training import HiddenStateDataset
 
     from .samples import resolve_selection, stored_selection
 
+    bar = _bar_factory(progress)
     if tokens_key is not None:
         if not layers:
             from dfcache.errors import UsageError
@@ -299,16 +474,31 @@ def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, laye
         if concatenated:
             from .concat import concat
 
-            concat(source, st, progress=progress)
+            concat(source, st, progress=bar)
         return HiddenStateDataset(source, max_len=max_len)
     opts = make_options(options, **fields_)
-    sel = resolve_selection(opts, store=_open(store), layers=layers, argv=_argv("hidden-states", None, opts))
+    st = _open(store, opts)
+    out = _Output(replace(opts, progress=False), log).out
+    sel = resolve_selection(opts, store=st, layers=layers, argv=_argv("hidden-states", None, opts, st), out=out)
     source = sel.source()
     if concatenated:
         from .concat import concat
 
-        concat(source, sel.store, progress=progress)
+        concat(source, sel.store, progress=bar)
     return HiddenStateDataset(source, max_len=max_len)
+
+
+def _bar_factory(progress):
+    if progress is None or progress is False:
+        return None
+    if progress is True:
+        def bar(n: int):
+            from tqdm.auto import tqdm
+
+            return tqdm(total=n, desc="concat", unit="sample", file=sys.stderr, leave=False)
+
+        return bar
+    return progress
 
 
 __all__ = ["NodeResult", "PlanResult", "RunResult", "hidden_state_dataset", "make_options", "plan", "run",

@@ -110,8 +110,11 @@ def import_command(
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
     store: Optional[str] = typer.Option(None, "--store", help="Store path or URL (as before the command)."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
+    no_check: bool = typer.Option(False, "--no-check", help="Do not check the declared layers on a recomputed "
+                                  "sample (the import is marked unchecked)."),
 ) -> None:
-    """Import hidden states made by SpecForge, speculators or ModelOpt (declared, not verified)."""
+    """Import hidden states made by SpecForge, speculators or ModelOpt, the declared layers checked on a
+    recomputed sample."""
     from dfcache.cli.common import state
     from dfcache.errors import BadInputError
 
@@ -129,9 +132,19 @@ def import_command(
 
         progress = lambda n, what: tqdm(total=n, desc=f"import {fmt} ({what})", unit="sample",  # noqa: E731
                                         file=sys.stderr, leave=False)
+    from .cli_support import quiet_libraries
+
+    quiet_libraries(bars=progress is not None, notices=not (no_progress or state.no_progress))
+    log = None if (no_progress or state.no_progress) else (lambda m: print(m, file=sys.stderr, flush=True))
     try:
-        res = import_dir(fmt, directory, opts, get_store(), layers=list(layers or []), progress=progress)
+        res = import_dir(fmt, directory, opts, get_store(), layers=list(layers or []), progress=progress,
+                         check=not no_check, log=log)
     except BadInputError as e:
+        check = getattr(e, "layer_check", None)
+        if as_json and check is not None:  # the refusal, with the check's figures
+            emit_json({"error": str(e), "exit_code": e.exit_code, "type": type(e).__name__,
+                       "layer_check": check.to_dict()})
+            raise typer.Exit(e.exit_code) from None
         res = getattr(e, "result", None)
         if res is not None and res.samples and not as_json:
             _print_import(res)
@@ -147,13 +160,17 @@ def import_command(
 
 def _print_import(res) -> None:
     verb = "already in the store" if res.already else "imported"
-    print(f"{res.samples} {res.format} sample(s) {verb}, marked imported (declared, not verified)"
+    print(f"{res.samples} {res.format} sample(s) {verb}, marked {res.provenance}"
           + (f"; {res.reused} were in the store already" if res.reused and not res.already else "") + ":")
     print(f"  import            {res.tokens_key}")
     for k, key in res.layer_keys.items():
         print(f"  hidden_states[{k}]  partition {key}")
     for note in res.notes:
         print(f"note: {note}")
+    if res.layer_check and res.layer_check.get("checked"):
+        from .import_check import summary_of
+
+        print(summary_of(res.layer_check))
     print(f"read them: runner.api.hidden_state_dataset(tokens_key={res.tokens_key[:12]!r}, "
           f"layers={list(res.layer_keys)})")
 

@@ -15,9 +15,10 @@ from dfcache.console import emit_json
 from .options import EvalOptions
 
 
-def open_remotes(opts: EvalOptions) -> list:
+def open_remotes(opts: EvalOptions, log=None) -> list:
     """The remotes to look in: --remote flags, else the config's default remotes. Offline,
-    a remote that needs the network is refused (a file:// remote is fine)."""
+    a remote that needs the network is refused (a file:// remote is fine). ``log``: where the
+    note about that goes (default: stderr)."""
     from dfcache.config import load_config
 
     names = opts.remotes or load_config().default_remotes
@@ -33,8 +34,11 @@ def open_remotes(opts: EvalOptions) -> list:
         except OfflineModeIsEnabled:
             # Offline, a network remote is simply not consulted (it must not fail a run that has
             # everything it needs locally); what is missing is then reported as needing the network.
-            print(f"note: offline mode is on, so remote {name} (it needs the network) is not consulted.",
-                  file=sys.stderr, flush=True)
+            note = f"note: offline mode is on, so remote {name} (it needs the network) is not consulted."
+            if log is not None:
+                log(note)
+            else:
+                print(note, file=sys.stderr, flush=True)
     return remotes
 
 

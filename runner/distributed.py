@@ -498,7 +498,7 @@ class WorkerRun:
                 "missing_prompts": self.missing}
 
 
-def run_worker(upto: str, opts, store, *, worker: Worker, argv=None, log=None) -> WorkerRun:
+def run_worker(upto: str, opts, store, *, worker: Worker, argv=None, log=None, out=None) -> WorkerRun:
     """One worker's part of ``dfcache run`` (any world size, 1 included).
 
     List the store and resolve the graph; meet the others (torchrun) so that nobody commits
@@ -506,7 +506,8 @@ def run_worker(upto: str, opts, store, *, worker: Worker, argv=None, log=None) -
     set, when the workers cannot meet), committing segment by segment into the shared store;
     meet again. Then rank 0 (or, when the workers cannot meet, whichever finds the set complete)
     resolves the full graph, makes what is left (the report), and the caller prints its result.
-    Nothing is merged: the store holds the union of what every worker committed.
+    Nothing is merged: the store holds the union of what every worker committed. ``log`` and
+    ``out``: where progress lines go (default: stderr; runner.api gives a Python caller's).
     """
     global _CURRENT
     from dataclasses import replace
@@ -518,11 +519,11 @@ def run_worker(upto: str, opts, store, *, worker: Worker, argv=None, log=None) -
     _CURRENT = worker
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
     if not worker.distributed:
-        ctx, nodes = api._run(upto, opts, store, argv=argv, log=log)
+        ctx, nodes = api._run(upto, opts, store, argv=argv, log=log, out=out)
         return WorkerRun(worker, ctx, nodes)
     if opts.device == "cuda":
         device_for(worker, "cuda")  # a LOCAL_RANK with no GPU fails first, before anything else runs
-    tagged = _Tagged(sys.stderr, worker.tag)
+    tagged = _Tagged(out or sys.stderr, worker.tag)
     wlog = (lambda m: (tagged.write(f"{m}\n"), tagged.flush()))
     show = opts.progress
     # Many ranks' bars on one terminal are noise: under torchrun only rank 0 shows the whole job,
@@ -530,7 +531,7 @@ def run_worker(upto: str, opts, store, *, worker: Worker, argv=None, log=None) -
     own_bars = show and not worker.can_meet
     work_opts = replace(opts, concurrency=split_concurrency(opts.concurrency, worker), progress=own_bars)
     with Group(worker, log=wlog) as group:
-        ctx, nodes = api.resolve_graph(upto, work_opts, store, argv=argv, log=wlog)
+        ctx, nodes = api.resolve_graph(upto, work_opts, store, argv=argv, log=wlog, out=out)
         if worker.can_meet:  # ranks share a terminal (a --shard worker has its own log, and its bars)
             ctx.out = _Tagged(ctx.out, worker.tag)
         check_offline(ctx, nodes)
@@ -555,7 +556,7 @@ def run_worker(upto: str, opts, store, *, worker: Worker, argv=None, log=None) -
     from dfcache.samples import index_of
 
     index_of(ctx.store).refresh()  # it was listed before the other workers committed
-    ctx2, nodes2 = api.resolve_graph(upto, replace(opts, progress=show), ctx.store, argv=argv, log=log)
+    ctx2, nodes2 = api.resolve_graph(upto, replace(opts, progress=show), ctx.store, argv=argv, log=log, out=out)
     left = [n for n in nodes2 if n.partition is not None and (n.produce or n.pull)]
     if left and not met:
         # Other workers' shares are not done (yet): this one reports its own part only.

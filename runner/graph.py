@@ -219,13 +219,16 @@ class RunContext:
     run's typed shared state (``cache``, ``hooks``, ``last_extract_stats``)."""
 
     def __init__(self, store, options: EvalOptions, *, remotes: list | None = None, argv: list[str] | None = None,
-                 out=None, cache: RunCache | None = None, hooks: RunHooks | None = None) -> None:
+                 out=None, cache: RunCache | None = None, hooks: RunHooks | None = None, bars=None) -> None:
         options.validate()
         self.store = store
         self.options = options
         self.remotes = list(remotes or [])
         self.argv = list(argv) if argv is not None else list(sys.argv[1:])
         self.out = out or sys.stderr
+        # Progress bars' stream (default: ``out``); apart for a Python caller whose lines go to a
+        # callback while its bars stay on the terminal.
+        self.bars = bars
         self.cache = cache if cache is not None else RunCache()
         self.hooks = hooks if hooks is not None else RunHooks()
         self.last_extract_stats = None  # the hidden-states stage's last ExtractStats (bench, tests)
@@ -239,7 +242,7 @@ class RunContext:
 
         disable = not self.options.progress
         return tqdm(total=total, desc=desc, unit=unit, unit_scale=unit_scale, disable=disable,
-                    file=self.out, dynamic_ncols=True, leave=False)
+                    file=self.bars or self.out, dynamic_ncols=True, leave=False)
 
     def command_with(self, add: str | None = None, drop: tuple[str, ...] = ()) -> str:
         """This run's command line with flags dropped or added (for "how to fix" messages)."""

@@ -14,7 +14,11 @@ What is read (the peers' layouts, docs/cli.md):
 
 Nothing in the files says which layers, model or kernels made them: the user declares the
 target (``--target``), the layer ids in file order (``--layer``, dfcache numbering: output of
-decoder layer k) and the backend class (``--backend``, ``--device``). The files are loaded with
+decoder layer k) and the backend class (``--backend``, ``--device``). The declared layers are
+checked before anything is written: one sample is recomputed on the CPU and each column must be
+nearest to its declared layer, not to a neighbour (runner/import_check.py); a declaration that
+does not hold is refused (exit 6) naming the layers the columns hold. ``--no-check`` skips it and
+marks the import unchecked. The files are loaded with
 ``torch.load(weights_only=True)`` (no arbitrary unpickling). Samples go into the store's
 per-sample segments: each sample's ids and loss mask are a ``tokens`` sample of a root partition
 (keyed by the target's tokenizer, marked imported; the sample named by the digest of its ids and
@@ -22,8 +26,10 @@ mask), and each layer's rows a ``hidden_states`` sample of the partition the ext
 keys over those tokens with the declared backend. Only samples the store lacks are written, so a
 grown set, a subset or an overlapping directory reuses what an earlier import committed. The set
 in file order is one small ``import`` artifact (its sample keys per partition), the key the user
-reads it by. Everything is marked ``imported (declared, not verified)`` in provenance and
-summary, which `dfcache ls` shows.
+reads it by. Everything is marked in provenance and summary, which `dfcache ls` shows:
+``imported (layers checked against a recomputed sample)``, or with ``--no-check``
+``imported (declared, not checked: --no-check)``; the import artifact's provenance holds the
+check's figures (``layer_check``).
 
 A sample that cannot be read whole, holds NaN or Inf, or whose lengths or width disagree with
 its input ids and the declared layers is refused with its reason; the others are imported, and
@@ -48,7 +54,10 @@ from .graph import RunContext
 from .options import EvalOptions
 
 FORMATS = ("specforge", "speculators", "modelopt")
+# Keyed in the imported tokens partition (tokens_partition): never changes, whatever the check.
 PROVENANCE = "imported (declared, not verified)"
+CHECKED = "imported (layers checked against a recomputed sample)"
+UNCHECKED = "imported (declared, not checked: --no-check)"
 _INDEX = re.compile(r"(\d+)")
 
 
@@ -68,13 +77,15 @@ class ImportResult:
     already: bool = False
     reused: int = 0  # samples that were in the store already (from any earlier import)
     notes: list[str] = field(default_factory=list)
+    provenance: str = CHECKED
+    layer_check: dict | None = None  # runner.import_check.LayerCheck.to_dict(), or {"checked": False}
 
     def to_dict(self) -> dict:
         return {"format": self.format, "samples": self.samples, "tokens_key": self.tokens_key,
                 "layer_keys": {str(k): v for k, v in self.layer_keys.items()}, "already_imported": self.already,
                 "reused": self.reused,
                 "refused": [{"file": r.file, "reason": r.reason} for r in self.refused],
-                "provenance": PROVENANCE, "notes": self.notes}
+                "provenance": self.provenance, "layer_check": self.layer_check, "notes": self.notes}
 
 
 def _files(fmt: str, root: Path) -> list[Path]:
@@ -188,9 +199,10 @@ def _storage(hidden) -> np.ndarray:
 
 
 def import_dir(fmt: str, root: str | Path, opts: EvalOptions, store, *, layers: list[int],
-               progress=None) -> ImportResult:
+               progress=None, check: bool = True, log=None) -> ImportResult:
     """Import the samples under ``root``; see the module docstring. Raises BadInputError (exit 6)
-    after committing the good samples when any were refused."""
+    after committing the good samples when any were refused, and before writing anything when the
+    declared layers do not hold on a recomputed sample (``check``; ``log``: its progress line)."""
     from .models.resolve import resolved_target
     from .models.target import check_layer_ids, read_model_info, resolve_kernel
     from .stages import hidden_states as hs_stage
@@ -246,10 +258,14 @@ def import_dir(fmt: str, root: str | Path, opts: EvalOptions, store, *, layers: 
     if bar is not None:
         bar.close()
     result = ImportResult(format=fmt, samples=len(good), refused=refused, tokens_key=None, layer_keys={},
-                          notes=notes)
+                          notes=notes, provenance=CHECKED if check else UNCHECKED,
+                          layer_check=None if check else {"checked": False, "reason": "--no-check"})
     if good:
         backend = resolve_kernel(opts.backend, opts.device, dtype, opts.attn_implementation,
                                   has_linear_attention=info.has_linear_attention, check=False)
+        if check:
+            result.layer_check = _check_layers(fmt, root, good, masks, list(layers), width, info, target, backend,
+                                               log).to_dict()
         _commit(fmt, root, good, layers, width, backend, target, store, result, masks, progress,
                 tokens_stage, hs_stage)
     if refused:
@@ -263,6 +279,43 @@ def import_dir(fmt: str, root: str | Path, opts: EvalOptions, store, *, layers: 
         err.result = result  # the CLI prints what was imported before the error
         raise err
     return result
+
+
+def _check_layers(fmt, root: Path, good, masks, layers: list[int], width: int, info, target, declared, log):
+    """Recompute the shortest good sample's first tokens and check each column's layer (see
+    runner/import_check.py); raises the refusal (exit 6) before anything is written."""
+    from .import_check import (CHECK_TOKENS, TOLERANCE_CROSS, TOLERANCE_SAME, LayerCheck, candidates,
+                               check_columns, recompute, refusal)
+    from .models.resolve import require_weights
+    from .models.target import KernelSpec
+
+    i = min(range(len(good)), key=lambda j: (len(good[j][1]), j))
+    path, ids, _ = good[i]
+    n = min(len(ids), CHECK_TOKENS)
+    # The CPU and torch's kernels run anywhere the model fits in memory; the declared class itself
+    # when it is a CPU one (then the rows must agree to its rounding), else the same dtype with
+    # sdpa attention (flash-attention runs only on GPUs).
+    on_cpu = declared.device == "cpu"
+    spec = KernelSpec("torch", "cpu", declared.dtype, declared.attn_implementation if on_cpu else "sdpa")
+    same = on_cpu and spec.to_key() == declared.to_key()
+    rel = path.relative_to(root).as_posix()
+    require_weights(target.dir, "the import checks the declared layers on a recomputed sample: pass the "
+                                "directory that holds the target's weights with --target, or --no-check to import "
+                                "them as declared (marked unchecked).")
+    if log:
+        log(f"checking the declared layers {layers}: recomputing {rel} ({n} tokens) with the target on the CPU "
+            f"({spec.label})")
+    _, _, hidden = _check(fmt, *_read(fmt, path, masks), len(layers), width, None)
+    rows = hidden[:n].float().numpy()
+    cands = candidates(layers, info.num_layers)
+    fresh = recompute(target.dir, spec, ids[:n], cands)
+    res = LayerCheck(sample=rel, tokens=n, recomputed_with=spec.label, same_class=same,
+                     tolerance=TOLERANCE_SAME[declared.dtype] if same else TOLERANCE_CROSS)
+    res.columns = check_columns(rows, layers, fresh, [c for c in cands if c.name in fresh],
+                                res.tolerance)
+    if not res.ok:
+        raise refusal(res, cands, fmt, root)
+    return res
 
 
 def _reason(e: Exception) -> str:
@@ -317,8 +370,9 @@ def _commit(fmt, root, good, layers, width, backend, target, store, result, mask
     idx = index_of(store)
     have_t = set(tkeys) - set(idx.missing(tpart.key, tkeys))
     have_h = {k: set(hkeys[k]) - set(idx.missing(hparts[k].key, hkeys[k])) for k in layers}
-    provenance = {"imported": PROVENANCE, "format": fmt, "source": str(root.resolve()), "files": len(good),
-                  "target_dir": str(target.dir)}  # what `verify --recompute` loads by default
+    provenance = {"imported": result.provenance, "format": fmt, "source": str(root.resolve()), "files": len(good),
+                  "target_dir": str(target.dir),  # what `verify --recompute` loads by default
+                  "layer_check": result.layer_check}
     set_doc = {"format": fmt, "tokens_partition": tpart.key, "tokens": tkeys,
                "ids": [f"{fmt}:{g[0].relative_to(root).as_posix()}" for g in good],
                "layers": list(layers), "layer_partitions": [hparts[k].key for k in layers],
@@ -328,6 +382,10 @@ def _commit(fmt, root, good, layers, width, backend, target, store, result, mask
     set_inputs = {"format": fmt, "samples": len(good), "layers": list(layers), "tokens_partition": tpart.key,
                   "layer_partitions": set_doc["layer_partitions"],
                   "set": xxhash.xxh3_128_hexdigest(canonical_encode(set_doc))}
+    if result.provenance == UNCHECKED:
+        # An unchecked import of a set is its own artifact, marked so: a checked import of the same
+        # files (the key it had before checks existed) never finds it and says "already imported".
+        set_inputs["unchecked"] = True
     key = compute_key(IMPORT_STAGE, IMPORT_VERSION, set_inputs)
     result.tokens_key = key
     result.layer_keys = {k: hparts[k].key for k in layers}
@@ -338,7 +396,7 @@ def _commit(fmt, root, good, layers, width, backend, target, store, result, mask
         result.already = True
         return
     dtype = backend.dtype
-    summary = f"{PROVENANCE} from {fmt}"
+    summary = f"{result.provenance} from {fmt}"
     sinks = {"tokens": SampleSink(store, tpart, arrays={"ids": SampleArray((), "int32"),
                                                         "loss_mask": SampleArray((), "int8")},
                                   summary=summary, provenance=provenance)}

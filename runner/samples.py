@@ -392,18 +392,18 @@ class Selection:
 
 
 def resolve_selection(opts: EvalOptions, *, store, layers: list[int] | None = None,
-                      argv: list[str] | None = None, last_layer_last: bool = False) -> Selection:
+                      argv: list[str] | None = None, last_layer_last: bool = False, out=None) -> Selection:
     """The stored artifacts of a selection; raises OfflineMissingError (exit 3) if any is missing.
 
     Layers: ``layers``, else ``opts.layers`` (their order), else the first drafter's
     ``target_layer_ids``. ``last_layer_last``: the target's last layer is moved (or added) to the
-    end, as speculators' layout wants.
+    end, as speculators' layout wants. ``out``: where notes go (default: stderr).
     """
     from .graph import RunContext, resolve, topo_order
     from .models.target import read_model_info
     from .stages import completions, drafter_eval, hidden_states, prompts, tokens
 
-    ctx = RunContext(store, opts, remotes=[], argv=argv or ["run", "hidden-states"])
+    ctx = RunContext(store, opts, remotes=[], argv=argv or ["run", "hidden-states"], out=out)
     tok = tokens.build(ctx, completions.build(ctx, prompts.build(ctx)))
     drafter_layers = None
     if layers is None:

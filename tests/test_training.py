@@ -34,6 +34,8 @@ def fresh_cli_state():
 
 
 DRAFTER_LAYERS = [3, 1]  # deliberately not sorted: concatenation follows the drafter's order
+CHECKED = "imported (layers checked against a recomputed sample)"
+UNCHECKED = "imported (declared, not checked: --no-check)"
 LAST = 5  # the tiny target has 6 layers
 
 
@@ -309,13 +311,16 @@ def test_import_of_an_export_gives_back_the_same_samples_marked_imported(cached,
     store = tmp_path / "other-store"
     assert _import(store, fmt, out, target_path, *layers, extra=["--json"]) == 0
     res = json.loads(capsys.readouterr().out)
-    assert res["samples"] == 4 and res["refused"] == [] and res["provenance"] == "imported (declared, not verified)"
+    assert res["samples"] == 4 and res["refused"] == [] and res["provenance"] == CHECKED
+    check = res["layer_check"]  # the declaration checked on a recomputed sample: the same class, the same bits
+    assert check["ok"] and check["same_class"] and [c["declared"] for c in check["columns"]] == layers
+    assert all(c["declared_distance"] == 0.0 and c["nearest"] == f"layer {c['declared']}" for c in check["columns"])
     imported = api.hidden_state_dataset(store=store, tokens_key=res["tokens_key"], layers=DRAFTER_LAYERS)
     original = api.hidden_state_dataset(store=cached["store"], drafters=[str(cached["drafter"])], **cached["sel"])
     _assert_same_dataset(imported, original)
     st = open_store(store)
     for m in st.list_manifests():
-        assert m.provenance["imported"] == "imported (declared, not verified)"
+        assert m.provenance["imported"] == CHECKED
     # Per-sample segments: each layer's samples in the partition extraction keys for those tokens, with
     # the declared backend inside; the import artifact lists the set's samples in file order.
     tokens = st.list_manifests(stage="tokens")
@@ -328,7 +333,7 @@ def test_import_of_an_export_gives_back_the_same_samples_marked_imported(cached,
     assert cli_main(["--store", str(store), "ls", "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert sorted(r["stage"] for r in rows) == sorted(["import", "tokens"] + ["hidden_states"] * len(layers))
-    assert all("imported (declared, not verified)" in r["summary"] for r in rows), [r["summary"] for r in rows]
+    assert all(CHECKED in r["summary"] for r in rows), [r["summary"] for r in rows]
     assert _import(store, fmt, out, target_path, *layers, extra=["--json"]) == 0  # again: nothing new
     again = json.loads(capsys.readouterr().out)
     assert again["already_imported"] is True and again["reused"] == 4
@@ -404,6 +409,131 @@ def test_import_needs_declared_layers_and_backend(cached, target_path, tmp_path,
     assert "--layer K" in capsys.readouterr().err
 
 
+def _shifted_import(fmt, out, store, target_path, capsys, layers, extra=()):
+    code = _import(store, fmt, out, target_path, *layers, extra=list(extra))
+    return code, capsys.readouterr()
+
+
+@pytest.mark.parametrize("fmt", ["specforge", "speculators"])
+def test_import_refuses_shifted_layers_naming_the_ones_the_files_hold(cached, target_path, tmp_path, capsys, fmt):
+    """Files in the peer's own layout (an export, read back by the peers' readers above) declared
+    one layer off, as vLLM and speculators number layers (the input of layer k): refused before
+    anything is written, naming the layers the columns hold; --no-check imports them marked."""
+    pytest.importorskip("specforge" if fmt == "specforge" else "datasets")
+    out = tmp_path / "export"
+    assert _export(cached, fmt, out) == 0
+    capsys.readouterr()
+    store = tmp_path / "store"
+    shifted = [k + 1 for k in DRAFTER_LAYERS] + ([LAST] if fmt == "speculators" else [])
+    code, (_, err) = _shifted_import(fmt, out, store, target_path, capsys, shifted)
+    assert code == 6 and "Traceback" not in err
+    assert "column 0 (declared layer 4): matches layer 3, the output of decoder layer 3: the input of layer 4" in err
+    assert "column 1 (declared layer 2): matches layer 1" in err
+    held = "--layer 3 --layer 1" + (" --layer 5" if fmt == "speculators" else "")
+    assert f"Import them with the layers they hold: {held} (" in err and "--no-check" in err
+    assert open_store(store).list_manifests() == []  # nothing written
+    code, (o, _) = _shifted_import(fmt, out, store, target_path, capsys, shifted, extra=["--json"])
+    doc = json.loads(o)
+    assert code == 6 and doc["exit_code"] == 6 and not doc["layer_check"]["ok"]
+    assert [(c["declared"], c["layer"]) for c in doc["layer_check"]["columns"]][:2] == [(4, 3), (2, 1)]
+    # --no-check: imported as declared, and marked so where `ls` and `show` look
+    code, (o, _) = _shifted_import(fmt, out, store, target_path, capsys, shifted, extra=["--no-check", "--json"])
+    res = json.loads(o)
+    assert code == 0 and res["provenance"] == UNCHECKED and res["layer_check"] == {"checked": False,
+                                                                                  "reason": "--no-check"}
+    assert cli_main(["--store", str(store), "ls", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and all(UNCHECKED in r["summary"] for r in rows), [r["summary"] for r in rows]
+    assert cli_main(["--store", str(store), "show", res["tokens_key"], "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["provenance"]["imported"] == UNCHECKED and shown["provenance"]["layer_check"]["checked"] is False
+    # The right declaration, checked, is its own import artifact over the same samples.
+    right = DRAFTER_LAYERS + ([LAST] if fmt == "speculators" else [])
+    code, (o, _) = _shifted_import(fmt, out, store, target_path, capsys, right, extra=["--json"])
+    ok = json.loads(o)
+    assert code == 0 and ok["provenance"] == CHECKED and not ok["already_imported"] and ok["reused"] == 4
+
+
+def _hf_dir(target_path, ds, root, pick, n=2):
+    """A SpecForge directory made the way its transformers backend makes one: a plain
+    ``output_hidden_states`` forward, ``pick(hidden_states)`` the columns, in bfloat16."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.bfloat16).eval()
+    (root / "rows_0-2000").mkdir(parents=True)
+    for i in range(n):
+        it = ds[i]
+        with torch.no_grad():
+            hs = model(input_ids=it["input_ids"], output_hidden_states=True).hidden_states
+        torch.save({"input_ids": it["input_ids"][0].clone(), "loss_mask": it["loss_mask"][0].clone(),
+                    "hidden_states": torch.cat(pick(hs), dim=-1).clone()}, root / "rows_0-2000" / f"data_{i}.ckpt")
+    return root
+
+
+def test_import_check_knows_transformers_indices_the_final_norm_and_the_embeddings(cached, target_path, tmp_path,
+                                                                                  capsys):
+    """transformers' hidden_states[k+1] is dfcache's layer k (SpecForge's HF backend): accepted.
+    Its last entry is after the final norm and its first the embeddings: declared as layers 5
+    and 0, both refused, named for what they are."""
+    ds = api.hidden_state_dataset(store=cached["store"], layers=[1], **cached["sel"])
+    right = _hf_dir(target_path, ds, tmp_path / "right", lambda hs: [hs[4], hs[2]])
+    assert _import(tmp_path / "s1", "specforge", right, target_path, 3, 1, extra=["--json"]) == 0
+    check = json.loads(capsys.readouterr().out)["layer_check"]
+    assert check["ok"] and all(c["declared_distance"] <= check["tolerance"] for c in check["columns"])
+    ends = _hf_dir(target_path, ds, tmp_path / "ends", lambda hs: [hs[-1], hs[0]])
+    assert _import(tmp_path / "s2", "specforge", ends, target_path, LAST, 0) == 6
+    err = capsys.readouterr().err
+    assert "column 0 (declared layer 5): matches the last layer after the final norm" in err
+    assert "column 1 (declared layer 0): matches the embedding output" in err
+    assert err.count("which no dfcache layer id names") == 2 and "before the final norm" in err
+
+
+def test_gpu_declared_states_are_checked_on_the_cpu_within_the_cross_kernel_tolerance(cached, target_path,
+                                                                                      tmp_path, capsys):
+    from runner.import_check import TOLERANCE_CROSS
+
+    ds = api.hidden_state_dataset(store=cached["store"], layers=[1, 3], **cached["sel"])
+    src = _modelopt_dir(ds, tmp_path / "mo", n=2)
+    gpu = ["--backend", "fla", "--device", "cuda"]  # declared (key material); nothing here runs on a GPU
+    args = ["--store", str(tmp_path / "s"), "import", str(src), "--format", "modelopt", "--target", target_path,
+            *gpu, "--no-progress", "--json"]
+    assert cli_main([*args, "--layer", "1", "--layer", "3"]) == 0
+    check = json.loads(capsys.readouterr().out)["layer_check"]
+    assert check["ok"] and not check["same_class"] and check["tolerance"] == TOLERANCE_CROSS
+    assert check["recomputed_with"] == "torch/cpu/bfloat16/sdpa"
+    assert cli_main([*args, "--layer", "2", "--layer", "4"]) == 6
+    assert [c["layer"] for c in json.loads(capsys.readouterr().out)["layer_check"]["columns"]] == [1, 3]
+    # The right layers, but 3 % off: not this CPU class's rounding (declared torch/cpu, tolerance 1e-2).
+    for f in src.glob("*.pt"):
+        rec = torch.load(f, weights_only=True)
+        rec["aux_hidden_states"] = (rec["aux_hidden_states"].float() * 1.03).to(torch.bfloat16)
+        torch.save(rec, f)
+    assert _import(tmp_path / "s2", "modelopt", src, target_path, 1, 3) == 6
+    err = capsys.readouterr().err
+    assert "nearest is the declared layer, but at 2.9e-02, over the tolerance 0.01 of this backend class" in err, err
+
+
+def test_layer_check_tolerance_lies_between_kernel_rounding_and_the_next_layer(cached, target_path):
+    """What TOLERANCE_CROSS rests on, measured here: bf16 states against a float32 CPU
+    recomputation (another rounding, as another kernel class gives) stay under it; the nearest
+    other layer stays over it; the same class recomputed is the same bits."""
+    from runner.import_check import TOLERANCE_CROSS, candidates, distance, recompute
+    from runner.models.target import KernelSpec
+
+    ds = api.hidden_state_dataset(store=cached["store"], layers=[1, 3, LAST], **cached["sel"])
+    it = ds[0]
+    ids, stored = it["input_ids"][0].numpy(), it["hidden_states"][0].float().numpy()
+    cands = candidates([1, 3, LAST], 6)
+    same = recompute(target_path, KernelSpec("torch", "cpu", "bfloat16", "sdpa"), ids, cands)
+    wide = recompute(target_path, KernelSpec("torch", "cpu", "float32", "sdpa"), ids, cands)
+    for j, k in enumerate([1, 3, LAST]):
+        col = stored[:, j * 128:(j + 1) * 128]
+        assert distance(col, same[f"layer {k}"]) == 0.0
+        rounding = distance(col, wide[f"layer {k}"])
+        nearest_other = min(distance(col, v) for name, v in same.items() if name != f"layer {k}")
+        assert 0 < rounding < TOLERANCE_CROSS / 3 and nearest_other > TOLERANCE_CROSS, (k, rounding, nearest_other)
+
+
 def _modelopt_dir(ds, root, n=3):
     root.mkdir()
     for i in range(n):  # ModelOpt's layout: input_ids and the layers concatenated as aux_hidden_states
@@ -419,7 +549,9 @@ def test_verify_recompute_agrees_on_an_honest_import_and_flags_a_wrong_declarati
     src = _modelopt_dir(ds, tmp_path / "mo")
     honest, wrong = tmp_path / "honest", tmp_path / "wrong"
     assert _import(honest, "modelopt", src, target_path, 1, 3) == 0
-    assert _import(wrong, "modelopt", src, target_path, 3, 1) == 0  # declares the layers swapped
+    assert _import(wrong, "modelopt", src, target_path, 3, 1) == 6  # declares the layers swapped: refused
+    assert "--layer 1 --layer 3" in capsys.readouterr().err
+    assert _import(wrong, "modelopt", src, target_path, 3, 1, extra=["--no-check"]) == 0  # imported as declared
     capsys.readouterr()
     assert cli_main(["--store", str(honest), "verify", "--recompute", "2", "--json", "--no-progress"]) == 0
     res = json.loads(capsys.readouterr().out)
