@@ -13,9 +13,9 @@ shown (DESIGN.md, trust rules), never stored:
   shown with a banner with it.
 
 The files under ``<store>/reports/<key[:12]>/`` are written here too: the PNGs once (facts),
-``report.json``, ``report.md`` and ``report.html`` whenever what this run shows differs from
-what they hold (``report.json`` is written last and compared first, so a fully cached run that
-shows what the files already say reads one small file and writes nothing).
+``report.json``, ``report.md`` and ``report.html`` whenever this run's verdicts differ from those
+they were written for (a stamp, ``.shown.json``, written after them and compared first, so a
+fully cached run that shows what the files already say reads one small file and writes nothing).
 
 Standard library only (and runner.completion_source): a fully cached ``run eval`` is answered
 through here by runner/fast_cli.py, which must not import numpy, torch or typer.
@@ -23,7 +23,6 @@ through here by runner/fast_cli.py, which must not import numpy, torch or typer.
 
 from __future__ import annotations
 
-import html
 import json
 import os
 from pathlib import Path
@@ -35,6 +34,7 @@ from . import completion_source as cs
 # Where the stored report.html leaves room for what is decided when it is shown (the banner,
 # the warnings and the summary table, whose rows mark a backend mismatch).
 SHOW_MARK = "<!--dfcache:shown-->"
+STAMP = ".shown.json"  # in the report's directory: the verdicts its files were written for
 
 FILES = {"report.json": "report", "report.md": "markdown", "histogram.png": "png_histogram",
          "acceptance_by_position.png": "png_position", "tau_by_step.png": "png_tau_by_step",
@@ -254,6 +254,8 @@ def markdown(report: dict) -> str:
 
 def shown_html(report: dict) -> str:
     """What replaces SHOW_MARK in the stored page: banner, warnings, the summary table."""
+    import html  # here: a cached run whose files are up to date writes no HTML
+
     from .reporting import table_html  # standard library only, as here
 
     head, rows = table(report)
@@ -280,8 +282,8 @@ def show(store, key: str, opts) -> tuple[dict, str, dict[str, Path]]:
 
 def materialize(store, key: str, shown: dict, art=None) -> dict[str, Path]:
     """Write the report's files under <store>/reports/<key[:12]>/ as ``shown`` says, and return their
-    paths. PNGs are written once; report.html, report.md and report.json when report.json (written
-    last) differs from what this run shows."""
+    paths. PNGs are written once; report.html, report.md and report.json whenever the verdicts they
+    were written for (the stamp ``.shown.json``, written last) are not this run's."""
     reports = store.local_dir("reports")
     if reports is None:
         return {}
@@ -290,10 +292,13 @@ def materialize(store, key: str, shown: dict, art=None) -> dict[str, Path]:
     out = reports / key[:12]
     paths = {filename: out / filename for filename, name in FILES.items()
              if name in m.blobs or name in m.arrays}  # e.g. no tau_by_step.png without steps
-    doc = {**shown, "report_key": key, "files": {k: str(v) for k, v in paths.items()}}
-    data = json.dumps(doc, indent=1, ensure_ascii=False).encode() + b"\n"
+    # What the files depend on besides the stored report (fixed by its key): the verdicts. Comparing
+    # this stamp, not the files, keeps a cached run that changes nothing at one small read (the
+    # indented report.json costs more to encode than the rest of showing it; docs/benchmarks.md noop-eval).
+    stamp_path = out / STAMP
+    stamp = json.dumps({"report_key": key, "verdicts": shown["verdicts"], "files": sorted(paths)}, sort_keys=True)
     try:
-        if paths["report.json"].read_bytes() == data and all(p.exists() for p in paths.values()):
+        if stamp_path.read_text() == stamp and all(p.exists() for p in paths.values()):
             return paths
     except OSError:
         pass
@@ -308,7 +313,9 @@ def materialize(store, key: str, shown: dict, art=None) -> dict[str, Path]:
             _write(path, page.replace(SHOW_MARK, shown_html(shown), 1).encode())
         elif filename == "report.md":
             _write(path, (markdown(shown) + "\n").encode())
-    _write(paths["report.json"], data)  # last: it says the others are written for this view
+    doc = {**shown, "report_key": key, "files": {k: str(v) for k, v in paths.items()}}
+    _write(paths["report.json"], json.dumps(doc, indent=1, ensure_ascii=False).encode() + b"\n")
+    _write(stamp_path, stamp.encode())  # last: the files above are this view's
     return paths
 
 
