@@ -102,8 +102,8 @@ def _get(doc: dict, path: str):
 
 
 def _stage_inputs(sel: dict) -> dict[str, object]:
-    """The key inputs of the stages every row shares, flattened to dotted names. Hidden states: the
-    inputs of the layers, one name per input when all layers agree (the layer id left out)."""
+    """The key inputs of the stages before the hidden states, flattened to dotted names
+    (``completions.backend.kernel``); hidden states are compared layer by layer apart."""
     stages = sel["stages"]
     out = {}
     for stage in ("prompts", "completions", "tokens"):
@@ -323,11 +323,13 @@ def format_explain(res: dict, top: int = 10) -> str:
     if p["shared"]:
         lines.append("on the shared prompts (the same key is the same bytes; where keys differ, the stored digests "
                      "say whether the bytes do):")
-        for stage, label in (("completions", "completions"), ("tokens", "tokens"),
-                             ("hidden_states", f"hidden states (layers {res['layers']})")):
+        rows = (("completions", "completions"), ("tokens", "tokens"),
+                ("hidden_states", f"hidden states (layers {', '.join(map(str, res['layers']))})"))
+        width = max(len(label) for _, label in rows)
+        for stage, label in rows:
             c = res["samples"][stage]
             parts = [f"{c[s]} {_STATE_WORDS[s]}" for s in _ORDER if c[s]]
-            lines.append(f"  {label:<28} {'; '.join(parts)}")
+            lines.append(f"  {label:<{width}}  {'; '.join(parts)}")
     for r in res["rows"]:
         t = r["tau_chain"]
         lines += ["", f"row {r['a']} (A) vs {r['b']} (B): τ chain {_f(t['a'])} vs {_f(t['b'])} "

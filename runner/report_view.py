@@ -50,8 +50,8 @@ _MEANING = {  # what each label means for τ (docs/metrics.md "Where completions
                  "tokenization of the same text)",
     cs.ACCEPTED: "ids rebuilt from the server's text failed that check and were kept by "
                  "--accept-retokenized: τ over them may say nothing about real decoding",
-    cs.UNCHECKED: "ids rebuilt from the server's text before dfcache checked them (cached by an older "
-                  "version): run again to have them checked, or use a source of ids",
+    cs.UNCHECKED: "ids rebuilt from the server's text and cached before dfcache checked such ids: as uncertain "
+                  "as unverified ones",
 }
 IDS_FIX = ("take completions whose ids come from the target itself: --server-api sglang (its native "
            "/generate returns them), a vLLM server (asked for its ids), or --completions local")
