@@ -211,7 +211,7 @@ def selection_lines(report: dict) -> list[str]:
         f"{t.get('revision') or '-'}; {t.get('path')})",
         f"prompts: {p.get('source')} ×{p.get('count')} (digest {short(p.get('digest'))})",
         f"completions: {source}; ids {sources_text(c.get('ids') or {})}; temperature {c.get('temperature')}, "
-        f"top_p {c.get('top_p')}, seed {c.get('seed')}, max {c.get('max_new_tokens')} new tokens, thinking "
+        f"top_p {c.get('top_p')}, seed {'-' if c.get('seed') is None else c['seed']}, max {c.get('max_new_tokens')} new tokens, thinking "
         f"{'on' if c.get('enable_thinking') else 'off'}, chat template {short(c.get('chat_template'))}",
         f"hidden states: {hb.get('kernel')}/{hb.get('device')}/{hb.get('dtype')}/{hb.get('attn_implementation')}, "
         f"layers {h.get('layers')}" + (f", {h['model_class']}" if h.get("model_class") else "")

@@ -108,11 +108,6 @@ DEFINITIONS = {
 LEGEND = report_view.LEGEND
 
 
-def table(report: dict) -> tuple[list[str], list[list[str]]]:
-    """The summary table's header and rows (runner/report_view.py; the markdown and HTML show the same)."""
-    return report_view.table(report)
-
-
 def markdown_table(report: dict) -> str:
     """The stored markdown: the facts, without the verdicts of any run (report_view.markdown of the
     shown report is what runs print and report.md holds)."""
