@@ -226,13 +226,14 @@ def explain(store, spec_a: str, spec_b: str, *, top: int | None = None) -> dict:
     rows = []
     for ia, ib in pairs:
         da, db = a.doc["drafters"][ia], b.doc["drafters"][ib]
-        row_diffs = _diff(_flatten(da["eval"]["inputs"], "drafter_eval"), _flatten(db["eval"]["inputs"], "drafter_eval"))
+        ea, eb = da["eval"], db["eval"]
+        row_diffs = _diff(_flatten(ea["inputs"], "drafter_eval"), _flatten(eb["inputs"], "drafter_eval"))
         evals = dict.fromkeys(_ORDER, 0)
         per_prompt = []
         for r in shared:
             ka, kb = sample_keys[r]
-            evals[_state(sample_key(da["eval"]["partition"], ka["tokens"]), sample_key(db["eval"]["partition"], kb["tokens"]),
-                         da["eval"]["partition"], db["eval"]["partition"], digest)] += 1
+            evals[_state(sample_key(ea["partition"], ka["tokens"]), sample_key(eb["partition"], kb["tokens"]),
+                         ea["partition"], eb["partition"], digest)] += 1
             tau_a = a.prompts["tau_chain"][ia][pos_a[r]]
             tau_b = b.prompts["tau_chain"][ib][pos_b[r]]
             per_prompt.append({"id_a": a.prompts["ids"][pos_a[r]], "id_b": b.prompts["ids"][pos_b[r]],
@@ -307,8 +308,8 @@ def format_explain(res: dict, top: int = 10) -> str:
     side = lambda s: s["report"][:12] + (f":{s['row']}" if s["row"] else "")  # noqa: E731
     lines = [f"explain: A = report {side(a)}, B = report {side(b)}; target {res['target']['name'] or '?'} "
              f"(fingerprint {res['target']['fingerprint'][:12]})", ""]
-    lines.append("settings that differ (key inputs):" if res["differences"] else
-                 "settings that differ (key inputs): none")
+    head = "settings that differ, up to the hidden states (key inputs)"
+    lines.append(f"{head}:" if res["differences"] else f"{head}: none")
     width = max([len(d["input"]) for d in res["differences"]] + [24])
     lines += [f"  {d['input']:<{width}}  {_v(d['a'])} -> {_v(d['b'])}" for d in res["differences"]]
     if res["recorded"]:
@@ -342,13 +343,16 @@ def format_explain(res: dict, top: int = 10) -> str:
         lines.append("  evals on the shared prompts: " + "; ".join(f"{e[s]} {_STATE_WORDS[s]}" for s in _ORDER if e[s]))
         if r["per_prompt"]:
             shown = r["per_prompt"][:top]
-            more = f" ({len(shown)} of {r['shared_prompts']}; --top N shows more)" if len(shown) < r["shared_prompts"] else ""
+            more = ""
+            if len(shown) < r["shared_prompts"]:
+                more = f" ({len(shown)} of {r['shared_prompts']}; --top N shows more)"
             lines.append(f"  per-prompt τ chain on the shared prompts, largest |Δ| first{more}:")
-            idw = max([len(x["id_a"]) for x in shown] + [6])
+            names = [x["id_a"] if x["id_a"] == x["id_b"] else f"{x['id_a']}|{x['id_b']}" for x in shown]
+            idw = max([len(n) for n in names] + [6])
             lines.append(f"    {'prompt':<{idw}}  {'A':>6}  {'B':>6}  {'Δ':>7}")
-            for x in shown:
-                name = x["id_a"] if x["id_a"] == x["id_b"] else f"{x['id_a']}|{x['id_b']}"
-                lines.append(f"    {name:<{idw}}  {_f(x['tau_a']):>6}  {_f(x['tau_b']):>6}  {_f(x['delta'], sign=True):>7}")
+            for name, x in zip(names, shown):
+                lines.append(f"    {name:<{idw}}  {_f(x['tau_a']):>6}  {_f(x['tau_b']):>6}  "
+                             f"{_f(x['delta'], sign=True):>7}")
     for name, rows in (("A", res["unpaired"]["a"]), ("B", res["unpaired"]["b"])):
         if rows:
             lines.append(f"\nrows only in {name} (no row of the same drafter on the other side; compare one with "
