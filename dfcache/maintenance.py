@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import re
 from dataclasses import dataclass, field
 
 from .listing import LS_HEADER, human_bytes, ls_footer, ls_output  # noqa: F401  (the ls text; re-exported)
@@ -210,3 +211,80 @@ def where_scope(store, where: list[str], stage: str | None = None, older_than_da
     ms = [m for m in store.list_manifests(stage=stage)
           if older_than_days is None or _age_days(m.created) >= older_than_days]
     return filter_manifests(ms, where)
+
+
+def upstream_chain(store, m: Manifest) -> list[dict]:
+    """What ``m`` was made from, depth first, as `dfcache show` prints it.
+
+    Artifacts named by upstream keys are entries ``{"key", "stage", "depth", "present", "summary"}``
+    as before. Samples are followed through their partitions (dfcache/samples.py): an artifact
+    made from samples (``sample_refs``: a report's upstream keys name *sets* of samples, not
+    artifacts) or a segment leads to each partition its samples come from, and from there, through
+    the upstream keys in each segment's samples document, to the exact samples they were made
+    from, partition by partition. Such an entry is ``{"key": partition, "kind": "samples", "stage",
+    "depth", "present": all there, "samples": {"needed", "present"}, "segments": [keys], "summary"}``;
+    a partition already listed is not listed again."""
+    from .samples import Segment, index_of, sample_key
+
+    chain: list[dict] = []
+    seen: set[str] = set()
+    idx = index_of(store)
+
+    def follow(roles: dict, upstream: list[str], depth: int) -> None:
+        # The samples' own upstream ("sample") first: a chain reads eval -> tokens -> completions.
+        for role, parts in sorted(roles.items(), key=lambda kv: kv[0] != "sample"):
+            for q in (parts if isinstance(parts, list) else [parts]):
+                visit(q, upstream if role == "sample" else [sample_key(q, u) for u in upstream], depth)
+
+    def visit(partition: str, keys: list[str], depth: int) -> None:
+        if partition in seen:
+            return
+        seen.add(partition)
+        keys = list(dict.fromkeys(keys))
+        where = idx.partition(partition)
+        present = [k for k in keys if k in where]
+        segs = sorted({where[k][0] for k in present})
+        manifests = idx.segments(partition)
+        first = manifests.get(segs[0]) if segs else next(iter(manifests.values()), None)
+        summary = re.sub(r"^[0-9]+ samples: ", "", first.summary) if first else ""  # one segment's count
+        chain.append({"key": partition, "kind": "samples", "stage": first.stage if first else None, "depth": depth,
+                      "present": len(present) == len(keys), "samples": {"needed": len(keys), "present": len(present)},
+                      "segments": segs, "summary": summary})
+        if first is None or not present:
+            return
+        upstream: list[str] = []
+        wanted = set(present)
+        for s in segs:
+            try:
+                seg = Segment(store, s)
+            except Exception:  # a damaged segment: verify names it; the chain stops there
+                continue
+            upstream += [u for k, u in zip(seg.keys, seg.upstream) if k in wanted]
+        follow((first.samples or {}).get("partition_upstream") or {}, sorted(set(upstream)), depth + 1)
+
+    def visit_artifact(key: str, depth: int) -> None:
+        if key in seen:
+            return
+        seen.add(key)
+        if not store.has(key):
+            chain.append({"key": key, "stage": None, "depth": depth, "present": False, "summary": ""})
+            return
+        um = store.manifest(key)
+        chain.append({"key": key, "stage": um.stage, "depth": depth, "present": True, "summary": um.summary})
+        walk(um, depth + 1)
+
+    def walk(mm: Manifest, depth: int) -> None:
+        if mm.samples:
+            try:
+                seg = Segment(store, mm.key)
+            except Exception:
+                return
+            follow(mm.samples.get("partition_upstream") or {}, seg.upstream, depth)
+        for ref in mm.sample_refs or []:
+            visit(ref["partition"], ref["keys"], depth)
+        if not mm.sample_refs:  # with sample_refs, upstream keys are set keys of those samples
+            for k in mm.upstream_keys:
+                visit_artifact(k, depth)
+
+    walk(m, 1)
+    return chain

@@ -426,13 +426,11 @@ def _result(upto: str, ctx, nodes, seconds: float) -> RunResult:
                for n in nodes]
     res = RunResult(upto=upto, nodes=results, computed=list(ctx.work_done), seconds=seconds)
     if upto == "eval":
-        from .stages import report
+        from .report_view import show
 
-        art = ctx.store.open(nodes[-1].key)
-        res.report = art.json("report")
-        res.markdown = art.json("markdown")
+        # Shown with this run's verdicts (--trained-on, --accept-retokenized): never stored.
+        res.report, res.markdown, res.files = show(ctx.store, nodes[-1].key, ctx.options)
         res.report_key = nodes[-1].key
-        res.files = report.materialize(ctx.store, nodes[-1].key)
     return res
 
 

@@ -79,9 +79,7 @@ def print_run(result, opts: EvalOptions, worker=None) -> None:
                        "computed": result.computed, "stages": [n.stage_row() for n in result.nodes],
                        "seconds": round(result.seconds, 3), **extra})
             return
-        for w in result.report["warnings"]:
-            print(f"\n!!! {w}\n")
-        print(result.markdown)
+        print(result.markdown)  # the banner and the warnings (this run's verdicts) come first
         print()
         for name, path in result.files.items():
             print(f"{name:<28} {path}")

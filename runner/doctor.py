@@ -431,18 +431,22 @@ def _check_embedding_scale(rep: DoctorReport, model_type: str, tcfg: dict, hidde
 
 
 def _find_completions(store, key: str):
-    """The completions manifest at or upstream of ``key`` (breadth-first)."""
-    full = store.resolve(key)
-    seen, queue = set(), [full]
-    while queue:
-        k = queue.pop(0)
-        if k in seen or not store.has(k):
+    """The completions manifest at or upstream of ``key``: a completions segment, or the first
+    segment holding completions that a report, an eval, tokens or hidden states were made from
+    (followed sample by sample, dfcache.maintenance.upstream_chain)."""
+    from dfcache.maintenance import upstream_chain
+    from dfcache.samples import index_of
+
+    m = store.manifest(store.resolve(key))
+    if m.stage == "completions":
+        return m
+    for c in upstream_chain(store, m):
+        if c["stage"] != "completions":
             continue
-        seen.add(k)
-        m = store.manifest(k)
-        if m.stage == "completions":
-            return m
-        queue.extend(m.upstream_keys)
+        if c.get("kind") == "samples" and c["segments"]:
+            return index_of(store).segments(c["key"])[c["segments"][0]]
+        if c.get("kind") != "samples" and c["present"]:
+            return store.manifest(c["key"])
     return None
 
 
@@ -453,7 +457,8 @@ def _check_completions(rep: DoctorReport, store, key: str, tdir: Path) -> None:
     m = _find_completions(store, key)
     if m is None:
         rep.add(name, "error", f"no completions artifact at or upstream of {key}",
-                "pass the key of a completions, tokens or drafter_eval artifact (see dfcache ls --stage completions)")
+                "pass the key of a report, or of a completions, tokens, hidden_states or drafter_eval artifact "
+                "(see dfcache ls)")
         return
     try:
         tmpl = chat_template_text(tdir)

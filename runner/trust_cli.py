@@ -1,7 +1,8 @@
-"""`dfcache doctor`, `dfcache parity`, `dfcache compare-backends`: the trust tools on the command line.
+"""`dfcache doctor`, `dfcache parity`, `dfcache compare-backends`, `dfcache explain`: the trust tools
+on the command line.
 
-Registered by ``runner.cli.register``. ``doctor`` imports neither torch nor transformers; the
-other two run models and import them when they start working.
+Registered by ``runner.cli.register``. ``doctor`` and ``explain`` import neither torch nor
+transformers; ``parity`` and ``compare-backends`` run models and import them when they start working.
 """
 
 from __future__ import annotations
@@ -40,6 +41,24 @@ def register(app: typer.Typer) -> None:
             print(format_report(rep))
         if not rep.ok:
             raise typer.Exit(EXIT_BAD_INPUT)
+
+    @app.command("explain")
+    def explain(a: str = typer.Argument(..., metavar="A", help="A report key or unique prefix, or KEY:ROW (a row's number or drafter name)."),
+                b: str = typer.Argument(..., metavar="B", help="The other report (or row), the same way."),
+                top: int = typer.Option(10, "--top", help="Per-prompt τ deltas to list per row pair (--json lists all)."),
+                json_out: bool = typer.Option(False, "--json", help="Print the explanation as JSON.")) -> None:
+        """Why two τ differ: the key inputs that differ, the prompt overlap, per-prompt τ deltas."""
+        from dfcache.errors import UsageError
+
+        from .explain import explain as run_explain, format_explain
+
+        if top < 1:
+            raise UsageError(f"--top {top}: give a positive number of prompts.")
+        res = run_explain(get_store(create=False), a, b)
+        if _json(json_out):
+            emit_json(res)
+        else:
+            print(format_explain(res, top=top))
 
     @app.command("parity")
     def parity(target: str = typer.Option(..., "--target", help="Target model directory or cached Hugging Face id."),

@@ -9,7 +9,8 @@ from typing import List, Optional
 import typer
 
 from ..errors import IntegrityError, UsageError
-from ..maintenance import backend_summary, gc_plan, ls_entry, ls_output, missing_upstream, where_scope
+from ..maintenance import (backend_summary, gc_plan, ls_entry, ls_output, missing_upstream, upstream_chain,
+                           where_scope)
 from ..query import filter_manifests
 from .common import check_kernel, check_stage, emit_json, err, get_store, human_bytes, progress_enabled, state
 
@@ -64,21 +65,7 @@ def register(app: typer.Typer) -> None:
         store = get_store()
         full = store.resolve(key)
         m = store.manifest(full)
-        chain = []
-        seen = set()
-        stack = [(k, 1) for k in m.upstream_keys]
-        while stack:
-            k, depth = stack.pop(0)
-            if k in seen:
-                continue
-            seen.add(k)
-            if store.has(k):
-                um = store.manifest(k)
-                chain.append({"key": k, "stage": um.stage, "depth": depth, "present": True,
-                              "summary": um.summary})
-                stack.extend((u, depth + 1) for u in um.upstream_keys)
-            else:
-                chain.append({"key": k, "stage": None, "depth": depth, "present": False, "summary": ""})
+        chain = upstream_chain(store, m)
         if state.json:
             emit_json({**m.to_dict(), "backend": m.backend, "upstream_chain": chain})
             return
@@ -106,8 +93,18 @@ def register(app: typer.Typer) -> None:
         if not chain:
             print("  (none)")
         for c in chain:
-            mark = "" if c["present"] else "  (not in this store)"
-            print(f"  {'  ' * (c['depth'] - 1)}{c['key'][:12]} {c['stage'] or '?'}{mark}")
+            indent = "  " * c["depth"]
+            if c.get("kind") != "samples":
+                mark = "" if c["present"] else "  (not in this store)"
+                print(f"{indent}{c['key'][:12]} {c['stage'] or '?'}{mark}")
+                continue
+            n = c["samples"]
+            segs = ", ".join(s[:12] for s in c["segments"][:3]) + (", ..." if len(c["segments"]) > 3 else "")
+            where = f" in segment(s) {segs}" if segs else ""
+            mark = "" if c["present"] else f"  ({n['needed'] - n['present']} not in this store)"
+            what = f": {c['summary']}" if c["summary"] else ""
+            print(f"{indent}{c['stage'] or '?'} partition {c['key'][:12]}, {n['present']} of {n['needed']} "
+                  f"sample(s){where}{mark}{what}")
 
     @app.command("verify")
     def verify(keys: Optional[List[str]] = typer.Argument(None, help="Keys or prefixes (default: all)."),

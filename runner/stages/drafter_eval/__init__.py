@@ -83,6 +83,10 @@ class DrafterRef:
     trained_on: str | None
     hidden_size: int | None = None
     step: int | None = None  # training step (runner/checkpoints.py), when the checkpoint says
+    # What the checkpoint's config declares (dflash_config.trained_on_backend): covered by its
+    # fingerprint, so a stored report may hold it. ``trained_on`` above is the run's view
+    # (--trained-on, else this), a verdict input decided when results are shown, never stored.
+    trained_on_declared: str | None = None
 
 
 def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
@@ -123,6 +127,7 @@ def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
     return DrafterRef(path=path, name=path.name, fingerprint=fingerprint_path(path), block_size=block_size,
                       target_layer_ids=list(ids), mask_token_id=mask,
                       trained_on=trained_on or (declared if declared in ("fla", "torch") else None),
+                      trained_on_declared=declared if declared in ("fla", "torch") else None,
                       hidden_size=cfg.get("hidden_size") if isinstance(cfg.get("hidden_size"), int) else None)
 
 
@@ -300,11 +305,14 @@ def read_responses(store, node: Node) -> list[dict]:
     return [{"id": node.ids[i], **d} for i, d in enumerate(docs)]
 
 
-def read_summary(store, node: Node) -> dict:
-    """What the report shows for one drafter: metrics over its responses plus who/what."""
+def read_summary(store, node: Node, docs: list[dict] | None = None) -> dict:
+    """What the report shows for one drafter: metrics over its responses (``docs``, read when not
+    given) plus who/what. ``trained_on`` and ``backend_mismatch`` are this run's view (--trained-on,
+    else the declared backend): for results computed and shown at once (watch, compare-backends);
+    the report stores ``trained_on_declared`` only."""
     from .metrics import aggregate
 
-    docs = read_responses(store, node)
+    docs = read_responses(store, node) if docs is None else docs
     ref: DrafterRef = node.payload["drafter"]
     budgets = node.inputs["tree_budgets"]
     rules = {d["rule"] for d in docs}
@@ -315,6 +323,7 @@ def read_summary(store, node: Node) -> dict:
     hs_backend = node.payload["backend"]
     summary.update({"drafter": ref.name, "drafter_path_name": ref.path.name,
                     "hidden_states_backend": hs_backend, "trained_on": ref.trained_on,
+                    "trained_on_declared": ref.trained_on_declared,
                     "backend_mismatch": bool(ref.trained_on and ref.trained_on != hs_backend["kernel"]),
                     "block_size": ref.block_size, "tree_budgets": budgets,
                     "max_blocks": node.inputs["max_blocks"]})
