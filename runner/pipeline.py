@@ -95,6 +95,13 @@ def _execute_samples(ctx: RunContext, n: Node, pending: list[Node], done: set[st
     if n.produce and n.key not in done:
         batch = [m for m in pending if m.stage == n.stage and m.partition is not None and m.produce
                  and m.key not in done and (m is n or (n.group is not None and m.group == n.group))]
+        # A stage may refuse that others compute from some of its samples in this run (tokens:
+        # unverified retokenized ids without --accept-retokenized), decided per run, never stored.
+        for m in batch:
+            for d in m.deps:
+                check = getattr(STAGES[d.stage], "check_use", None)
+                if check is not None:
+                    check(ctx, d, m.produce)
         STAGES[n.stage].produce(ctx, batch)
         for m in batch:
             done.add(m.key)
