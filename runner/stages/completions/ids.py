@@ -147,8 +147,7 @@ def rebuild(tokenizer, eos: list[int], messages: list[dict], enable_thinking: bo
     if not round_trip:
         problems.append("decoding the rebuilt ids does not give the text back")
     if lossy:
-        problems.append(f"the text holds {lossy} U+FFFD replacement character(s) (bytes the server could not "
-                        "decode, e.g. a character cut at the token limit)")
+        problems.append(f"the text holds {lossy} U+FFFD (bytes the server could not decode)")
     problem = "; ".join(problems) or None
     check = {"ok": problem is None, "ids": len(ids), "server_count": server, "round_trip": round_trip,
              "problem": problem, "replacement_chars": lossy, "reasoning_put_back": reasoning is not None}
