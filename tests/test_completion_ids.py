@@ -182,20 +182,23 @@ def test_scripted_answer_is_what_a_server_of_the_tiny_target_counts(tiny_target)
 def test_ids_that_disagree_with_the_servers_text_are_refused_even_when_accepting(tiny_target, tmp_path):
     prompts = _user_texts(N)
 
-    def lie(user, ids, text):  # prompt code-01 gets the ids of another answer
-        return ([i + 1 for i in ids], text) if user == prompts[1] else (ids, text)
+    def lie(user, ids, text):  # code-01 gets the ids of another answer, code-02 an id no tokenizer has
+        if user == prompts[1]:
+            return [i + 1 for i in ids], text
+        return ([-5] + ids[1:], text) if user == prompts[2] else (ids, text)
 
     store = tmp_path / "store"
     with VLLMTestServer(tiny_target, tamper=lie) as s:
         with pytest.raises(CompletionIdsRefused) as e:
             run_pipeline(store, "completions", **_opts(tiny_target, s.url, accept_retokenized=True))
-    assert [(r["id"], r["acceptable"]) for r in e.value.refused] == [("code-01", False)]
+    assert [(r["id"], r["acceptable"]) for r in e.value.refused] == [("code-01", False), ("code-02", False)]
     msg = str(e.value)
     assert "'code-01': its 8 token ids decode to text that does not hold the server's own text" in msg
+    assert "'code-02': its token ids include values no tokenizer has" in msg
     assert "--accept-retokenized" not in msg and "never kept" in msg
     ctx = _ctx(store, tiny_target, s.url)
     comps = {n.stage: n for n in _resolved(ctx, "completions")}["completions"]
-    assert _stored(store, comps) == [True, False, True, True]
+    assert _stored(store, comps) == [True, False, False, True]
 
 
 QWEN3_STYLE = (

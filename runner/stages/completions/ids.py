@@ -166,7 +166,12 @@ def server_ids_problem(tokenizer, ids: list[int], doc: dict) -> str | None:
     comparison: detokenizers differ there (incremental decoding holds back a partial character,
     ``transformers serve`` trims the content) without the ids being wrong.
     """
-    decoded = _squeeze(tokenizer.decode(ids, skip_special_tokens=True))
+    if any(i < 0 or i >= 2**31 for i in ids):
+        return "its token ids include values no tokenizer has (negative or beyond int32)"
+    try:
+        decoded = _squeeze(tokenizer.decode(ids, skip_special_tokens=True))
+    except (OverflowError, ValueError, TypeError) as e:  # what the tokenizer makes of ids it cannot take
+        return f"its token ids cannot be decoded by the target's tokenizer ({type(e).__name__}: {e})"[:300]
     at = 0
     for part in (reasoning_of(doc), doc.get("text")):
         part = _squeeze(part or "")
