@@ -21,7 +21,9 @@ The tree (exit code in brackets)::
     ├── IntegrityError (OSError)                     [5]  digest mismatch, corrupt or partial artifact
     │   └── UntrustedManifestError                        a manifest that fails validation
     ├── BadInputError (ValueError)                   [6]  prompts, model, checkpoint, layer ids
-    │   └── ModelNotFoundError (FileNotFoundError)
+    │   ├── ModelNotFoundError (FileNotFoundError)
+    │   └── CompletionIdsRefused                          completions whose token ids are not the
+    │         (carries the refused prompts)               generation's (text-only, failed check)
     └── ArtifactNotFoundError (KeyError, LookupError) [2] no artifact with that key or prefix
         ├── AmbiguousKeyError                              a prefix that matches several keys
         └── SamplesMissingError                            samples asked for are in no segment
@@ -215,3 +217,14 @@ class SamplesMissingError(ArtifactNotFoundError):
     def __init__(self, message: str, *, missing: list[str] | None = None) -> None:
         super().__init__(message)
         self.missing = list(missing or [])
+
+
+class CompletionIdsRefused(BadInputError):
+    """Completions whose token ids cannot be shown to be the ones the target generated: text-only
+    answers whose rebuilt ids fail their check, ids that disagree with the server's own text, a
+    reasoning split the chat template cannot put back. ``refused``: one dict per prompt
+    (``id``, ``problem``, ``acceptable``: whether ``--accept-retokenized`` may keep it)."""
+
+    def __init__(self, message: str, refused: list[dict] | None = None, *, fix: str | None = None) -> None:
+        super().__init__(message, fix=fix)
+        self.refused = list(refused or [])

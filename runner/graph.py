@@ -204,6 +204,8 @@ class RunCache:
     targets: dict[tuple[str, str], Any] = field(default_factory=dict)  # (dir, kernel label) -> loaded target
     tokenizers: dict[str, Any] = field(default_factory=dict)  # target dir -> tokenizer
     served_models: dict[tuple, str] = field(default_factory=dict)  # (base URL, api, wanted) -> model name
+    # (base URL, api, wanted) -> what the server is: {"owned_by", "version"} (which ids it can return)
+    server_info: dict[tuple, dict] = field(default_factory=dict)
 
 
 @dataclass

@@ -6,6 +6,9 @@
   ``/v1/models``, ``/get_model_info``, ``/health``) with the request and response shapes SGLang
   documents, backed by the tiny model's greedy generation. SGLang itself cannot run here (it
   needs a GPU build); this stands in for it.
+- :class:`VLLMTestServer`: vLLM's OpenAI-compatible chat endpoint as its protocol code answers it
+  (ids when asked, ``/version``, ``owned_by: "vllm"``, a reasoning parser's split), backed by the
+  tiny model's greedy generation. vLLM cannot run here either.
 - :class:`ScriptedServer`: an OpenAI-shaped server whose chat endpoint fails on purpose
   (HTTP 500, garbage JSON, hanging, empty answer, 503 while "loading").
 - :class:`RecordingListener`: a TCP listener that counts connection attempts, to prove that a
@@ -324,6 +327,124 @@ class SGLangTestServer(_Server):
                                    "cached_tokens": 0, "e2e_latency": 0.01}}
 
 
+# What a server serving the tiny target counts for the scripted answer "hello" ending with its stop
+# token: the tiny tokenizer's 4 ids of "hello" (runner/tiny.py builds it deterministically) and the
+# stop token. With it the answer's ids rebuilt from its text pass their check, as a real server's
+# would; tests/test_completion_ids.py checks the count.
+SCRIPTED_TOKENS = 5
+
+
+class VLLMTestServer(_Server):
+    """vLLM's OpenAI-compatible server, as it answers ``/v1/chat/completions``, over the tiny
+    model's greedy generation. vLLM cannot run here (it needs a GPU build); this is written from
+    its own protocol code, read at vllm-project/vllm:
+
+    - vllm/entrypoints/openai/chat_completion/protocol.py: ``ChatCompletionRequest``
+      (``return_token_ids``, ``logprobs``, ``return_tokens_as_token_ids``, ``max_tokens``,
+      ``chat_template_kwargs``; unknown fields are accepted, ``OpenAIBaseModel`` has
+      ``extra="allow"``), ``ChatCompletionResponseChoice`` (``token_ids``, ``stop_reason``),
+      ``ChatCompletionResponse`` (``prompt_token_ids``), ``ChatMessage.reasoning``;
+    - chat_completion/serving.py ``chat_completion_full_generator``: ``token_ids`` is
+      ``output.token_ids`` when ``return_token_ids``; ``usage.completion_tokens`` is
+      ``len(output.token_ids)``; logprobs give one entry per generated token, written
+      ``token_id:N`` with ``return_tokens_as_token_ids``; with a reasoning parser the text is
+      split into ``reasoning`` and ``content``;
+    - v1/core/sched/utils.py ``check_stop``: the EOS token stays in the output ids;
+    - ``/v1/models`` entries are owned by ``"vllm"``, ``/version`` answers ``{"version": ...}``.
+
+    ``return_token_ids`` / ``tokens_as_ids``: whether this "version" honours those request fields
+    (an older vLLM ignores a field it does not know). ``reasoning_parser``: split the text at
+    ``</think>`` as vLLM's DeepSeek-R1/Qwen3 parsers do (all of it is reasoning when the end tag
+    is missing, the prompt having opened the thinking). ``script``: user message text -> the ids to
+    answer with instead of generating (a thinking model's output the tiny model cannot produce).
+    ``tamper(user_text, ids, text) -> (ids, text)``: a server whose answer is wrong on purpose.
+    ``requests`` keeps every chat request body (``bodies``).
+    """
+
+    def __init__(self, model_dir: str | Path, served_name: str = "tiny-qwen", *, version: str = "0.11.0",
+                 return_token_ids: bool = True, tokens_as_ids: bool = True, reasoning_parser: bool = False,
+                 script: dict | None = None, tamper=None) -> None:
+        super().__init__()
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch = torch
+        self.model_dir = str(model_dir)
+        self.served_name = served_name
+        self.version = version
+        self.honours_ids = return_token_ids
+        self.honours_tokens_as_ids = tokens_as_ids
+        self.reasoning_parser = reasoning_parser
+        self.script = dict(script or {})
+        self.tamper = tamper
+        self.bodies: list[dict] = []
+        self.tok = AutoTokenizer.from_pretrained(self.model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32).eval()
+        eos = self.model.generation_config.eos_token_id
+        self.eos = eos if isinstance(eos, list) else [eos]
+        self._gen_lock = threading.Lock()
+
+    def handle(self, method, path, body):
+        if path == "/health":
+            return 200, b""
+        if path == "/version":
+            return 200, {"version": self.version}
+        if path == "/v1/models":
+            return 200, {"object": "list", "data": [{"id": self.served_name, "object": "model", "created": 0,
+                                                     "owned_by": "vllm", "root": self.model_dir, "parent": None,
+                                                     "max_model_len": 4096}]}
+        if path == "/v1/chat/completions" and method == "POST":
+            with self._lock:
+                self.bodies.append(body or {})
+            return self._chat(body or {})
+        return 404, {"detail": "Not Found"}
+
+    def _chat(self, body: dict):
+        if body.get("model") not in (None, self.served_name):
+            return 404, {"error": {"message": f"The model `{body.get('model')}` does not exist.", "code": 404}}
+        if float(body.get("temperature", 1.0)) != 0.0:
+            return 400, {"error": {"message": "this test server is greedy only (temperature 0)"}}
+        messages = body["messages"]
+        kwargs = body.get("chat_template_kwargs") or {}
+        prompt = self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        p_ids = self.tok(prompt, add_special_tokens=False)["input_ids"]  # vLLM: add_special_tokens=False
+        user = next((m["content"] for m in reversed(messages) if m.get("role") == "user"), "")
+        n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        if user in self.script:
+            ids = list(self.script[user])[:n]
+        else:
+            torch = self.torch
+            with self._gen_lock, torch.no_grad():
+                inp = torch.tensor([p_ids])
+                out = self.model.generate(input_ids=inp, attention_mask=torch.ones_like(inp), do_sample=False,
+                                          max_new_tokens=n, pad_token_id=self.tok.pad_token_id)
+            ids = out[0, len(p_ids):].tolist()
+        finish = "stop" if ids and ids[-1] in self.eos else "length"
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        if self.tamper is not None:
+            ids, text = self.tamper(user, ids, text)
+        message = {"role": "assistant", "content": text, "reasoning": None, "tool_calls": []}
+        if self.reasoning_parser:
+            if "</think>" in text:
+                reasoning, _, content = text.partition("</think>")
+                reasoning = reasoning.split("<think>", 1)[-1]
+            else:
+                reasoning, content = text, ""
+            message.update(reasoning=reasoning or None, content=content or None)
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish, "stop_reason": None,
+                  "token_ids": ids if self.honours_ids and body.get("return_token_ids") else None}
+        if body.get("logprobs"):
+            as_ids = self.honours_tokens_as_ids and body.get("return_tokens_as_token_ids")
+            choice["logprobs"] = {"content": [
+                {"token": f"token_id:{t}" if as_ids else self.tok.decode([t]), "logprob": -0.1, "bytes": None,
+                 "top_logprobs": []} for t in ids]}
+        return 200, {"id": f"chatcmpl-{len(self.bodies)}", "object": "chat.completion", "created": 0,
+                     "model": self.served_name, "choices": [choice],
+                     "usage": {"prompt_tokens": len(p_ids), "completion_tokens": len(ids),
+                               "total_tokens": len(p_ids) + len(ids)},
+                     "prompt_token_ids": p_ids if self.honours_ids and body.get("return_token_ids") else None}
+
+
 class ScriptedServer(_Server):
     """OpenAI-shaped server whose chat endpoint misbehaves as told.
 
@@ -382,7 +503,7 @@ class ScriptedServer(_Server):
             content = "" if mode == "empty" else "hello"
             return 200, {"choices": [{"index": 0, "finish_reason": "stop",
                                       "message": {"role": "assistant", "content": content}}],
-                         "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+                         "usage": {"prompt_tokens": 3, "completion_tokens": SCRIPTED_TOKENS}}
         return 404, {"detail": "Not Found"}
 
 

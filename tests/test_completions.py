@@ -4,6 +4,7 @@ scripted failures, and local greedy generation."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -12,8 +13,9 @@ from servers import (ClosedPort, RecordingListener, ScriptedServer, SGLangTestSe
                      run_pipeline)
 
 from dfcache import open_store
-from dfcache.errors import (EXIT_NETWORK, ConnectionRefused, NetworkError, OfflineMissingError,
-                            OfflineModeIsEnabled, ServerHTTPError, ServerTimeout)
+from dfcache.errors import (EXIT_BAD_INPUT, EXIT_NETWORK, CompletionIdsRefused, ConnectionRefused, NetworkError,
+                            OfflineMissingError, OfflineModeIsEnabled, ServerHTTPError, ServerTimeout)
+from runner.completion_source import ACCEPTED, label_of
 from runner.stages.completions import read_completions
 from runner.stages.tokens import read_tokens
 
@@ -68,44 +70,73 @@ def _local_opts(target, **kw):
     return opts
 
 
-def test_server_completions_are_cached_and_replayed_without_the_server(serve, local_greedy, tiny_target,
-                                                                       tmp_path):
+def test_text_only_answers_of_transformers_serve_are_refused_then_accepted_and_marked(serve, local_greedy,
+                                                                                        tiny_target, tmp_path):
+    """`transformers serve` returns text only, and trims it: every completion's first token is
+    " lists", served as "lists", which retokenizes to other ids (the issue's case: the server
+    counted 8 tokens, the text makes more). Refused (exit 6, every prompt named with its counts,
+    nothing cached); kept and marked with --accept-retokenized, and then replayed without the server."""
+    store = tmp_path / "store"
     before = serve.chat_requests()
-    ctx, nodes = run_pipeline(tmp_path / "store", "completions", **_server_opts(tiny_target, serve.url))
+    with pytest.raises(CompletionIdsRefused) as e:
+        run_pipeline(store, "completions", **_server_opts(tiny_target, serve.url))
+    assert serve.chat_requests() - before == N
+    assert e.value.exit_code == EXIT_BAD_INPUT
+    assert [r["id"] for r in e.value.refused] == [f"code-{i:02d}" for i in range(N)]
+    msg = str(e.value)
+    assert msg.startswith(f"{N} of the {N} completion(s) fetched are refused, so nothing was cached for them:")
+    assert re.search(r"'code-00': the server counted 8 completion tokens, the text retokenizes to \d+", msg)
+    assert "--server-api sglang" in msg and "--completions local" in msg and "--accept-retokenized" in msg
+    assert [m.stage for m in open_store(store).list_manifests()] == ["prompts"]
+
+    before = serve.chat_requests()
+    ctx, nodes = run_pipeline(store, "completions", **_server_opts(tiny_target, serve.url, accept_retokenized=True))
     assert serve.chat_requests() - before == N
     comps = read_completions(ctx.store, nodes["completions"])
     assert [c.id for c in comps] == [f"code-{i:02d}" for i in range(N)]
     assert all(c.text and c.finish_reason in ("stop", "length") for c in comps)
     assert all(c.tokens_source == "retokenized" and c.token_ids is None for c in comps)
+    assert all(c.ids_check["server_count"] == 8 and not c.ids_check["ok"] for c in comps)
+    assert [label_of({"tokens_source": c.tokens_source, "ids_check": c.ids_check}) for c in comps] == [ACCEPTED] * N
     from dfcache.samples import index_of
 
     segs = index_of(ctx.store).segments(nodes["completions"].partition.key).values()
     assert sum(len(m.samples["keys"]) for m in segs) == N
     assert all(m.provenance["served_model"] == serve.model_name and m.provenance["endpoint"] == "openai"
-               for m in segs)
+               and m.provenance["ids_request"] is None for m in segs)  # serve answers 422 to unknown fields
 
     # The server is gone (a listener that counts connections stands at another address; the
-    # URL is not key material): completions come from the store, tokens are computed locally.
+    # URL is not key material): completions come from the store, tokens are computed locally,
+    # once more refused without the flag (the verdict is the run's), made and marked with it.
     with RecordingListener() as listener:
-        ctx2, nodes2 = run_pipeline(tmp_path / "store", "tokens",
-                                    **_server_opts(tiny_target, listener.url, wait_server=5))
+        with pytest.raises(CompletionIdsRefused) as e:
+            run_pipeline(store, "tokens", **_server_opts(tiny_target, listener.url, wait_server=5))
+        assert "the stored completions of 4 of 4 prompt(s)" in str(e.value)
+        ctx2, nodes2 = run_pipeline(store, "tokens", **_server_opts(tiny_target, listener.url, wait_server=5,
+                                                                     accept_retokenized=True))
         assert listener.settle() == 0
     assert nodes2["completions"].key == nodes["completions"].key
     assert nodes2["completions"].status == "cached"
     assert ctx2.work_done == [nodes2["tokens"].key]
     toks = read_tokens(ctx2.store, nodes2["tokens"])
+    from dfcache.samples import SampleSet
+
+    tdocs = SampleSet(ctx2.store, nodes2["tokens"].partition.key, nodes2["tokens"].sample_keys).docs()
+    assert [label_of(d) for d in tdocs] == [ACCEPTED] * N
     tok = _tokenizer(tiny_target)
     for i, c in enumerate(comps):
         expect = tok(c.text, add_special_tokens=False)["input_ids"]
         if c.finish_reason == "stop":
             expect = expect + [tok.eos_token_id]
         assert toks.completion(i).tolist() == expect
+        assert tdocs[i]["ids_check"]["ids"] == len(expect) != 8
 
     # transformers serve is greedy at temperature 0: its text is our local greedy text, except
-    # that it trims the content's whitespace (why retokenized ids are only a fallback).
+    # that it trims the content's whitespace (why its retokenized ids are refused).
     local_key, local = local_greedy
     assert local_key != nodes["completions"].key  # server and local completions differ
     assert [c.text.strip() for c in local] == [c.text.strip() for c in comps]
+    assert all(c.text != lc.text for c, lc in zip(comps, local))
 
 
 def test_wrong_served_model_name_is_clear_and_sends_no_generation(serve, tiny_target, tmp_path):
@@ -127,7 +158,7 @@ def test_killed_server_keeps_finished_and_resume_fetches_only_the_rest(servers, 
         dying.kill_after(k)  # SIGKILL while it generates the k-th completion
         with pytest.raises(NetworkError) as e:
             run_pipeline(store, "completions", **_server_opts(tiny_target, dying.url, num_prompts=n,
-                                                              concurrency=1))
+                                                              concurrency=1, accept_retokenized=True))
         assert e.value.exit_code == EXIT_NETWORK
     finally:
         dying.stop()
@@ -139,7 +170,8 @@ def test_killed_server_keeps_finished_and_resume_fetches_only_the_rest(servers, 
 
     before = serve.chat_requests()
     capsys.readouterr()
-    ctx, nodes = run_pipeline(store, "completions", **_server_opts(tiny_target, serve.url, num_prompts=n))
+    ctx, nodes = run_pipeline(store, "completions", **_server_opts(tiny_target, serve.url, num_prompts=n,
+                                                                   accept_retokenized=True))
     fetched = serve.chat_requests() - before
     saved = n - fetched
     assert saved == kept  # everything that finished before the kill was kept, and only the rest fetched
@@ -150,7 +182,8 @@ def test_killed_server_keeps_finished_and_resume_fetches_only_the_rest(servers, 
     # Same port as the killed server, now a listener: a cached run opens no connection at all.
     with RecordingListener(port=dying.port) as listener:
         _, nodes2 = run_pipeline(store, "completions",
-                                 **_server_opts(tiny_target, dying.url, num_prompts=n, wait_server=3))
+                                 **_server_opts(tiny_target, dying.url, num_prompts=n, wait_server=3,
+                                                accept_retokenized=True))
         assert listener.settle() == 0
     assert nodes2["completions"].status == "cached"
 
@@ -294,15 +327,16 @@ def _prompt_file(path, order):
 def test_any_subset_superset_or_order_of_fetched_prompts_reuses_every_completion(serve, tiny_target, tmp_path):
     """Fetch 4 prompts; with the server gone (a listener counting connections at another address),
     a 2-prompt subset and the 4 reordered run offline with no connection; a superset of 5 exits 3
-    naming the one missing prompt; online, the superset sends exactly one request."""
+    naming the one missing prompt; online, the superset sends exactly one request. (serve's text-only
+    answers fail their check: accepted here, where reuse is what is tested.)"""
     store = tmp_path / "store"
     before = serve.chat_requests()
-    run_pipeline(store, "completions", **_server_opts(tiny_target, serve.url,
+    run_pipeline(store, "completions", **_server_opts(tiny_target, serve.url, accept_retokenized=True,
                                                       prompts=_prompt_file(tmp_path / "four.jsonl", [0, 1, 2, 3])))
     assert serve.chat_requests() - before == 4
     with RecordingListener() as gone:
         for name, order in (("two", [2, 0]), ("reordered", [3, 1, 0, 2])):
-            ctx, nodes = run_pipeline(store, "tokens", offline=True,
+            ctx, nodes = run_pipeline(store, "tokens", offline=True, accept_retokenized=True,
                                       **_server_opts(tiny_target, gone.url, num_prompts=len(order),
                                                      prompts=_prompt_file(tmp_path / f"{name}.jsonl", order)))
             assert nodes["completions"].status == "cached"
@@ -318,7 +352,8 @@ def test_any_subset_superset_or_order_of_fetched_prompts_reuses_every_completion
     fix = next(line for line in r.err.splitlines() if "produce it with:" in line)
     assert " run tokens " in fix and "--offline" not in fix and "Traceback" not in r.err
     before = serve.chat_requests()
-    ctx, nodes = run_pipeline(store, "tokens", **_server_opts(tiny_target, serve.url, prompts=five, num_prompts=5))
+    ctx, nodes = run_pipeline(store, "tokens", **_server_opts(tiny_target, serve.url, prompts=five, num_prompts=5,
+                                                              accept_retokenized=True))
     assert serve.chat_requests() - before == 1
     assert nodes["completions"].samples_dict()["produced"] == 1
     assert nodes["tokens"].samples_dict() == {**nodes["tokens"].samples_dict(), "cached": 4, "produced": 1}

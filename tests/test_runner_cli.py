@@ -539,17 +539,23 @@ def test_server_completions_replay_from_cache_after_the_server_is_gone(serve, ti
     store = tmp_path / "store"
     args = ["run", "completions", *_args(tiny_target, "--server", serve.url), "--json"]
     serve.wait_ready()
+    # serve answers with trimmed text only, whose rebuilt ids fail their check: exit 6, nothing cached.
+    refused = cli(env, store, *args)
+    assert refused.code == EXIT_BAD_INPUT, refused.err
+    assert "--accept-retokenized" in refused.one_error() and "Traceback" not in refused.err
+    assert serve.chat_requests() == N
+    args.append("--accept-retokenized")
     first = cli(env, store, *args)
     assert first.code == 0, first.err + serve.log_tail()
-    assert serve.chat_requests() == N
+    assert serve.chat_requests() == 2 * N
     serve.stop()
     port = serve.port
     nodes = first.json()["nodes"]
     assert [n["stage"] for n in nodes] == ["prompts", "completions"]
     assert nodes[1]["needs"] == "network" and nodes[1]["status"] == "network"
-    assert sorted(first.json()["computed"]) == sorted(n["key"] for n in nodes)
-    # Taking completions from a server needs neither torch nor transformers on this machine.
-    assert first.heavy == []
+    assert sorted(first.json()["computed"]) == sorted(n["key"] for n in nodes[1:])  # prompts: the first run's
+    # Checking text-only answers loads the target's tokenizer (transformers); the replay below loads nothing.
+    assert "transformers" in first.heavy
 
     with RecordingListener(port=port) as listener:  # the server's port, now nobody's
         again = cli(env, store, *args)

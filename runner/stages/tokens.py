@@ -17,10 +17,22 @@ enable_thinking=...)``, then the tokenizer on that text without added special to
 template holds them). Completion ids: as the completion gives them (server or local ids), else
 the completion text retokenized the same way, plus the first end-of-sequence id when the
 completion finished with "stop" (a greedy generation ends with its stop token; a server's text
-drops it).
+drops it), and checked (runner/stages/completions/ids.py: the count against the server's
+``usage.completion_tokens``, the round trip, no U+FFFD; a reasoning parser's split put back
+together in the chat template's form first).
+
+Retokenization stays here, the check is made in both stages: the completions stage checks (and
+refuses) before it caches an answer, this stage checks again when it makes the ids, which also
+covers text-only completions cached before checks existed. A sample whose check fails gets no
+tokens (the others do) and the run ends with exit 6 naming it, unless ``--accept-retokenized``
+keeps it with the failed check recorded. ``check_use`` makes the same decision for a run that
+computes hidden states or evals from stored tokens: the verdict is each run's, never stored.
 
 Output, per sample: array ``ids`` (int32, prompt then completion) and the document
-``{"finish_reason", "tokens_source", "eos_appended", "prompt_len", "completion_len"}``.
+``{"finish_reason", "tokens_source", "eos_appended", "prompt_len", "completion_len"}``, plus
+``ids_check`` for retokenized ids (``{"ok", "ids", "server_count", "round_trip", "problem",
+"replacement_chars", "reasoning_put_back"}``, facts only): what ``runner.completion_source.label_of``
+reads to label a report row.
 
 Imported samples (`dfcache import`, runner/imports.py) are tokens samples too, of a root
 partition (inputs as above plus ``imported``, no upstream; a sample named by the digest of its
@@ -36,7 +48,7 @@ from dfcache.errors import BadInputError
 
 from ..graph import KeyRecipe, Node, RunContext
 from ..summaries import samples_origin
-from ..models.resolve import eos_token_ids, resolved_target
+from ..models.resolve import resolved_target
 
 if TYPE_CHECKING:  # numpy is imported where arrays are made: planning a cached graph needs none
     import numpy as np
@@ -72,9 +84,11 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
 
     from dfcache.samples import SampleArray, SampleSet, SampleSink
 
+    from .completions.ids import rebuild, refusal, stop_ids
     from .completions.sources import encode_prompt, load_tokenizer
     from . import prompts as prompts_stage
 
+    accept = bool(ctx.options.accept_retokenized)
     for node in nodes:
         todo = node.positions_distinct(node.produce)
         if not todo:
@@ -84,20 +98,24 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         messages = prompts_stage.read_messages(ctx.store, node.payload["prompts"], todo)
         comps = SampleSet(ctx.store, comps_node.partition.key, [comps_node.sample_keys[i] for i in todo]).docs()
         tok = load_tokenizer(target_dir, ctx.cache)
-        eos = eos_token_ids(target_dir) or ([tok.eos_token_id] if tok.eos_token_id is not None else [])
+        eos = stop_ids(target_dir, tok)
         enable_thinking = bool(node.inputs["enable_thinking"])
+        refused: list[dict] = []
         with SampleSink(ctx.store, node.partition, arrays={"ids": SampleArray((), "int32")},
                         summary=f"ids of {samples_origin(ctx.store, comps_node)}", max_samples=COMMIT_EVERY) as sink:
             for i, msgs, c in zip(todo, messages, comps):
                 p_ids = encode_prompt(tok, msgs, enable_thinking)
                 eos_appended = False
+                doc = {}
                 if c.get("token_ids") is not None:
                     c_ids = list(c["token_ids"])
                 else:
-                    c_ids = list(tok(c["text"], add_special_tokens=False)["input_ids"])
-                    if c["finish_reason"] == "stop" and eos and (not c_ids or c_ids[-1] not in eos):
-                        c_ids.append(int(eos[0]))
-                        eos_appended = True
+                    r = rebuild(tok, eos, msgs, enable_thinking, c)
+                    if r.problem is not None and not (r.acceptable and accept):
+                        refused.append({"id": node.ids[i], "problem": r.problem, "acceptable": r.acceptable})
+                        continue
+                    c_ids, eos_appended = r.ids, r.eos_appended
+                    doc["ids_check"] = r.check
                 if not c_ids:
                     raise BadInputError(f"the completion of prompt {node.ids[i]!r} has no tokens; delete its "
                                         f"completions (dfcache gc) and produce them again.")
@@ -107,7 +125,38 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
                                         "is corrupt.")
                 sink.add(node.upstream_samples[i], {"ids": ids.astype(np.int32)},
                          {"finish_reason": c["finish_reason"], "tokens_source": c["tokens_source"],
-                          "eos_appended": eos_appended, "prompt_len": len(p_ids), "completion_len": len(c_ids)})
+                          "eos_appended": eos_appended, "prompt_len": len(p_ids), "completion_len": len(c_ids),
+                          **doc})
+        if refused:  # after the sink committed every sample that passed
+            raise refusal(refused, total=len(todo), stage="tokens")
+
+
+def check_use(ctx: RunContext, node: Node, positions: list[int]) -> None:
+    """Before a stage computes from this tokens node's samples at ``positions``: refuse retokenized
+    ids that are not verified (a failed check, or made before checks existed) unless this run
+    passes ``--accept-retokenized``. The decision is the run's (the option is no key input), so a
+    store holding samples that an earlier run accepted does not make a later run accept them.
+    Reads the samples' documents only, which the consuming stage reads anyway."""
+    if ctx.options.accept_retokenized or not positions or node.partition is None:
+        return
+    from dfcache.samples import SampleSet
+
+    from .completions.ids import refusal
+
+    positions = node.positions_distinct(positions)
+    docs = SampleSet(ctx.store, node.partition.key, [node.sample_keys[i] for i in positions]).docs()
+    refused = []
+    for i, d in zip(positions, docs):
+        if not isinstance(d, dict) or d.get("tokens_source") != "retokenized":
+            continue  # server, local, imported ids
+        check = d.get("ids_check")
+        if isinstance(check, dict) and check.get("ok"):
+            continue
+        problem = check.get("problem") if isinstance(check, dict) else None
+        refused.append({"id": node.ids[i], "acceptable": True,
+                        "problem": problem or "ids rebuilt from text before dfcache checked them (no check recorded)"})
+    if refused:
+        raise refusal(refused, total=len(positions), stage="use")
 
 
 @dataclass

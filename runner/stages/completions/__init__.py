@@ -26,7 +26,23 @@ set in the store, no request of any kind reaches it, whatever subset, superset o
 prompts the set is.
 
 Output, per sample: the document ``{"text", "finish_reason", "token_ids", "tokens_source":
-"server"|"local"|"retokenized", "prompt_tokens", "completion_tokens"}``.
+"server"|"local"|"retokenized", "prompt_tokens", "completion_tokens"}``, plus, where they apply,
+``reasoning_content`` (a server-side reasoning parser's split; ``text`` is then the content),
+``server_ids_from`` (``token_ids`` | ``logprobs``: how a vLLM server gave its ids) and
+``ids_check`` (text-only answers: the facts of the check below, as the tokens stage records them).
+
+Ids. ``token_ids`` are the ids the server generated (vLLM is asked for them, SGLang's native API
+returns them) or local greedy's; a server's ids are checked against its own text when they arrive,
+and ids that disagree are refused. A text-only answer is checked here, before anything is cached
+(runner/stages/completions/ids.py: the rebuilt ids' count against ``usage.completion_tokens``, the
+round trip, no U+FFFD; a reasoning split is first put back together in the chat template's form).
+The ids themselves are rebuilt again by the tokens stage, not stored here: the completions
+artifact keeps what the server said, and the tokens stage keeps making ids (and checking) the one
+way it has always made them, which also covers text-only completions cached before checks
+existed. A sample that fails is not cached (the others are) and the run ends with exit 6 naming
+it, unless ``--accept-retokenized`` keeps it with its failed check recorded. Whether a stored
+failed sample may be used is decided by each run that uses it (``--accept-retokenized`` is no key
+input: a verdict that depends on an option outside the key is never stored).
 
 Only missing samples are requested. Finished completions are committed in segments every
 ``COMMIT_EVERY`` samples or ``COMMIT_EVERY_S`` seconds and when the run stops for any reason,
@@ -148,32 +164,78 @@ def _produce_one(ctx: RunContext, node: Node) -> None:
         ctx.log(f"completions: {stored} of {len(node.sample_keys)} already stored, {len(todo)} to fetch")
     source = make_source(ctx, node.payload["target_dir"])
     source.prepare()  # readiness and model check, once, before any generation request
+    verify = None if source.kind == "local" else _Verifier(ctx, node)
     try:
         with SampleSink(ctx.store, node.partition, summary=node.summary, provenance=source.provenance,
                         max_samples=COMMIT_EVERY, max_seconds=COMMIT_EVERY_S) as sink:
-            _run(ctx, sink, node, source, records, todo)
+            refused = _run(ctx, sink, node, source, records, todo, verify)
     finally:
         source.close()
+    if refused:  # after the sink committed every sample that passed
+        from .ids import refusal
+
+        order = {node.ids[i]: k for k, i in enumerate(todo)}  # prompt order, not the order answers came in
+        raise refusal(sorted(refused, key=lambda r: order[r["id"]]), total=len(todo), stage="completions")
 
 
-def _run(ctx: RunContext, sink, node: Node, source, records: dict[int, dict], todo: list[int]) -> None:
-    """Request the missing completions with a bounded pool, handing each to the sink as it finishes."""
+class _Verifier:
+    """The checks of a server's answers (ids.py), with the target's tokenizer loaded once, at the
+    first answer: a server that fails before answering fails without a tokenizer (or torch) loaded."""
+
+    def __init__(self, ctx: RunContext, node: Node) -> None:
+        self.ctx = ctx
+        self.target_dir = node.payload["target_dir"]
+        self.tokenizer = None
+        self.eos: list[int] = []
+        self.enable_thinking = bool(node.inputs["enable_thinking"])
+        self.accept = bool(ctx.options.accept_retokenized)
+
+    def __call__(self, doc: dict, messages: list[dict]) -> dict | None:
+        """Check ``doc`` (adding ``ids_check`` to a text-only one); a refusal dict, or None to keep it."""
+        from .ids import rebuild, server_ids_problem, stop_ids
+
+        if self.tokenizer is None:
+            from .sources import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.target_dir, self.ctx.cache)
+            self.eos = stop_ids(self.target_dir, self.tokenizer)
+        if doc.get("token_ids") is not None:
+            problem = server_ids_problem(self.tokenizer, doc["token_ids"], doc)
+            return None if problem is None else {"problem": problem, "acceptable": False}
+        r = rebuild(self.tokenizer, self.eos, messages, self.enable_thinking, doc)
+        if r.check is not None:
+            doc["ids_check"] = r.check
+        if r.problem is None or (r.acceptable and self.accept):
+            return None
+        return {"problem": r.problem, "acceptable": r.acceptable}
+
+
+def _run(ctx: RunContext, sink, node: Node, source, records: dict[int, dict], todo: list[int],
+         verify: _Verifier | None = None) -> list[dict]:
+    """Request the missing completions with a bounded pool, handing each to the sink as it finishes
+    (checked by ``verify`` first). Returns the refused samples (``id``, ``problem``, ``acceptable``)."""
     workers = 1 if source.kind == "local" else max(1, int(ctx.options.concurrency))
     bar = ctx.progress(total=len(todo), desc="completions", unit="req")
     first_error: BaseException | None = None
+    refused: list[dict] = []
 
     def save(i: int, c) -> None:
         doc = c.to_doc(i, records[i]["id"])
         for field in ("index", "id"):  # a sample is shared by every set and id that holds the prompt
             doc.pop(field, None)
-        sink.add(node.upstream_samples[i], doc=doc)
         bar.update(1)
+        # In this (the main) thread: HF fast tokenizers are not safe to call from many threads.
+        refuse = verify(doc, records[i]["messages"]) if verify is not None else None
+        if refuse is not None:
+            refused.append({"id": records[i]["id"], **refuse})
+            return
+        sink.add(node.upstream_samples[i], doc=doc)
 
     try:
         if workers == 1:
             for i in todo:
                 save(i, source.complete(records[i]))
-            return
+            return refused
         stop = threading.Event()
 
         def task(i: int):
@@ -212,6 +274,7 @@ def _run(ctx: RunContext, sink, node: Node, source, records: dict[int, dict], to
             pool.shutdown(wait=first_error is not None, cancel_futures=True)
         if first_error is not None:
             raise first_error
+        return refused
     finally:
         bar.close()
 
@@ -224,6 +287,8 @@ class CompletionRecord:
     finish_reason: str
     token_ids: list[int] | None
     tokens_source: str
+    ids_check: dict | None = None  # text-only answers: the facts of their check (ids.py)
+    reasoning_content: str | None = None
 
 
 def read_completions(store, node: Node) -> list[CompletionRecord]:
@@ -232,5 +297,6 @@ def read_completions(store, node: Node) -> list[CompletionRecord]:
 
     docs = SampleSet(store, node.partition.key, node.sample_keys).docs()
     return [CompletionRecord(index=i, id=node.ids[i], text=d["text"], finish_reason=d["finish_reason"],
-                             token_ids=d.get("token_ids"), tokens_source=d["tokens_source"])
+                             token_ids=d.get("token_ids"), tokens_source=d["tokens_source"],
+                             ids_check=d.get("ids_check"), reasoning_content=d.get("reasoning_content"))
             for i, d in enumerate(docs)]

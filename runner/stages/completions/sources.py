@@ -9,9 +9,13 @@ an empty or failed completion, so nothing broken reaches the store.
 Kinds (``Completion.tokens_source`` says where the completion's token ids come from):
 
 ``openai``  ``POST /v1/chat/completions`` (SGLang, vLLM, ``transformers serve``). The server
-            applies the chat template. Only text comes back (``transformers serve`` and SGLang
-            give no ids; vLLM gives ``token_ids`` only when asked), so ids are ``retokenized``
-            later unless the server sent them (``server``).
+            applies the chat template. A vLLM server (``owned_by: "vllm"`` at ``/v1/models``) is
+            asked for the ids it generated: ``return_token_ids`` from vLLM 0.10.2 (``/version``),
+            ``logprobs`` with ``return_tokens_as_token_ids`` before it (``server``). Other servers
+            are sent no field they may not know: ``transformers serve`` answers an unknown field
+            with HTTP 422, and SGLang's chat endpoint returns no completion ids (its non-streaming
+            response fills ``prompt_token_ids`` only). Their text is ``retokenized`` and checked
+            (runner/stages/completions/ids.py).
 ``sglang``  SGLang's native ``POST /generate``. The prompt goes through the target's chat
             template here and is sent as ``input_ids``, so the server sees exactly the prompt
             ids the tokens stage records. SGLang returns ``output_ids`` (``server``).
@@ -25,6 +29,7 @@ tokens stage agree on every prompt id.
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -134,8 +139,10 @@ def server_url(url: str | None) -> str:
 
 
 
-def check_served_model(client: HttpClient, base: str, wanted: str | None, api: str = "openai") -> str:
-    """The model name to request, checked against what the server lists at ``/v1/models``.
+def check_served_model(client: HttpClient, base: str, wanted: str | None,
+                       api: str = "openai") -> tuple[str, str | None]:
+    """The model name to request, checked against what the server lists at ``/v1/models``, and the
+    ``owned_by`` of its entry (vLLM says ``vllm``, SGLang ``sglang``: what tells the servers apart).
 
     With ``wanted`` given it must be listed; without, the server must serve exactly one model.
     SGLang servers without ``/v1/models`` are asked ``/get_model_info`` instead.
@@ -143,26 +150,60 @@ def check_served_model(client: HttpClient, base: str, wanted: str | None, api: s
     try:
         data = client.get_json(base + "/v1/models", timeout=60)
         entries = data.get("data") if isinstance(data, dict) else None
-        names = [str(m["id"]) for m in entries or [] if isinstance(m, dict) and m.get("id")]
+        entries = [m for m in entries or [] if isinstance(m, dict) and m.get("id")]
+        owners = {str(m["id"]): m.get("owned_by") if isinstance(m.get("owned_by"), str) else None for m in entries}
     except ServerHTTPError as e:
         if api != "sglang" or e.status != 404:
             raise
         info = client.get_json(base + "/get_model_info", timeout=60)
-        names = [str(info["model_path"])] if isinstance(info, dict) and info.get("model_path") else []
+        owners = {str(info["model_path"]): "sglang"} if isinstance(info, dict) and info.get("model_path") else {}
+    names = list(owners)
     if not names:
         raise ServerHTTPError(f"the server at {base} lists no models at /v1/models; check that it has "
                               "loaded the target and that --server points at it.", url=base + "/v1/models")
     if wanted is not None:
         if wanted in names:
-            return wanted
+            return wanted, owners[wanted]
         raise ServerHTTPError(
             f"the server at {base} serves {', '.join(repr(n) for n in names)}, not the requested model "
             f"{wanted!r}; pass --served-model {names[0]!r} if that is the target, or point --server at "
             f"the server of {wanted!r}.", url=base + "/v1/models")
     if len(names) == 1:
-        return names[0]
+        return names[0], owners[names[0]]
     raise ServerHTTPError(f"the server at {base} serves {len(names)} models ({', '.join(names[:8])}); "
                           "choose one with --served-model NAME.", url=base + "/v1/models")
+
+
+# vLLM's chat request has return_token_ids (the ids in choices[i].token_ids) from 0.10.2; before it,
+# logprobs with return_tokens_as_token_ids give each generated token as "token_id:N" (read at
+# vllm/entrypoints/openai/chat_completion/protocol.py and serving.py, chat_completion_full_generator).
+VLLM_RETURN_TOKEN_IDS = (0, 10, 2)
+_VERSION = re.compile(r"^v?(\d+)\.(\d+)(?:\.(\d+))?")
+
+
+def vllm_version(client: HttpClient, base: str) -> tuple[int, int, int] | None:
+    """vLLM's version from its ``/version`` (``{"version": "0.11.0"}``), or None where it has none."""
+    try:
+        data = client.get_json(base + "/version", timeout=60)
+    except ServerHTTPError:
+        return None
+    m = _VERSION.match(str(data.get("version", ""))) if isinstance(data, dict) else None
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0)) if m else None
+
+
+def ids_from_logprobs(logprobs) -> list[int] | None:
+    """The generated ids from OpenAI-style logprobs whose tokens vLLM wrote as ``token_id:N``
+    (``return_tokens_as_token_ids``); None unless every entry has that form."""
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list) or not content:
+        return None
+    ids = []
+    for entry in content:
+        token = entry.get("token") if isinstance(entry, dict) else None
+        if not isinstance(token, str) or not token.startswith("token_id:") or not token[9:].isdigit():
+            return None
+        ids.append(int(token[9:]))
+    return ids
 
 
 class _ServerSource:
@@ -176,6 +217,7 @@ class _ServerSource:
         self.params = params
         self.wanted_model = served_model
         self.model: str | None = None
+        self.info: dict = {}  # what check_server learnt: owned_by, vLLM's version
         if client is None:
             from dfcache.http import HttpClient
 
@@ -193,8 +235,14 @@ class _ServerSource:
             from dfcache.http import wait_ready
 
             wait_ready(self.base, self.wait_seconds, self.progress, client=self.client, out=self.out)
-            self.cache.served_models[key] = check_served_model(self.client, self.base, self.wanted_model, self.kind)
+            name, owner = check_served_model(self.client, self.base, self.wanted_model, self.kind)
+            info = {"owned_by": owner}
+            if self.kind == "openai" and owner == "vllm":
+                info["version"] = vllm_version(self.client, self.base)
+            self.cache.server_info[key] = info
+            self.cache.served_models[key] = name
         self.model = self.cache.served_models[key]
+        self.info = self.cache.server_info.get(key, {})
         return self.model
 
     def prepare(self) -> None:
@@ -202,7 +250,11 @@ class _ServerSource:
 
     @property
     def provenance(self) -> dict:
-        return {"endpoint": self.kind, "server": self.base, "served_model": self.model}
+        prov = {"endpoint": self.kind, "server": self.base, "served_model": self.model,
+                "server_owned_by": self.info.get("owned_by")}
+        if self.info.get("version") is not None:
+            prov["server_version"] = ".".join(map(str, self.info["version"]))
+        return prov
 
     def close(self) -> None:
         self.client.close()
@@ -214,9 +266,27 @@ class _ServerSource:
 
 
 class OpenAIChatSource(_ServerSource):
-    """``/v1/chat/completions``; the server applies its chat template."""
+    """``/v1/chat/completions``; the server applies its chat template.
+
+    What is asked for the ids (``ids_request``) follows what :meth:`check_server` learnt, once per
+    run and server, never by trying a request and retrying another: ``return_token_ids`` for vLLM
+    0.10.2 and later (or a vLLM without ``/version``), ``logprobs`` + ``return_tokens_as_token_ids``
+    for older vLLM, nothing for other servers. Ids a server sends unasked in ``choices[0].token_ids``
+    are used too (after the stage checks them against the text).
+    """
 
     kind = "openai"
+
+    @property
+    def ids_request(self) -> str | None:
+        if self.info.get("owned_by") != "vllm":
+            return None
+        version = self.info.get("version")
+        return "logprobs" if version is not None and version < VLLM_RETURN_TOKEN_IDS else "return_token_ids"
+
+    @property
+    def provenance(self) -> dict:
+        return {**super().provenance, "ids_request": self.ids_request}
 
     def request_body(self, record: dict) -> dict:
         p = self.params
@@ -225,6 +295,11 @@ class OpenAIChatSource(_ServerSource):
                 "chat_template_kwargs": {"enable_thinking": p.enable_thinking}}
         if p.seed is not None:
             body["seed"] = p.seed
+        if self.ids_request == "return_token_ids":
+            body["return_token_ids"] = True
+        elif self.ids_request == "logprobs":
+            body["logprobs"] = True
+            body["return_tokens_as_token_ids"] = True
         return body
 
     def complete(self, record: dict) -> Completion:
@@ -240,15 +315,28 @@ class OpenAIChatSource(_ServerSource):
         finish = choice.get("finish_reason")
         if finish not in FINISH_REASONS:
             raise self._bad(url, f"finish_reason {finish!r} (expected stop or length)", rid)
-        if not isinstance(content, str) or not content:
-            raise self._bad(url, "an empty completion", rid)
-        ids = int_list(choice.get("token_ids"))  # vLLM's return_token_ids; others send none
-        usage = resp.get("usage") if isinstance(resp.get("usage"), dict) else {}
-        extra = {}
         reasoning = message.get("reasoning_content") or message.get("reasoning")
-        if isinstance(reasoning, str) and reasoning:
-            # A server-side reasoning parser moved the thinking out of the content; keep it so the
-            # artifact shows that the text alone is not the whole generation.
+        reasoning = reasoning if isinstance(reasoning, str) and reasoning else None
+        content = content if isinstance(content, str) else ""
+        if not content and reasoning is None:
+            raise self._bad(url, "an empty completion", rid)
+        extra: dict = {}
+        ids = int_list(choice.get("token_ids"))  # vLLM's return_token_ids; others send none
+        if ids is not None:
+            extra["server_ids_from"] = "token_ids"
+        elif self.ids_request == "logprobs":
+            ids = ids_from_logprobs(choice.get("logprobs"))
+            if ids is not None:
+                extra["server_ids_from"] = "logprobs"
+        matched = choice.get("matched_stop")  # SGLang's name for the stop token, where it sends ids
+        if ids is not None and finish == "stop" and isinstance(matched, int) and not isinstance(matched, bool) \
+                and ids[-1] != matched:
+            ids = ids + [matched]
+            extra["stop_token_appended"] = True
+        usage = resp.get("usage") if isinstance(resp.get("usage"), dict) else {}
+        if reasoning is not None:
+            # A server-side reasoning parser moved the thinking out of the content: neither part
+            # alone is the generation (the stage puts them back together, ids.put_back).
             extra["reasoning_content"] = reasoning
         return Completion(text=content, finish_reason=finish, token_ids=ids,
                           tokens_source="server" if ids else "retokenized",
