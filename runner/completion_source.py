@@ -33,7 +33,8 @@ LOCAL = "local greedy"
 VERIFIED = "retokenized, verified"
 ACCEPTED = "retokenized, unverified (accepted)"
 UNCHECKED = "retokenized, unchecked"
-LABELS = (SERVER, LOCAL, VERIFIED, ACCEPTED, UNCHECKED)
+IMPORTED = "imported"
+LABELS = (SERVER, LOCAL, VERIFIED, ACCEPTED, UNCHECKED, IMPORTED)
 EXACT = frozenset({SERVER, LOCAL})  # ids the target generated, as it generated them
 
 
@@ -44,6 +45,8 @@ def label_of(doc: dict) -> str:
         return SERVER
     if source == "local":
         return LOCAL
+    if isinstance(source, str) and source.startswith("imported"):
+        return IMPORTED  # tokens_source "imported from specforge" and the like (runner/imports.py)
     check = doc.get("ids_check")
     if not isinstance(check, dict):
         return UNCHECKED

@@ -52,6 +52,8 @@ _MEANING = {  # what each label means for τ (docs/metrics.md "Where completions
                  "--accept-retokenized: τ over them may say nothing about real decoding",
     cs.UNCHECKED: "ids rebuilt from the server's text and cached before dfcache checked such ids: as uncertain "
                   "as unverified ones",
+    cs.IMPORTED: "ids imported from a peer's files (dfcache import): whatever produced them, not a "
+                 "generation dfcache recorded",
 }
 IDS_FIX = ("take completions whose ids come from the target itself: --server-api sglang (its native "
            "/generate returns them), a vLLM server (asked for its ids), or --completions local")
