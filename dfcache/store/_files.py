@@ -69,10 +69,10 @@ def open_regular(path, *, nofollow: bool = False, dir_fd: int | None = None) -> 
 
 
 def read_fd(fd: int, size: int) -> bytes:
-    """The whole content of an open regular file of ``size`` bytes (a file that grew meanwhile
-    is read up to ``size`` + 1 bytes, which the caller's bound then sees)."""
-    first = os.read(fd, size + 1)  # one call for the whole file, as open().read() makes it
-    if len(first) == size + 1 or not first:
+    """The content of an open regular file that ``fstat`` said has ``size`` bytes: at most
+    ``size`` + 1 of them (one more than that tells a caller with a bound that it grew)."""
+    first = os.read(fd, size + 1)  # one call for the whole file (the usual case: no read of EOF after it)
+    if len(first) >= size or not first:
         return first
     chunks = [first]
     left = size + 1 - len(first)

@@ -208,9 +208,10 @@ class _LocalStaging(Staging):
 
     def size(self, relpath: str) -> int | None:
         try:
-            return os.stat(self.path / relpath).st_size
+            st = os.stat(self.path / relpath)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def _target(self, relpath: str) -> Path:
         p = self.path / relpath
@@ -248,9 +249,9 @@ class _LocalStaging(Staging):
 
     def get(self, relpath: str) -> bytes | None:
         try:
-            return (self.path / relpath).read_bytes()
-        except FileNotFoundError:
-            return None
+            return read_regular(self.path / relpath)
+        except (FileNotFoundError, NotRegularFile):
+            return None  # (a FIFO planted in a resumable staging area is no progress: never opened blocking)
 
     def publish(self, manifest_bytes: bytes) -> bool:
         with _writing(self.backend.root, self.key):

@@ -261,6 +261,24 @@ def test_odd_store(case: StoreCase, zygote, base_store, tmp_path, figures):
     figures.record("hostile_store_cases", **{case.id: {"exit": r.code}})
 
 
+def test_a_fifo_in_place_of_a_sample_index_or_resumable_progress_is_no_index(tmp_path):
+    """The per-partition sample index (used from 4096 samples, so not by the table's small store)
+    and a resumable writer's staged progress are store files too: a FIFO there reads as absent
+    (the index is rebuilt from the manifests, the writer starts over), never as a hang."""
+    from dfcache.samples import _read_sample_index
+    from dfcache.store import open_store
+
+    fifo_at(tmp_path / "index-file")
+    assert _read_sample_index(tmp_path / "index-file", "p" * 32) == ({}, None)
+    store = open_store(tmp_path / "store")
+    staging = store.backend.open_staging("ab" * 16, resumable=True)
+    try:
+        fifo_at(staging.path / "progress.json")
+        assert staging.get("progress.json") is None and staging.size("progress.json") is None
+    finally:
+        staging.discard()
+
+
 # ------------------------------------------------------------------------------ a read-only store
 
 
