@@ -451,9 +451,9 @@ class HttpClient:
         return resp
 
     def _expired(self, method: str, url: str, total: float, answering: bool) -> NetworkError:
-        what = "sent only part of its answer" if answering else "sent no answer"
-        return _err(ServerTimeout, "read_timeout", f"{method} {url}: the server {what} within {total:g} s, the time "
-                    "one request may take; dfcache stopped there.", self.fixes, url=url)
+        what = "got only part of its answer" if answering else "got no answer"
+        return _err(ServerTimeout, "read_timeout", f"{method} {url} {what} within {round(total, 2):g} s, the time one "
+                    "request may take; dfcache stopped waiting there.", self.fixes, url=url)
 
     def get_json(self, url: str, *, timeout: float | None = None, max_bytes: int | None = None) -> Any:
         return self._json(self.request("GET", url, timeout=timeout, max_bytes=max_bytes), "GET", url)
