@@ -65,15 +65,24 @@ def _fast_ls(argv: list[str]) -> int | None:
         import json
 
         root = os.path.abspath(os.path.expanduser(loc))
-        with open(os.path.join(root, "dfcache-store.json"), "rb") as f:
-            marker = json.loads(f.read())
+        import stat
+
+        # Bounded and never blocking (a FIFO in its place hung `ls`); anything odd: the full CLI.
+        fd = os.open(os.path.join(root, "dfcache-store.json"), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return None
+            marker = json.loads(os.read(fd, 1 << 16))
+        finally:
+            os.close(fd)
         from .listing import ls_output
         from .store import listing
 
         # The format version this code reads comes with the snapshot (written by this same
         # code), so the store format module (and its crc32c) is never imported here.
         listed = listing(root)
-        if listed is None or not isinstance(marker, dict) or marker.get("format_version") != listed.format_version:
+        if (listed is None or not isinstance(marker, dict) or marker.get("format_version") != listed.format_version
+                or marker.get("kind", "dfcache-store") != "dfcache-store"):
             return None
         entries = listed.artifacts
         stage = opts.get("--stage")

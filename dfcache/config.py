@@ -13,7 +13,11 @@ Environment:
     AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, AWS_ENDPOINT, AWS_REGION, AWS_DEFAULT_REGION
                        the S3 endpoint and region when neither ``--endpoint-url`` nor the remote's
                        config gives one (credentials, ``AWS_ACCESS_KEY_ID`` and friends, are read
-                       by obstore itself and never by dfcache).
+                       by obstore itself; dfcache only asks whether any source of them is set,
+                       :func:`aws_credential_source`, never for their values).
+    DFCACHE_MAX_RESPONSE_BYTES
+                       the most bytes one HTTP answer may have, instead of the bound dfcache derives
+                       (docs/config.md).
     HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, HF_HOME, XDG_CACHE_HOME
                        where huggingface_hub keeps models (read the way huggingface_hub reads them).
     CUDA_VISIBLE_DEVICES
@@ -65,6 +69,48 @@ def aws_settings() -> AwsSettings:
     return AwsSettings(endpoint_url=(env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
                                      or env.get("AWS_ENDPOINT") or None),
                        region=env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or None)
+
+
+def aws_credential_source() -> str | None:
+    """Where obstore would take S3 credentials from without asking a cloud instance-metadata
+    service, or None when nothing is set (it would then ask http://169.254.169.254). Only
+    whether the variables are set is looked at, never their values. The order is obstore's
+    (object_store's AmazonS3Builder): keys, web identity, container credentials; plus
+    ``AWS_SKIP_SIGNATURE`` (no credentials, unsigned requests) and ``AWS_METADATA_ENDPOINT``
+    (the user asks for instance credentials)."""
+    env = os.environ
+    if _env_true("AWS_SKIP_SIGNATURE"):
+        return "unsigned"
+    if env.get("AWS_ACCESS_KEY_ID") or env.get("AWS_SECRET_ACCESS_KEY"):
+        return "keys"
+    if env.get("AWS_WEB_IDENTITY_TOKEN_FILE") and env.get("AWS_ROLE_ARN"):
+        return "web identity"
+    if env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI"):
+        return "container"
+    if env.get("AWS_METADATA_ENDPOINT"):
+        return "instance metadata"
+    return None
+
+
+MIN_RESPONSE_BYTES = 64 << 10
+
+
+def max_response_bytes() -> int | None:
+    """``DFCACHE_MAX_RESPONSE_BYTES``: the most bytes one HTTP answer may have, over the bound
+    dfcache derives for each request (None: unset). Accepts ``512MiB``-style suffixes."""
+    raw = os.environ.get("DFCACHE_MAX_RESPONSE_BYTES", "").strip()
+    if not raw:
+        return None
+    units = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6, "mib": 1 << 20,
+             "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+    import re
+
+    m = re.fullmatch(r"([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)", raw)
+    value = int(float(m.group(1)) * units[m.group(2).lower()]) if m and m.group(2).lower() in units else 0
+    if value < MIN_RESPONSE_BYTES:
+        raise UsageError(f"DFCACHE_MAX_RESPONSE_BYTES={raw!r}: give a number of bytes of at least "
+                         f"{MIN_RESPONSE_BYTES} (e.g. 268435456 or 256MiB).")
+    return value
 
 
 def hub_cache_dir() -> Path:

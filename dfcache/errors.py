@@ -10,7 +10,8 @@ The tree (exit code in brackets)::
     ├── OfflineMissingError (ConnectionError)        [3]  needs the network while offline
     │     (carries the list of missing nodes)
     ├── NetworkError (ConnectionError)               [4]
-    │   ├── OfflineModeIsEnabled                          a URL was asked for while offline
+    │   ├── OfflineModeIsEnabled                     [3]  a URL or a network store was asked for
+    │   │                                                  while offline (no socket was opened)
     │   ├── ServerUnreachable                             DNS failure or no route
     │   ├── ConnectionRefused                             nothing listens on the port
     │   ├── ServerTimeout                                 connect or read timed out
@@ -19,7 +20,9 @@ The tree (exit code in brackets)::
     ├── StoreWriteError (OSError)                    [2]  the store cannot take writes (disk full,
     │                                                      quota, read-only, permissions)
     ├── IntegrityError (OSError)                     [5]  digest mismatch, corrupt or partial artifact
-    │   └── UntrustedManifestError                        a manifest that fails validation
+    │   ├── UntrustedManifestError                        a manifest that fails validation
+    │   └── NotRegularFile                                a store file that is a directory, a FIFO,
+    │                                                      a socket, a device (or a link where none may be)
     ├── BadInputError (ValueError)                   [6]  prompts, model, checkpoint, layer ids
     │   ├── ModelNotFoundError (FileNotFoundError)
     │   └── CompletionIdsRefused                          completions whose token ids are not the
@@ -115,7 +118,12 @@ class NetworkError(DfcacheError, ConnectionError):
 
 
 class OfflineModeIsEnabled(NetworkError):
-    """Code asked for a URL while offline mode is on; no socket was opened."""
+    """Code asked for a URL (or a store that needs the network) while offline mode is on; no
+    socket was opened. Exit 3, as every refusal that offline mode makes: nothing failed on the
+    network (4), the network was not used. A NetworkError still, for callers that treat every
+    "could not reach it" alike (a run skips an unreachable remote)."""
+
+    exit_code = EXIT_OFFLINE_MISSING
 
 
 class ServerUnreachable(NetworkError):
@@ -175,6 +183,11 @@ class IntegrityError(DfcacheError, OSError):
 
 class UntrustedManifestError(IntegrityError):
     """A manifest (usually from a remote) failed validation and was not used."""
+
+
+class NotRegularFile(IntegrityError):
+    """A file of a store that is not a regular file: a directory, a FIFO (whose open would wait
+    forever), a socket, a device, or a symbolic link where none may be followed. Never read."""
 
 
 class BadInputError(DfcacheError, ValueError):

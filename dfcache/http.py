@@ -11,13 +11,28 @@ retries against a server that was still loading; a retry loop hides that state a
 The only loop is :func:`wait_ready`: one readiness check before any work, bounded by the
 caller's wait and visible on stderr.
 
+Every request has a **deadline** and every answer a **size bound**, whatever the server does:
+
+- the timeout of a request is the time the whole request may take, from connecting to the last
+  byte of the body. A socket timeout alone bounds each read, and a body dripped one byte every
+  0.5 s never trips a 3 s one; so a watchdog thread shuts the request's socket down at its
+  deadline (``_Deadline``), which ends any read in progress at once;
+- an answer is read in pieces up to a bound (a ``Content-Length`` above it is refused before
+  anything is read); an endless chunked body or a claimed 8 GiB once grew to 6 GB of memory and a
+  MemoryError. The bound is the caller's (``max_bytes``; a generation's grows with its token
+  count), :data:`DEFAULT_MAX_BYTES` otherwise, and ``DFCACHE_MAX_RESPONSE_BYTES`` replaces it;
+- the answer is asked for uncompressed (``Accept-Encoding: identity``); what a server compresses
+  anyway is counted after decompression.
+
+Both end in one error, exit 4, like any other network failure.
+
 Failures map to distinct errors (all :class:`~dfcache.errors.NetworkError`, exit code 4)::
 
     name resolution failed, no route, connection dropped  ServerUnreachable
     nothing listens on the port                           ConnectionRefused
-    connect or read timed out                             ServerTimeout
+    connect or read timed out, deadline passed            ServerTimeout
     HTTP 503, or a body that says the model is loading    ServerNotReady
-    other 4xx/5xx, a body that is not JSON                ServerHTTPError (status, server message)
+    other 4xx/5xx, a body that is not JSON or too large   ServerHTTPError (status, server message)
 
 Each message names the URL and ends with the fix. The fixes here name no command-line flag:
 this module does not know the caller's. Each error has a ``reason`` (a key of :data:`FIXES`), and
@@ -28,9 +43,12 @@ its own flags that way.
 from __future__ import annotations
 
 import errno
+import heapq
 import http.client
+import os
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -49,6 +67,11 @@ if TYPE_CHECKING:
 DEFAULT_TIMEOUT = 600.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 READY_INTERVAL = 0.5
+READY_TIMEOUT = 10.0  # one readiness check (GET /health, then /v1/models) ends within this
+# An answer that is not a generation (health, the model list, an error) is small: a model list of a
+# few hundred entries is tens of KB. A caller that expects more passes max_bytes.
+DEFAULT_MAX_BYTES = 16 << 20
+_READ_PIECE = 64 << 10  # bytes read (and counted) at a time
 _BODY_SNIPPET = 300
 
 ProgressArg = bool | Callable[[str], None]
@@ -73,6 +96,8 @@ FIXES: dict[str, str] = {
     "http_not_found": "Check that the URL points at the right server and that it serves this API.",
     "http_client": "Check the request (model name, sampling options) against the server's log.",
     "http_server": "The server failed; look at its log and fix or restart it, then run again.",
+    "too_large": "Check that the URL points at the right server (and look at its log); if its answers really "
+                 "are that large, set DFCACHE_MAX_RESPONSE_BYTES to a larger bound.",
 }
 
 
@@ -140,31 +165,219 @@ def _server_message(resp: requests.Response) -> str:
     return text[:_BODY_SNIPPET] or (resp.reason or "")
 
 
+# ------------------------------------------------------------------------------ deadlines
+
+
+class _Deadline:
+    """One request's deadline: the connections it uses (attached by the connection classes
+    below, in the request's thread) are shut down when it passes, which ends a blocked read."""
+
+    __slots__ = ("at", "conns", "expired", "done", "lock")
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        self.conns: list = []
+        self.expired = False
+        self.done = False
+        self.lock = threading.Lock()
+
+    def attach(self, conn) -> None:
+        with self.lock:
+            if self.done:
+                return
+            self.conns.append(conn)
+            if self.expired:
+                _shut(conn)
+
+    def expire(self) -> None:
+        with self.lock:
+            if self.done:
+                return
+            self.expired = True
+            for conn in self.conns:
+                _shut(conn)
+
+    def finish(self) -> None:
+        with self.lock:
+            self.done = True
+            self.conns.clear()
+
+
+def _shut(conn) -> None:
+    # shutdown(), not close(): a recv() blocked in another thread returns at once on Linux and
+    # macOS after a shutdown, while a close() leaves it waiting.
+    sock = getattr(conn, "sock", None)
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
+class _Watchdog:
+    """The one thread that expires deadlines (started at the first request of a process, and
+    again in a forked child, which has none of its parent's threads and gets a fresh state)."""
+
+    def __init__(self) -> None:
+        self._reset()
+
+    def _reset(self) -> None:
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, _Deadline]] = []
+        self._thread: threading.Thread | None = None
+
+    def add(self, d: _Deadline) -> None:
+        with self._cv:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="dfcache-http-deadlines", daemon=True)
+                self._thread.start()
+            heapq.heappush(self._heap, (d.at, id(d), d))
+            self._cv.notify()
+
+    def _run(self) -> None:
+        with self._cv:
+            while True:
+                while self._heap and self._heap[0][2].done:
+                    heapq.heappop(self._heap)
+                if not self._heap:
+                    self._cv.wait()
+                    continue
+                wait = self._heap[0][0] - time.monotonic()
+                if wait > 0:
+                    self._cv.wait(wait)
+                    continue
+                heapq.heappop(self._heap)[2].expire()
+
+
+_WATCHDOG = _Watchdog()
+if hasattr(os, "register_at_fork"):  # (its lock may be held by the parent's thread at the fork)
+    os.register_at_fork(after_in_child=_WATCHDOG._reset)
+_current = threading.local()  # .deadline: the deadline of the request this thread is making
+
+
+def _attach_current(conn) -> None:
+    d = getattr(_current, "deadline", None)
+    if d is not None:
+        d.attach(conn)
+
+
+_POOL_CLASSES: dict | None = None
+
+
+def _pool_classes() -> dict:
+    """urllib3 pool classes whose connections attach themselves to the current request's
+    deadline when they connect and when they send (a reused connection does not connect)."""
+    global _POOL_CLASSES
+    if _POOL_CLASSES is None:
+        from urllib3.connection import HTTPConnection, HTTPSConnection
+        from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+
+        class _Attaching:
+            def connect(self):
+                _attach_current(self)
+                return super().connect()
+
+            def request(self, *args, **kwargs):
+                _attach_current(self)
+                return super().request(*args, **kwargs)
+
+        class _Conn(_Attaching, HTTPConnection):
+            pass
+
+        class _SConn(_Attaching, HTTPSConnection):
+            pass
+
+        class _Pool(HTTPConnectionPool):
+            ConnectionCls = _Conn
+
+        class _SPool(HTTPSConnectionPool):
+            ConnectionCls = _SConn
+
+        _POOL_CLASSES = {"http": _Pool, "https": _SPool}
+    return _POOL_CLASSES
+
+
+def _adapter(pool_size: int):
+    from requests.adapters import HTTPAdapter
+
+    class _DeadlineAdapter(HTTPAdapter):
+        def init_poolmanager(self, *args, **kwargs):
+            super().init_poolmanager(*args, **kwargs)
+            self.poolmanager.pool_classes_by_scheme = dict(_pool_classes())
+
+        def proxy_manager_for(self, proxy, **kwargs):
+            manager = super().proxy_manager_for(proxy, **kwargs)
+            if getattr(manager, "pool_classes_by_scheme", None) is not None:
+                manager.pool_classes_by_scheme = dict(_pool_classes())
+            return manager
+
+    # max_retries=0: urllib3 would otherwise retry failed connects on its own.
+    return _DeadlineAdapter(max_retries=0, pool_connections=4, pool_maxsize=max(1, int(pool_size)))
+
+
+class _TooLarge(Exception):
+    def __init__(self, got: int, claimed: bool) -> None:
+        self.got, self.claimed = got, claimed
+
+
+class _Expired(Exception):
+    pass
+
+
+def _read_body(resp, limit: int, deadline: _Deadline) -> bytes:
+    """The whole body, read in pieces: never more than ``limit`` bytes (decompressed), never past
+    the deadline."""
+    claimed = resp.headers.get("Content-Length")
+    if claimed is not None and claimed.strip().isdigit() and int(claimed) > limit:
+        raise _TooLarge(int(claimed), True)
+    pieces, got = [], 0
+    for piece in resp.iter_content(_READ_PIECE):
+        got += len(piece)
+        if got > limit:
+            raise _TooLarge(got, False)
+        pieces.append(piece)
+        if deadline.expired or time.monotonic() > deadline.at:
+            raise _Expired()
+    return b"".join(pieces)
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n} bytes"
+
+
+# ------------------------------------------------------------------------------ the client
+
+
 class HttpClient:
-    """A ``requests`` session with no retries, offline enforcement and mapped errors.
+    """A ``requests`` session with no retries, offline enforcement, a deadline and a size bound
+    on every request, and mapped errors.
 
     Args:
         offline: refuse every request. ``None`` or ``False`` still honours ``DFCACHE_OFFLINE``,
             read at each request.
-        timeout: read timeout in seconds (a whole generation may take minutes).
+        timeout: the time one request may take, in seconds, from connecting to the last byte of
+            the answer (a whole generation may take minutes).
         connect_timeout: connect timeout in seconds.
         pool_size: connections kept per host; at least the request concurrency.
         fixes: the caller's fix texts by reason, over :data:`FIXES` (a command line names its flags).
+        max_bytes: the most bytes an answer may have where a request gives no ``max_bytes``.
     """
 
     def __init__(self, offline: bool | None = None, *, timeout: float = DEFAULT_TIMEOUT,
                  connect_timeout: float = DEFAULT_CONNECT_TIMEOUT, pool_size: int = 16,
-                 fixes: dict[str, str] | None = None) -> None:
+                 fixes: dict[str, str] | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self.offline = bool(offline)
         self.fixes = dict(fixes or {})
         self.timeout = float(timeout)
         self.connect_timeout = float(connect_timeout)
+        self.max_bytes = int(max_bytes)
         import requests
-        from requests.adapters import HTTPAdapter
 
         self.session = requests.Session()
-        # max_retries=0: urllib3 would otherwise retry failed connects on its own.
-        adapter = HTTPAdapter(max_retries=0, pool_connections=4, pool_maxsize=max(1, int(pool_size)))
+        adapter = _adapter(pool_size)
         self.session.mount("http://", adapter)
         self.session.mount("https://", adapter)
 
@@ -182,31 +395,71 @@ class HttpClient:
 
     # ------------------------------------------------------------------------------ requests
 
-    def request(self, method: str, url: str, *, json: Any = None,
-                timeout: float | None = None) -> requests.Response:
-        """Send one request; return the response if its status is < 400, else raise."""
+    def limit(self, max_bytes: int | None = None) -> int:
+        """The most bytes one answer may have: ``DFCACHE_MAX_RESPONSE_BYTES`` if set, else
+        ``max_bytes``, else the client's."""
+        from .config import max_response_bytes
+
+        override = max_response_bytes()
+        return override if override is not None else int(max_bytes if max_bytes is not None else self.max_bytes)
+
+    def request(self, method: str, url: str, *, json: Any = None, timeout: float | None = None,
+                max_bytes: int | None = None) -> requests.Response:
+        """Send one request; return the response, its body read, if its status is < 400, else raise.
+
+        ``timeout``: the seconds the whole request may take (default: the client's). ``max_bytes``:
+        the most bytes the answer may have (default: the client's)."""
         if self.is_offline():
             raise OfflineModeIsEnabled(
                 f"offline mode is on (--offline or DFCACHE_OFFLINE), so dfcache did "
                 f"not contact {url}; use artifacts already in the store, or turn offline mode off "
                 "to reach the server.", url=url)
-        read = self.timeout if timeout is None else float(timeout)
+        total = self.timeout if timeout is None else float(timeout)
+        limit = self.limit(max_bytes)
         import requests
 
+        deadline = _Deadline(time.monotonic() + total)
+        _WATCHDOG.add(deadline)
+        _current.deadline = deadline
+        resp = None
         try:
-            resp = self.session.request(method, url, json=json,
-                                        timeout=(min(self.connect_timeout, read), read))
+            resp = self.session.request(method, url, json=json, stream=True, headers={"Accept-Encoding": "identity"},
+                                        timeout=(min(self.connect_timeout, total), total))
+            body = _read_body(resp, limit, deadline)
         except requests.exceptions.RequestException as e:
-            raise self._map_exception(e, method, url, read) from None
+            if deadline.expired:
+                raise self._expired(method, url, total, resp is not None) from None
+            raise self._map_exception(e, method, url, total) from None
+        except _Expired:
+            raise self._expired(method, url, total, True) from None
+        except _TooLarge as e:
+            status = resp.status_code if resp is not None else None
+            how = f"announces {_human(e.got)} ({e.got} bytes)" if e.claimed else f"went on past {_human(limit)}"
+            raise _err(ServerHTTPError, "too_large",
+                       f"the answer to {method} {url} (HTTP {status}) {how}, more than the {_human(limit)} "
+                       "dfcache reads of one answer; it was not read further.", self.fixes, url=url,
+                       status=status) from None
+        finally:
+            deadline.finish()
+            _current.deadline = None
+            if resp is not None:
+                resp.close()  # (a body read whole is already back in the pool; else drop the connection)
+        resp._content = body  # what .json() and .text read
+        resp._content_consumed = True
         if resp.status_code >= 400:
             raise self._map_status(resp, method, url)
         return resp
 
-    def get_json(self, url: str, *, timeout: float | None = None) -> Any:
-        return self._json(self.request("GET", url, timeout=timeout), "GET", url)
+    def _expired(self, method: str, url: str, total: float, answering: bool) -> NetworkError:
+        what = "got only part of its answer" if answering else "got no answer"
+        return _err(ServerTimeout, "read_timeout", f"{method} {url} {what} within {round(total, 2):g} s, the time one "
+                    "request may take; dfcache stopped waiting there.", self.fixes, url=url)
 
-    def post_json(self, url: str, body: Any, *, timeout: float | None = None) -> Any:
-        return self._json(self.request("POST", url, json=body, timeout=timeout), "POST", url)
+    def get_json(self, url: str, *, timeout: float | None = None, max_bytes: int | None = None) -> Any:
+        return self._json(self.request("GET", url, timeout=timeout, max_bytes=max_bytes), "GET", url)
+
+    def post_json(self, url: str, body: Any, *, timeout: float | None = None, max_bytes: int | None = None) -> Any:
+        return self._json(self.request("POST", url, json=body, timeout=timeout, max_bytes=max_bytes), "POST", url)
 
     # ------------------------------------------------------------------------------ mapping
 
@@ -240,7 +493,9 @@ class HttpClient:
         if isinstance(e, requests.exceptions.ConnectTimeout):
             return _err(ServerTimeout, "connect_timeout", f"connecting to {url} ({where}) timed out.", fixes,
                         url=url)
-        if isinstance(e, (requests.exceptions.ReadTimeout, requests.exceptions.Timeout)):
+        if isinstance(e, (requests.exceptions.ReadTimeout, requests.exceptions.Timeout)) or any(
+                isinstance(c, (socket.timeout, TimeoutError)) or type(c).__name__ == "ReadTimeoutError"
+                for c in _causes(e)):
             return _err(ServerTimeout, "read_timeout", f"{method} {url} got no answer within {read_timeout:g} s.",
                         fixes, url=url)
         if isinstance(e, (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema,
@@ -332,7 +587,7 @@ def wait_ready(base_url: str, wait_seconds: float = 0.0, progress: ProgressArg =
             remaining = deadline - time.monotonic()
             try:
                 # A single check gets a generous timeout; polling never overshoots the deadline much.
-                timeout = 10.0 if wait == 0 else max(0.5, min(10.0, remaining))
+                timeout = READY_TIMEOUT if wait == 0 else max(0.5, min(READY_TIMEOUT, remaining))
                 found = _ready_once(client, base, timeout)
                 if wait > 0 and time.monotonic() - start >= interval:
                     show(f"server at {base} is ready after {time.monotonic() - start:.1f} s", final=True)

@@ -377,9 +377,10 @@ def _read_sample_index(path, partition: str) -> tuple[dict[str, tuple[str, bytes
     """(segment key -> (manifest digest, its sample keys as 16-byte values), the sorted distinct
     keys of them all) from an index file; ({}, None) if it is missing, torn, corrupt, of other
     code or of another partition (never trusted then)."""
+    from .store import read_regular
+
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        data = read_regular(path)  # (a FIFO in its place must not hang a run: it is rebuilt instead)
         nl = data.index(b"\n")
         head = json.loads(data[:nl])
         body = memoryview(data)[nl + 1:]

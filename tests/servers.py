@@ -598,3 +598,140 @@ def run_pipeline(store_dir, upto: str = "tokens", **options):
     resolve(ctx, nodes)
     execute(ctx, nodes)
     return ctx, {n.stage: n for n in nodes}
+
+
+class HostileServer:
+    """An HTTP server that answers chosen paths the way a broken or hostile server would, written
+    on raw sockets so that it can send what no well-behaved framework sends:
+
+    ``"endless"``: HTTP 200, a chunked body that never ends; ``"huge"``: ``Content-Length`` of
+    8 GiB, then bytes until the client hangs up; ``"drip"``: a 4 KB JSON body sent one byte every
+    0.5 s; ``"drip-head"``: the status line and headers one byte every 0.5 s; ``"ok"``: a normal
+    OpenAI-shaped answer (the default for ``/health``, ``/v1/models`` and the chat endpoint).
+
+    ``sent[path]`` counts the body bytes written for each path, so a test can say how much a
+    client took before it gave up (a count, not a duration). Connections are kept alive."""
+
+    OK = {"/health": {"status": "ok"},
+          "/v1/models": {"object": "list", "data": [{"id": "scripted-model", "object": "model"}]},
+          "/v1/chat/completions": {"choices": [{"index": 0, "finish_reason": "stop",
+                                                "message": {"role": "assistant", "content": "hello"}}],
+                                   "usage": {"prompt_tokens": 3, "completion_tokens": 1}}}
+
+    def __init__(self, modes: dict[str, str]) -> None:
+        self.modes = dict(modes)
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.sent: dict[str, int] = {}
+        self.requests: list[tuple[str, str]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._conns: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with self._lock:
+                self._conns.append(conn)
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _count(self, path: str, n: int) -> None:
+        with self._lock:
+            self.sent[path] = self.sent.get(path, 0) + n
+
+    def _serve(self, conn: socket.socket) -> None:
+        buf = b""
+        try:
+            while not self._stop.is_set():
+                while b"\r\n\r\n" not in buf:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                lines = head.decode("latin-1").split("\r\n")
+                method, path = lines[0].split(" ")[:2]
+                length = 0
+                for line in lines[1:]:
+                    name, _, value = line.partition(":")
+                    if name.strip().lower() == "content-length":
+                        length = int(value.strip())
+                while len(buf) < length:
+                    data = conn.recv(65536)
+                    if not data:
+                        return
+                    buf += data
+                buf = buf[length:]
+                with self._lock:
+                    self.requests.append((method, path))
+                if not self._answer(conn, path, self.modes.get(path, "ok")):
+                    return
+        except OSError:
+            return
+        finally:
+            conn.close()
+
+    def _answer(self, conn: socket.socket, path: str, mode: str) -> bool:
+        """Answer one request; False: the connection is done."""
+        if mode == "ok":
+            body = json.dumps(self.OK.get(path, {"detail": "Not Found"})).encode()
+            status = "200 OK" if path in self.OK else "404 Not Found"
+            conn.sendall(f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+                         .encode() + body)
+            self._count(path, len(body))
+            return True
+        if mode == "endless":
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            piece = b'{"pad": "' + b"x" * 65000 + b'"}\n'
+            frame = f"{len(piece):x}\r\n".encode() + piece + b"\r\n"
+            while not self._stop.is_set():
+                conn.sendall(frame)
+                self._count(path, len(piece))
+            return False
+        if mode == "huge":
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 8589934592\r\n\r\n")
+            piece = b" " * 65536
+            while not self._stop.is_set():
+                conn.sendall(piece)
+                self._count(path, len(piece))
+            return False
+        if mode in ("drip", "drip-head"):
+            body = json.dumps({**self.OK.get(path, {}), "pad": "x" * 4000}).encode()
+            head = f"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+            if mode == "drip":
+                conn.sendall(head)
+            for i, b in enumerate(head + body if mode == "drip-head" else body):
+                if self._stop.wait(0.5):
+                    return False
+                conn.sendall(bytes([b]))
+                self._count(path, 1)
+            return True
+        raise ValueError(f"unknown mode {mode!r}")
+
+    def count(self, method: str, path: str) -> int:
+        with self._lock:
+            return sum(1 for m, p in self.requests if m == method and p == path)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.sock.close()
+        with self._lock:
+            for c in self._conns:
+                try:
+                    c.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def __enter__(self) -> "HostileServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -282,6 +282,9 @@ def test_run_and_plan_exist_without_an_installed_entry_point():
 
 
 def test_a_broken_plugin_is_never_dropped_silently(tmp_path):
+    from dfcache.store import open_store
+
+    open_store(tmp_path / "s")  # (`ls` creates no store)
     r = _cli_without_entry_points("--store", str(tmp_path / "s"), "ls", plugin="dfcache_no_such_plugin:register")
     assert r.returncode == 0 and "warning: command plugin dfcache_no_such_plugin:register failed to load" in r.stderr
     r = _cli_without_entry_points("frobnicate", plugin="dfcache_no_such_plugin:register")

@@ -7,7 +7,7 @@ import time
 import pytest
 from servers import ClosedPort, RecordingListener, ScriptedServer, free_port
 
-from dfcache.errors import (EXIT_NETWORK, ConnectionRefused, NetworkError, OfflineModeIsEnabled,
+from dfcache.errors import (EXIT_NETWORK, EXIT_OFFLINE_MISSING, ConnectionRefused, NetworkError, OfflineModeIsEnabled,
                             ServerHTTPError, ServerNotReady, ServerTimeout, ServerUnreachable)
 from dfcache.http import HttpClient, normalize_base_url, wait_ready
 
@@ -30,7 +30,7 @@ def test_offline_refuses_before_any_connection(how, monkeypatch):
             wait_ready(listener.url, 2, progress=False, client=client)
         assert listener.settle() == 0
     assert listener.url in str(e.value) and "offline mode" in str(e.value)
-    assert e.value.exit_code == EXIT_NETWORK
+    assert e.value.exit_code == EXIT_OFFLINE_MISSING  # offline kept it off the network: 3, not a failure of it (4)
 
 
 def test_hf_hub_offline_does_not_make_dfcache_offline(monkeypatch):
@@ -177,3 +177,65 @@ def test_no_retries_one_request_per_call():
 def test_normalize_base_url():
     assert normalize_base_url("http://h:1/v1/") == "http://h:1"
     assert normalize_base_url("h:30000") == "http://h:30000"
+
+
+# ------------------------------------------------------------------------------ deadlines and bounds (issue 34)
+
+
+def test_a_dripped_answer_ends_at_the_deadline_not_per_read():
+    """A byte every 0.5 s never trips a 2 s per-read timeout; the request's deadline ends it, and
+    the same client's next request (a fresh connection) is answered."""
+    from servers import HostileServer
+
+    with HostileServer({"/v1/chat/completions": "drip", "/v1/models": "drip-head"}) as s:
+        client = HttpClient(timeout=2)
+        with pytest.raises(ServerTimeout) as e:
+            client.post_json(s.url + "/v1/chat/completions", {})
+        assert "got only part of its answer within 2 s" in str(e.value) and e.value.exit_code == EXIT_NETWORK
+        with pytest.raises(ServerTimeout) as e:
+            client.get_json(s.url + "/v1/models")
+        assert "got no answer within 2 s" in str(e.value)
+        assert client.get_json(s.url + "/health") == {"status": "ok"}
+
+
+def test_the_readiness_probe_has_a_deadline(monkeypatch):
+    from servers import HostileServer
+
+    import dfcache.http as http
+
+    monkeypatch.setattr(http, "READY_TIMEOUT", 1.0)  # (10 s in use; the drip would go on for 30 min)
+    with HostileServer({"/health": "drip-head"}) as s:
+        with pytest.raises(ServerTimeout) as e:
+            wait_ready(s.url, 0, progress=False)
+    assert "/health" in str(e.value) and "within 1 s" in str(e.value)
+
+
+@pytest.mark.parametrize("mode,words", [("endless", "went on past 16 MiB"), ("huge", "announces 8 GiB")])
+def test_an_answer_past_its_bound_is_not_read_further(mode, words):
+    from servers import HostileServer
+
+    from dfcache.http import DEFAULT_MAX_BYTES
+
+    with HostileServer({"/health": mode}) as s:
+        with pytest.raises(ServerHTTPError) as e:
+            HttpClient().get_json(s.url + "/health")
+        sent = s.sent["/health"]
+    assert words in str(e.value) and "DFCACHE_MAX_RESPONSE_BYTES" in str(e.value) and e.value.reason == "too_large"
+    assert sent < DEFAULT_MAX_BYTES + (32 << 20)  # the bound and what the sockets buffered, not gigabytes
+
+
+def test_the_bound_is_per_request_and_the_environment_replaces_it(monkeypatch):
+    from servers import HostileServer
+
+    with HostileServer({}) as s:
+        client = HttpClient()
+        with pytest.raises(ServerHTTPError, match="more than the 10 bytes"):
+            client.get_json(s.url + "/v1/models", max_bytes=10)
+        monkeypatch.setenv("DFCACHE_MAX_RESPONSE_BYTES", "64KiB")
+        assert client.limit(10) == 64 << 10
+        assert client.get_json(s.url + "/v1/models", max_bytes=10)["data"][0]["id"] == "scripted-model"
+        monkeypatch.setenv("DFCACHE_MAX_RESPONSE_BYTES", "12")
+        from dfcache.errors import UsageError
+
+        with pytest.raises(UsageError, match="at least 65536"):
+            client.get_json(s.url + "/v1/models")

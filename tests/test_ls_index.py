@@ -162,8 +162,12 @@ def test_fast_entry_falls_back_to_the_full_cli(store, tmp_path):
     r = dfcache("ls", "--json", store=root)
     assert r.code == 2 and "format 99" in json.loads(r.out)["error"]
     fresh = tmp_path / "fresh"
-    r = dfcache("ls", store=fresh)  # created, as before
-    assert r.code == 0 and r.out.startswith("no artifacts in") and (fresh / "dfcache-store.json").exists()
+    r = dfcache("ls", store=fresh)  # a mistyped --store: said, and nothing is created (issue 34)
+    assert r.code == 2 and f"no dfcache store at {fresh}" in r.err and not fresh.exists()
+    fresh.mkdir()
+    (fresh / "dfcache-store.json").write_bytes((root / "dfcache-store.json").read_bytes().replace(b"99", b"2"))
+    r = dfcache("ls", store=fresh)  # a store with nothing in it yet
+    assert r.code == 0 and r.out.startswith("no artifacts in")
 
 
 def test_fast_entry_needs_a_snapshot_of_this_code(store):

@@ -32,7 +32,7 @@ def register(app: typer.Typer) -> None:
 
             store = open_remote(remote, endpoint_url=endpoint_url, offline=state.offline or None, create=False)
         else:
-            store = get_store()
+            store = get_store(create=False)
             if not where:  # --where reads whole manifests; the index holds only what ls prints
                 listed = store.backend.listing()
         if listed is None:
@@ -62,7 +62,7 @@ def register(app: typer.Typer) -> None:
     @app.command("show")
     def show(key: str = typer.Argument(..., help="A key or unique key prefix.")) -> None:
         """Show one artifact's manifest and its upstream chain."""
-        store = get_store()
+        store = get_store(create=False)
         full = store.resolve(key)
         m = store.manifest(full)
         chain = upstream_chain(store, m)
@@ -117,7 +117,7 @@ def register(app: typer.Typer) -> None:
             raise UsageError(f"--recompute {recompute}: give a positive number of samples.")
         if target is not None and recompute is None:
             raise UsageError("--target is for --recompute N; add --recompute (or drop --target).")
-        store = get_store()
+        store = get_store(create=False)
         errors: list = []
         everything = store.list_manifests(errors=errors)
         if keys:
@@ -190,7 +190,7 @@ def register(app: typer.Typer) -> None:
         """Remove stale temporaries and, with a scope, artifacts. Needs --dry-run or --yes."""
         if dry_run == yes:
             raise UsageError("gc needs exactly one of --dry-run (show what would go) or --yes (remove it).")
-        store = get_store()
+        store = get_store(create=False)
         stage = check_stage(stage, store.list_manifests)
         keys = [store.resolve(k) for k in (key or [])]
         default_scope = not (stage or older_than is not None or key or bad or duplicates or where)

@@ -8,7 +8,8 @@
 the suite every backend passes. ``migrate_store`` (``_migrate.py``) upgrades a store of an older
 format in place. ``listing(root)`` is what ``dfcache ls`` lists of a local store, from its
 listing index (``_index.py``, docs/format.md). ``recycled_empty`` is ``np.empty`` in a buffer reused once
-nothing refers to it (large read results).
+nothing refers to it (large read results). ``read_regular(path, limit)`` reads a file kept in a
+store (never blocking on a FIFO, regular files only, bounded; ``_files.py``).
 """
 
 from importlib import import_module
@@ -19,11 +20,12 @@ _WHERE = {"ArrayReader": "._store", "ArrayWriter": "._store", "Artifact": "._sto
           "CommitOnExit": "._store", "Store": "._store", "default_chunk_rows": "._store", "open_store": "._store",
           "recycled_empty": "._store",
           "Backend": "._backend", "Staging": "._backend", "Temporary": "._backend", "format": ".format",
-          "listing": "._index", "MigrateResult": "._migrate", "migrate_store": "._migrate"}
+          "listing": "._index", "MigrateResult": "._migrate", "migrate_store": "._migrate",
+          "read_regular": "._files"}
 
 __all__ = ["ArrayReader", "ArrayWriter", "Artifact", "ArtifactWriter", "Backend", "CommitOnExit", "MigrateResult",
            "Staging", "Store", "Temporary", "default_chunk_rows", "format", "listing", "migrate_store", "open_store",
-           "recycled_empty"]
+           "read_regular", "recycled_empty"]
 
 
 def __getattr__(name: str):

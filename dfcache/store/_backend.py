@@ -41,6 +41,21 @@ class Temporary:
     age_s: float
     in_use: bool  # a live process holds it
     resumable: bool
+    note: str = ""  # what it is where that is not a writer's staging area ("stray: a FIFO (named pipe)")
+
+
+class UnreadableManifest(bytes):
+    """What :meth:`Backend.iter_manifests` yields, in place of a manifest's bytes, for a
+    ``manifest.json`` that cannot be read as one (a directory, a FIFO, larger than any manifest):
+    no bytes (any parser refuses it), and ``problem`` says why. ``Store.list_manifests`` reports
+    it as an invalid manifest, so `ls` warns, `verify` exits 5 and `gc --bad` removes it."""
+
+    problem: str
+
+    def __new__(cls, problem: str) -> "UnreadableManifest":
+        obj = super().__new__(cls, b"")
+        obj.problem = problem
+        return obj
 
 
 class Staging(ABC):
@@ -89,7 +104,7 @@ class Backend(ABC):
 
     def check_offline(self, offline: bool | None = None) -> None:
         """Refuse, before any socket is opened, a backend that needs the network while offline
-        (``offline``, else ``DFCACHE_OFFLINE``/``HF_HUB_OFFLINE``)."""
+        (``offline``, else ``DFCACHE_OFFLINE``; ``HF_HUB_OFFLINE`` is the Hub's switch only)."""
         if not self.needs_network:
             return
         from ..config import offline_from_env
@@ -102,7 +117,8 @@ class Backend(ABC):
 
     @abstractmethod
     def iter_manifests(self) -> Iterator[tuple[str, bytes]]:
-        """Yield (key, manifest bytes) of every committed artifact."""
+        """Yield (key, manifest bytes) of every committed artifact (an :class:`UnreadableManifest`
+        for a manifest that cannot be read as a file)."""
 
     @abstractmethod
     def read_file(self, key: str, relpath: str) -> bytes:
@@ -158,6 +174,9 @@ def too_large(url: str, key: str, relpath: str, limit: int) -> IntegrityError:
 
 
 def offline_refusal(url: str) -> OfflineModeIsEnabled:
-    """The one error for a store that needs the network while offline (no socket was opened)."""
-    return OfflineModeIsEnabled(f"cannot reach {url}: offline mode is on (--offline, DFCACHE_OFFLINE or "
-                                "HF_HUB_OFFLINE).", url=url, fix="Use a file:// remote or turn offline mode off.")
+    """The one error for a store that needs the network while offline (no socket was opened;
+    exit 3, as for anything else offline mode keeps from the network)."""
+    return OfflineModeIsEnabled(f"cannot reach {url}: offline mode is on (--offline or DFCACHE_OFFLINE), so "
+                                "dfcache opens no connection.", url=url,
+                                fix="Use a file:// remote or the local store, or turn offline mode off "
+                                    "(drop --offline, unset DFCACHE_OFFLINE) to reach it.")

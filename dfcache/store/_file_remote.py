@@ -17,8 +17,9 @@ from pathlib import Path
 from ..errors import IntegrityError, UsageError
 from ..keys import KEY_PATTERN
 from ._backend import Backend
+from ._files import kind_of, read_fd
 from ._local import LocalBackend
-from .format import MANIFEST, MAX_MANIFEST_BYTES, STORE_MARKER, check_relpath
+from .format import MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, STORE_MARKER, check_relpath, damaged_marker
 
 
 class FileRemoteBackend(LocalBackend):
@@ -29,12 +30,64 @@ class FileRemoteBackend(LocalBackend):
     between a check and the open. The root itself is the user's choice and may be a link.
     """
 
+    # Its own directories (artifacts/, staging/, locks/, index/) must be real directories: a
+    # link at R/staging made a push write its files outside the remote, then rename them in.
+    _follow_own_dirs = False
+
     def __init__(self, root: str | os.PathLike, create: bool = True) -> None:
         path = Path(root).expanduser().absolute()
-        if not create and not (path / STORE_MARKER).is_file():
+        if not create and not os.path.lexists(path / STORE_MARKER):
             raise UsageError(f"no dfcache store at file://{path}; check the URL or push to it first.")
         super().__init__(path, create=create)
         self.url = f"file://{self.root}"
+
+    def _marker_name(self) -> str:
+        return f"file://{self.root}/{STORE_MARKER}"
+
+    def _read_marker(self) -> bytes:
+        # Never through a link (one pointing outside the remote was read), never blocking,
+        # at most MAX_MARKER_BYTES (a 3 GB "marker" was read whole).
+        try:
+            fd = self._open_nofollow([STORE_MARKER])
+        except FileNotFoundError:
+            raise damaged_marker(self._marker_name(), "it is gone") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size > MAX_MARKER_BYTES:
+                raise damaged_marker(self._marker_name(), f"{size} bytes, more than a marker may have")
+            return read_fd(fd, size)[:MAX_MARKER_BYTES + 1]
+        finally:
+            os.close(fd)
+
+    def _own_dir(self, *parts: str) -> Path:
+        """``root/parts...`` for writing, each component checked to be a real directory (or absent):
+        nothing is ever written through a link in a remote."""
+        path = self.root
+        for i, part in enumerate(parts):
+            path = path / part
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                raise IntegrityError(f"{self.url}/{'/'.join(parts[:i + 1])} is "
+                                     f"{'a symbolic link' if stat.S_ISLNK(st.st_mode) else 'not a directory'}; "
+                                     "dfcache never writes through links or over files in a remote store.",
+                                     fix="Replace it with a real directory there (or push to another remote), "
+                                         "then push again.")
+        return path
+
+    def open_staging(self, key: str, resumable: bool = False):
+        self._check_own_dirs()
+        self._own_dir("staging")
+        self._own_dir("locks")
+        self._own_dir("artifacts", key[:2])
+        return super().open_staging(key, resumable)
+
+    def _before_publish(self, key: str) -> None:
+        self._check_own_dirs()
+        self._own_dir("artifacts", key[:2])
+        self._own_dir("index")
 
     def listing(self):
         return None  # someone else's directory: its manifests are read, never an index of theirs
@@ -80,8 +133,8 @@ class FileRemoteBackend(LocalBackend):
                 done.append(part)
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
-                raise IntegrityError(f"file://{self.root}/{'/'.join(parts)} is not a regular file; remove it "
-                                     "from the remote and push the artifact again.")
+                raise IntegrityError(f"file://{self.root}/{'/'.join(parts)} is {kind_of(st.st_mode)}, not a regular "
+                                     "file; remove it from the remote and push the artifact again.")
             return fd
         except BaseException:
             os.close(fd)

@@ -31,9 +31,12 @@ from __future__ import annotations
 
 import json
 import os
+import stat as _stat
 import time
 
 import xxhash
+
+from ._files import NotRegularFile, kind_of, read_regular
 
 INDEX_DIR = "index"
 SNAPSHOT = "listing"
@@ -41,6 +44,7 @@ LOG = "listing.log"
 MANIFEST = "manifest.json"
 INDEX_VERSION = 1
 RACY_NS = 3 * 10**9  # above the coarsest timestamp granularity in use (2 s on FAT, 1 s on ext3)
+MAX_MANIFEST_BYTES = 64 << 20  # format.MAX_MANIFEST_BYTES (not imported: it would import the format module)
 _stamp_cache: str | None = None
 
 
@@ -98,9 +102,8 @@ class Listing:
 def _read_lines(path: str, st: str, checked: bool) -> tuple[dict[str, str], int | None]:
     """Entries of the snapshot (``checked=False``; with its header's format_version) or of the log."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError:
+        data = read_regular(path)  # (never blocking: a FIFO at index/listing once hung `ls`)
+    except (OSError, NotRegularFile):
         return {}, None
     text = data.decode("utf-8", "surrogateescape")
     lines = text.split("\n")
@@ -132,10 +135,11 @@ def _read_lines(path: str, st: str, checked: bool) -> tuple[dict[str, str], int 
 
 def _read(path: str) -> bytes | None:
     try:
-        with open(path, "rb") as f:
-            return f.read()
-    except (FileNotFoundError, NotADirectoryError):
+        return read_regular(path, MAX_MANIFEST_BYTES)
+    except FileNotFoundError:
         return None  # removed since its stat: gone, as Store.list_manifests would find it
+    except OSError:  # (IntegrityError: replaced since its stat by something larger than any manifest)
+        return b""  # an entry that fails validation, as Store.list_manifests reports it
 
 
 def _decode_created(field: str) -> str:
@@ -182,6 +186,13 @@ def listing(root: str | os.PathLike, format_version: int | None = None, *, write
             except (FileNotFoundError, NotADirectoryError):
                 continue  # a directory without a manifest is not an artifact
             rel = prefix + name
+            if not _stat.S_ISREG(st.st_mode) or st.st_size > MAX_MANIFEST_BYTES:
+                # A directory or a FIFO in its place (never opened: a FIFO hung `ls`), or larger than
+                # any manifest: what Store.list_manifests reports too. Not indexed.
+                what = kind_of(st.st_mode) if not _stat.S_ISREG(st.st_mode) else f"{st.st_size} bytes"
+                errors_append((name, f"manifest of artifact {name} refused: {path} is {what}."))
+                known.pop(rel, None)
+                continue
             line = known.pop(rel, None)
             sig = _sig(st)
             data = None

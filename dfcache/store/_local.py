@@ -21,18 +21,21 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import json
 import os
 import re
 import shutil
+import stat
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..errors import IntegrityError, StoreWriteError, UsageError
-from ._backend import Backend, Staging, Temporary, too_large
-from .format import FORMAT_VERSION, MANIFEST, RESERVED_DIRS, STORE_MARKER, format_refusal, store_marker_bytes
+from ..errors import IntegrityError, StoreWriteError, UntrustedManifestError, UsageError
+from ._backend import Backend, Staging, Temporary, UnreadableManifest, too_large
+from ._files import NotRegularFile, kind_of, read_regular
+from .format import (FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, RESERVED_DIRS, STORE_MARKER,
+                     check_store_marker, damaged_marker, store_marker_bytes)
 
 # A listing or sample index being replaced: ".<name>.<pid>.<12 hex>.tmp", renamed over the index
 # file within milliseconds; one still there after the grace period was left by a killed process.
@@ -80,6 +83,28 @@ def _writing(root: Path, key: str):
                               "another --store; then run again.", path=str(root)) from None
 
 
+@contextlib.contextmanager
+def _removing(root: Path, what: str):
+    """A store that cannot take a removal (read-only, not ours) is one StoreWriteError (exit 2),
+    not an internal error: `gc` and `delete` on a read-only store."""
+    try:
+        yield
+    except OSError as e:
+        if isinstance(e, StoreWriteError) or e.errno not in _UNWRITABLE:
+            raise
+        raise StoreWriteError(f"cannot remove {what} from the store {root}: {e.strerror}; nothing more was "
+                              "removed. Make the store writable (its filesystem, its permissions) and run again.",
+                              path=str(root)) from None
+
+
+_DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)
+
+
+def _open_dir(path) -> int:
+    """A descriptor of the directory ``path`` itself (never a link, a FIFO or a file: OSError)."""
+    return os.open(path, _DIR_OPEN)
+
+
 _pool = None
 _pool_lock = threading.Lock()
 
@@ -119,6 +144,20 @@ def foreign_entries(root: Path) -> list[str]:
             continue
         out.append(p.name)
     return out
+
+
+def _remove_tree(path: Path, root: Path | None = None, what: str = "") -> None:
+    """Remove a grave (a directory renamed out of sight). What cannot go stays as a grave, which
+    the next `gc` removes; a store that refuses removals says so (StoreWriteError)."""
+    failed: list[BaseException] = []
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=lambda fn, p, exc: failed.append(exc))
+    else:
+        shutil.rmtree(path, onerror=lambda fn, p, exc: failed.append(exc[1]))
+    unwritable = [e for e in failed if isinstance(e, OSError) and e.errno in _UNWRITABLE]
+    if unwritable and root is not None:
+        with _removing(root, what or str(path)):
+            raise unwritable[0]
 
 
 def _try_lock(fd: int) -> bool:
@@ -169,9 +208,10 @@ class _LocalStaging(Staging):
 
     def size(self, relpath: str) -> int | None:
         try:
-            return os.stat(self.path / relpath).st_size
+            st = os.stat(self.path / relpath)
         except (FileNotFoundError, NotADirectoryError):
             return None
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
 
     def _target(self, relpath: str) -> Path:
         p = self.path / relpath
@@ -209,9 +249,9 @@ class _LocalStaging(Staging):
 
     def get(self, relpath: str) -> bytes | None:
         try:
-            return (self.path / relpath).read_bytes()
-        except FileNotFoundError:
-            return None
+            return read_regular(self.path / relpath)
+        except (FileNotFoundError, NotRegularFile):
+            return None  # (a FIFO planted in a resumable staging area is no progress: never opened blocking)
 
     def publish(self, manifest_bytes: bytes) -> bool:
         with _writing(self.backend.root, self.key):
@@ -225,6 +265,7 @@ class _LocalStaging(Staging):
         for d in {os.path.dirname(r) for r in self._made_dirs} | self._made_dirs | {""}:
             _fsync_dir(self.path / d)
         final = self.backend._artifact_dir(self.key)
+        self.backend._before_publish(self.key)
         final.parent.mkdir(parents=True, exist_ok=True)
         won = False
         for _attempt in range(3):
@@ -235,7 +276,7 @@ class _LocalStaging(Staging):
             except OSError as e:
                 if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):
                     raise
-                if (final / MANIFEST).exists():
+                if os.path.isfile(final / MANIFEST):
                     break  # another writer published this key first: keep theirs
                 # A directory without a manifest is a leftover, not an artifact: move it aside.
                 grave = self.backend.root / "staging" / f"{self.key}.{os.urandom(6).hex()}.deleted"
@@ -290,14 +331,46 @@ class LocalBackend(Backend):
                              "path that does not exist yet) with --store or DFCACHE_STORE.")
         made = not marker.exists() and self._make(marker, create)
         if not made:
+            check_store_marker(self._read_marker(), self._url_for_refusal(), where=self._marker_name())
+        self._check_own_dirs()
+
+    # A store's own directories, each of which must be a directory if it is there at all (a file
+    # named `artifacts` made `ls` and `verify` fail with an internal error). A local store may
+    # have them as links to directories (its owner's choice); a file:// remote may not.
+    _follow_own_dirs = True
+
+    def _check_own_dirs(self) -> None:
+        for sub in RESERVED_DIRS:
+            path = self.root / sub
             try:
-                info = json.loads(marker.read_text())
-            except (OSError, ValueError):
-                raise IntegrityError(f"{marker} is unreadable; the store is damaged. Restore the file "
-                                     '(content {"format_version": ' + str(FORMAT_VERSION) + '}) or use another store.') from None
-            found = info.get("format_version") if isinstance(info, dict) else None
-            if found != FORMAT_VERSION:
-                raise format_refusal(self._url_for_refusal(), found)
+                st = os.stat(path) if self._follow_own_dirs else os.lstat(path)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise IntegrityError(f"the store {self._url_for_refusal()} is damaged: {self._url_for_refusal()}/{sub} "
+                                     f"cannot be examined ({e.strerror}).",
+                                     fix="Fix or move it away, then run again.") from None
+            if not stat.S_ISDIR(st.st_mode):
+                raise IntegrityError(f"the store {self._url_for_refusal()} is damaged: {self._url_for_refusal()}/{sub} "
+                                     f"is {kind_of(st.st_mode)}, not a directory.",
+                                     fix=f"Move it out of the store (dfcache never writes anything but a directory "
+                                         f"there) and run again; an empty {sub}/ is made when one is needed.")
+
+    def _marker_name(self) -> str:
+        return str(self.root / STORE_MARKER)
+
+    def _read_marker(self) -> bytes:
+        """The store marker's bytes, bounded (as S3 bounds it): a 3 GB "marker" is damage, not a read."""
+        try:
+            return read_regular(self.root / STORE_MARKER, MAX_MARKER_BYTES)
+        except FileNotFoundError:
+            raise damaged_marker(self._marker_name(), "it is gone") from None
+        except NotRegularFile as e:
+            raise damaged_marker(self._marker_name(), e.problem) from None
+        except IntegrityError:
+            raise damaged_marker(self._marker_name(), f"it is larger than {MAX_MARKER_BYTES} bytes") from None
+        except OSError as e:
+            raise damaged_marker(self._marker_name(), f"it cannot be read ({e.strerror})") from None
 
     def _make(self, marker: Path, create: bool) -> bool:
         """Make a new store here. False: another process made it meanwhile (each "marker.exists()"
@@ -307,7 +380,9 @@ class LocalBackend(Backend):
         if marker.exists():
             return False
         if not create:
-            raise UsageError(f"no dfcache store at {self.root}; pass an existing store with --store.")
+            raise UsageError(f"no dfcache store at {self.root}: {self._missing_reason()}. Check the path given "
+                             "with --store (or DFCACHE_STORE); a store is created by the first command that "
+                             "writes to it (`dfcache run ...`, `dfcache pull URL --all`).")
         try:
             # The marker first, then the directories: workers creating one new store at once
             # (torchrun ranks) then never see a store's directories without its marker, which would
@@ -323,6 +398,11 @@ class LocalBackend(Backend):
                              "writable directory with --store.") from None
         return True
 
+    def _missing_reason(self) -> str:
+        if not self.root.exists():
+            return "the directory does not exist"
+        return f"it has no {STORE_MARKER}"
+
     def _refuse_foreign(self) -> UsageError:
         return UsageError(f"{self.root} exists and is not a dfcache store (no {STORE_MARKER}); "
                           "pass an empty or new directory with --store.")
@@ -330,56 +410,76 @@ class LocalBackend(Backend):
     def _url_for_refusal(self) -> str:
         return str(self.root)
 
+    def _before_publish(self, key: str) -> None:
+        """Checks a backend makes before it moves a staged artifact in (a file:// remote: no links)."""
+
     def _artifact_dir(self, key: str) -> Path:
         return self.root / "artifacts" / key[:2] / key
 
-    def read_manifest(self, key: str) -> bytes | None:
+    def _manifest_bytes(self, key: str, path) -> bytes | None:
+        """A manifest's bytes (None: no manifest, no artifact); one that is not a regular file or
+        is larger than any manifest may be is an UntrustedManifestError (exit 5; `gc --bad` removes it)."""
         try:
-            with open(self._artifact_dir(key) / MANIFEST, "rb") as f:
-                return f.read()
-        except (FileNotFoundError, NotADirectoryError):
+            return read_regular(path, MAX_MANIFEST_BYTES)
+        except FileNotFoundError:
             return None
+        except IntegrityError as e:
+            raise UntrustedManifestError(f"manifest of artifact {key} in {self.url} refused: {e.problem}.",
+                                         key=key) from None
+
+    def read_manifest(self, key: str) -> bytes | None:
+        return self._manifest_bytes(key, self._artifact_dir(key) / MANIFEST)
 
     def iter_manifests(self) -> Iterator[tuple[str, bytes]]:
         base = self.root / "artifacts"
         try:
             shards = sorted(os.scandir(base), key=lambda e: e.name)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return
         for shard in shards:
             if not shard.is_dir(follow_symlinks=False):
                 continue
             for entry in sorted(os.scandir(shard.path), key=lambda e: e.name):
                 try:
-                    with open(os.path.join(entry.path, MANIFEST), "rb") as f:
-                        yield entry.name, f.read()
-                except (FileNotFoundError, NotADirectoryError):
-                    # A directory without a manifest is not an artifact (e.g. a manual copy
-                    # that was interrupted); gc --tmp removes it.
+                    raw = self._manifest_bytes(entry.name, os.path.join(entry.path, MANIFEST))
+                except UntrustedManifestError as e:
+                    yield entry.name, UnreadableManifest(e.problem)
                     continue
+                # None: a directory without a manifest is not an artifact (e.g. a manual copy
+                # that was interrupted); gc --tmp removes it.
+                if raw is not None:
+                    yield entry.name, raw
 
     def orphan_dirs(self) -> list[Path]:
-        """Artifact directories that have no manifest (not artifacts; cleaned by gc)."""
+        """Entries of the artifact directories that are no artifact: a directory without a
+        manifest, or anything that is not a directory (cleaned by gc)."""
         out = []
         base = self.root / "artifacts"
-        if not base.exists():
+        try:
+            shards = list(os.scandir(base))
+        except (FileNotFoundError, NotADirectoryError):
             return out
-        for shard in os.scandir(base):
+        for shard in shards:
             if shard.is_dir(follow_symlinks=False):
                 for entry in os.scandir(shard.path):
                     if not os.path.exists(os.path.join(entry.path, MANIFEST)):
                         out.append(Path(entry.path))
         return out
 
+    def _read_committed(self, key: str, relpath: str, limit: int | None) -> bytes:
+        try:
+            return read_regular(self._artifact_dir(key) / relpath, limit)
+        except NotRegularFile as e:
+            raise IntegrityError(f"{relpath} of artifact {key} in {self.url} is refused: {e.problem}.",
+                                 key=key) from None
+        except IntegrityError:
+            raise too_large(self.url, key, relpath, limit) from None
+
     def read_file(self, key: str, relpath: str) -> bytes:
-        with open(self._artifact_dir(key) / relpath, "rb") as f:
-            return f.read()
+        return self._read_committed(key, relpath, None)
 
     def read_file_limited(self, key: str, relpath: str, limit: int) -> bytes:
-        with open(self._artifact_dir(key) / relpath, "rb") as f:
-            if os.fstat(f.fileno()).st_size > limit:
-                raise too_large(self.url, key, relpath, limit)
-            return f.read()
+        return self._read_committed(key, relpath, limit)
 
     def local_file_path(self, key: str, relpath: str) -> Path:
         return self._artifact_dir(key) / relpath
@@ -410,11 +510,12 @@ class LocalBackend(Backend):
         src = self._artifact_dir(key)
         # Rename first so that no reader ever sees a half-deleted artifact.
         grave = self.root / "staging" / f"{key}.{os.urandom(6).hex()}.deleted"
-        try:
-            os.rename(src, grave)
-        except FileNotFoundError:
-            return False
-        shutil.rmtree(grave, ignore_errors=True)
+        with _removing(self.root, f"artifact {key}"):
+            try:
+                os.rename(src, grave)
+            except FileNotFoundError:
+                return False
+        _remove_tree(grave)
         return True
 
     def open_staging(self, key: str, resumable: bool = False) -> Staging:
@@ -439,22 +540,42 @@ class LocalBackend(Backend):
         out = []
         staging = self.root / "staging"
         now = time.time()
-        if staging.exists():
-            for entry in os.scandir(staging):
-                try:
-                    fd = os.open(entry.path, os.O_RDONLY)
-                except OSError:
-                    continue
-                try:
-                    held = not _try_lock(fd)
-                    age = now - os.fstat(fd).st_mtime
-                finally:
-                    os.close(fd)
-                out.append(Temporary(name=f"staging/{entry.name}", size_bytes=_dir_size(Path(entry.path)),
-                                     age_s=age, in_use=held, resumable=entry.name.endswith(".resume")))
+        try:
+            entries = list(os.scandir(staging))
+        except (FileNotFoundError, NotADirectoryError):
+            entries = []
+        for entry in entries:
+            try:
+                st = os.lstat(entry.path)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode):
+                # Writers make only directories here (a FIFO once hung gc's open): anything else
+                # is a stray nobody holds, stale once its grace period has passed.
+                out.append(Temporary(name=f"staging/{entry.name}", size_bytes=st.st_size, age_s=now - st.st_mtime,
+                                     in_use=False, resumable=False, note=f"stray: {kind_of(st.st_mode)}"))
+                continue
+            try:
+                fd = _open_dir(entry.path)
+            except OSError:
+                continue  # gone meanwhile
+            try:
+                held = not _try_lock(fd)
+                age = now - os.fstat(fd).st_mtime
+            finally:
+                os.close(fd)
+            out.append(Temporary(name=f"staging/{entry.name}", size_bytes=_dir_size(Path(entry.path)),
+                                 age_s=age, in_use=held, resumable=entry.name.endswith(".resume")))
         for orphan in self.orphan_dirs():
-            out.append(Temporary(name=str(orphan.relative_to(self.root)), size_bytes=_dir_size(orphan),
-                                 age_s=now - orphan.stat().st_mtime, in_use=False, resumable=False))
+            try:
+                st = os.lstat(orphan)
+            except OSError:
+                continue
+            is_dir = stat.S_ISDIR(st.st_mode)
+            out.append(Temporary(name=str(orphan.relative_to(self.root)),
+                                 size_bytes=_dir_size(orphan) if is_dir else st.st_size,
+                                 age_s=now - st.st_mtime, in_use=False, resumable=False,
+                                 note="" if is_dir else f"stray: {kind_of(st.st_mode)}"))
         for rel in ("index", "index/samples"):
             try:
                 entries = list(os.scandir(self.root / rel))
@@ -482,12 +603,31 @@ class LocalBackend(Backend):
                 return True
             except OSError:
                 return False
-        if not (name.startswith("staging/") or name.startswith("artifacts/")) or ".." in name:
+        if not (name.startswith("staging/") or name.startswith("artifacts/")) or ".." in name.split("/"):
             return False
         try:
-            fd = os.open(path, os.O_RDONLY)
+            st = os.lstat(path)
         except OSError:
             return False
+        if not stat.S_ISDIR(st.st_mode):
+            # A stray (a file, a FIFO, a link): no writer ever holds one, so once older than the
+            # grace period (or a grave) it goes; a link is removed, never followed.
+            if time.time() - st.st_mtime < grace_s and not name.endswith(".deleted"):
+                return False
+            if name.startswith("artifacts/") and os.path.exists(path / MANIFEST):
+                return False
+            try:
+                with _removing(self.root, name):
+                    os.unlink(path)
+            except StoreWriteError:
+                raise
+            except OSError:
+                return False  # gone meanwhile (another gc)
+            return True
+        try:
+            fd = _open_dir(path)
+        except OSError:
+            return False  # gone, or replaced by something else meanwhile (the next gc sees it)
         try:
             if not _try_lock(fd):
                 return False  # a live writer holds it
@@ -500,11 +640,14 @@ class LocalBackend(Backend):
                 # resumable staging area whose progress names files that are gone.
                 grave = self.root / "staging" / f"{path.name}.{os.urandom(6).hex()}.deleted"
                 try:
-                    os.rename(path, grave)
+                    with _removing(self.root, name):
+                        os.rename(path, grave)
+                except StoreWriteError:
+                    raise
                 except OSError:
-                    return False
+                    return False  # gone meanwhile (another gc): nothing to do
                 path = grave
-            shutil.rmtree(path, ignore_errors=True)
+            _remove_tree(path, self.root, name)
             return True
         finally:
             os.close(fd)

@@ -21,7 +21,10 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import IntegrityError, UntrustedManifestError, UsageError
-from .format import FORMAT_VERSION, MANIFEST, MIGRATABLE, STORE_MARKER, format_refusal, store_marker_bytes
+from ._backend import UnreadableManifest
+from ._files import NotRegularFile, read_regular
+from .format import (FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, MIGRATABLE, STORE_MARKER,
+                     damaged_marker, format_refusal, marker_format, store_marker_bytes)
 
 
 @dataclass
@@ -40,15 +43,17 @@ class MigrateResult:
 
 
 def _marker_format(raw: bytes, url: str):
+    return marker_format(raw, url)
+
+
+def _local_marker(root: Path, url: str, nofollow: bool) -> bytes:
+    """The marker's bytes: bounded, never blocking, through no link in a file:// store."""
     try:
-        info = json.loads(raw)
-    except ValueError:
-        info = None
-    if not isinstance(info, dict) or "format_version" not in info:
-        raise IntegrityError(f"{url}/{STORE_MARKER} is unreadable; the store is damaged. Restore the file "
-                             f'(content {{"format_version": N, "kind": "dfcache-store"}}, N the format it was '
-                             "written in) or use another store.")
-    return info["format_version"]
+        return read_regular(root / STORE_MARKER, MAX_MARKER_BYTES, nofollow=nofollow)
+    except NotRegularFile as e:
+        raise damaged_marker(f"{url}/{STORE_MARKER}", e.problem) from None
+    except IntegrityError:
+        raise damaged_marker(f"{url}/{STORE_MARKER}", f"larger than {MAX_MARKER_BYTES} bytes") from None
 
 
 def _local_manifests(root: Path) -> Iterator[tuple[str, bytes]]:
@@ -60,9 +65,11 @@ def _local_manifests(root: Path) -> Iterator[tuple[str, bytes]]:
             continue
         for d in sorted(shard.iterdir()):
             try:
-                yield d.name, (d / MANIFEST).read_bytes()
-            except (FileNotFoundError, NotADirectoryError):
+                yield d.name, read_regular(d / MANIFEST, MAX_MANIFEST_BYTES)
+            except FileNotFoundError:
                 continue  # not committed: no manifest, no artifact
+            except IntegrityError as e:
+                yield d.name, UnreadableManifest(e.problem)
 
 
 def _write_local_marker(root: Path) -> None:
@@ -103,9 +110,9 @@ def migrate_store(location: str | os.PathLike | None = None, *, endpoint_url: st
     if scheme in ("", "file"):
         root = Path(loc[len("file://"):] if scheme == "file" else loc).expanduser().absolute()
         url = f"file://{root}" if scheme == "file" else str(root)
-        if not (root / STORE_MARKER).is_file():
+        if not os.path.lexists(root / STORE_MARKER):
             raise UsageError(f"no dfcache store at {url}; pass an existing store with --store.")
-        found = _marker_format((root / STORE_MARKER).read_bytes(), url)
+        found = _marker_format(_local_marker(root, url, nofollow=scheme == "file"), url)
         manifests = lambda: _local_manifests(root)  # noqa: E731
     else:
         backend = open_backend(loc, create=False, endpoint_url=endpoint_url, region=region, offline=offline)
@@ -123,6 +130,9 @@ def migrate_store(location: str | os.PathLike | None = None, *, endpoint_url: st
         raise format_refusal(url, found)
     for key, data in manifests():
         result.artifacts += 1
+        if isinstance(data, UnreadableManifest):
+            result.unreadable.append({"key": key, "problem": data.problem})
+            continue
         try:
             m = validate_manifest(json.loads(data), expect_key=key)
         except (ValueError, UntrustedManifestError) as e:

@@ -47,8 +47,8 @@ def open_backend(location: str | os.PathLike | None = None, *, create: bool = Tr
     """The backend for a path or URL; ``None`` means ``$DFCACHE_STORE`` or ``./store``.
 
     Nothing is contacted here; the first operation does. While offline (``offline``, else
-    ``DFCACHE_OFFLINE``/``HF_HUB_OFFLINE``) a location that needs the network is refused with
-    :class:`dfcache.errors.OfflineModeIsEnabled` before any socket is opened.
+    ``DFCACHE_OFFLINE``; not ``HF_HUB_OFFLINE``) a location that needs the network is refused with
+    :class:`dfcache.errors.OfflineModeIsEnabled` (exit 3) before any socket is opened.
     """
     from ..config import default_store_location, offline_from_env
 

@@ -68,14 +68,14 @@ import uuid
 from collections.abc import Iterator
 from urllib.parse import urlsplit
 
-from ..config import aws_settings
+from ..config import aws_credential_source, aws_settings
 from ..errors import (ConnectionRefused, DfcacheError, IntegrityError, NetworkError, ServerHTTPError,
                       ServerTimeout, ServerUnreachable, UsageError)
 from ..keys import KEY_PATTERN
 from ._backend import Backend, Staging, Temporary
 from ._s3_lease import LEASE_STALE_S, LEASE_WAIT_S, _Lease
-from .format import (FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES, STORE_MARKER, check_relpath, format_refusal,
-                     store_marker_bytes)
+from .format import (MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, STORE_MARKER, check_relpath, check_store_marker,
+                     damaged_marker, store_marker_bytes)
 
 IO_CONCURRENCY = 32
 
@@ -119,11 +119,25 @@ def _short(exc: BaseException) -> str:
     return text[:300]
 
 
+_INVALID_PATH = re.compile(r"Encountered object with invalid path|Error parsing Path")
+
+
 def _map_error(exc: BaseException, backend: "ObjectStoreBackend", what: str) -> DfcacheError:
     """Turn an obstore/transport failure into the dfcache error a user can act on."""
     text = str(exc)
     url = backend.url
     where = f"{what} {url}" + (f" (endpoint {backend.endpoint})" if backend.endpoint else "")
+    if _INVALID_PATH.search(text):
+        # A listing that met an object whose name is no path (`../../escape/manifest.json`): the
+        # bucket's content is wrong, not the network (exit 5, never 4). obstore refuses the whole
+        # listing page, so it cannot be skipped; dfcache itself never reads or writes such a name.
+        name = re.search(r'Error parsing Path "([^"]*)"', text)
+        shown = repr(name.group(1)[:200]) if name else "a name with '..', '.' or empty parts"
+        return IntegrityError(f"{where} failed: the bucket {backend.bucket} holds an object whose name is not a "
+                              f"valid path (it starts with {shown}); no dfcache store has such names, so the "
+                              "remote is damaged or hostile. Nothing was read from that name.",
+                              fix=f"Delete the objects whose names start with {shown} from the bucket (with your "
+                                  "S3 client), then run the command again.")
     if "ConnectionRefused" in text or "Connection refused" in text:
         return ConnectionRefused(f"{where} failed: connection refused. Start the S3 server or fix the "
                                  "endpoint (--endpoint-url, AWS_ENDPOINT_URL), then run the command again.",
@@ -334,6 +348,20 @@ class ObjectStoreBackend(Backend):
         if self.region:
             kwargs["region"] = self.region
         client = dict(_CLIENT, allow_http=bool(self.endpoint and self.endpoint.startswith("http://")))
+        # With an endpoint given (a MinIO, a Ceph, a test server) and no credentials set, obstore
+        # would ask the cloud instance-metadata address (169.254.169.254) for some before its
+        # first request: a probe of an address the user never named, and seconds of waiting where
+        # there is no cloud. dfcache refuses instead, at the first request (so a run whose
+        # configured remote this is only warns, as for an unreachable remote).
+        self._refusal: DfcacheError | None = None
+        if self.endpoint and aws_credential_source() is None:
+            self._refusal = UsageError(
+                f"no S3 credentials are set for {self.url} at the endpoint {self.endpoint}, so dfcache did not "
+                "contact it: with an endpoint given it never lets the S3 client ask a cloud instance-metadata "
+                "service for credentials.",
+                fix="Set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN if needed), or "
+                    "AWS_SKIP_SIGNATURE=true for a bucket that allows anonymous access (unsigned requests), or "
+                    "AWS_METADATA_ENDPOINT=http://169.254.169.254 to use this machine's instance credentials.")
         try:
             self._obs = S3Store(self.bucket, prefix=self.prefix or None, client_options=client,
                                 retry_config=_RETRY, **kwargs)
@@ -352,6 +380,9 @@ class ObjectStoreBackend(Backend):
     def _run(self, coro, what: str):
         from zarr.core.sync import sync
 
+        if self._refusal is not None:
+            coro.close()
+            raise self._refusal
         try:
             return sync(coro)
         except DfcacheError:
@@ -459,14 +490,12 @@ class ObjectStoreBackend(Backend):
     async def _check_format(self) -> None:
         if self._format_checked:
             return
-        raw = await self._get(STORE_MARKER, limit=1 << 16)
+        try:
+            raw = await self._get(STORE_MARKER, limit=MAX_MARKER_BYTES)
+        except IntegrityError:
+            raise damaged_marker(f"{self.url}/{STORE_MARKER}", f"larger than {MAX_MARKER_BYTES} bytes") from None
         if raw is not None:
-            try:
-                fmt = json.loads(raw).get("format_version")
-            except (ValueError, AttributeError):
-                fmt = None
-            if fmt != FORMAT_VERSION:
-                raise format_refusal(self.url, fmt, endpoint_url=self.endpoint)
+            check_store_marker(raw, self.url, endpoint_url=self.endpoint)
         self._format_checked = True
 
     async def _ensure_marker(self) -> None:

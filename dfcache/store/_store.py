@@ -10,6 +10,7 @@ import datetime as _dt
 import json
 import os
 import re
+import stat
 import threading
 from collections import deque
 from dataclasses import asdict
@@ -25,7 +26,8 @@ from ..manifest import (CODECS, NAME_PATTERN, STORAGE_DTYPE, ArraySpec, BlobSpec
                         validate_manifest)
 from . import _pagecache
 from . import format as fmt
-from ._backend import Backend, Staging
+from ._backend import Backend, Staging, UnreadableManifest
+from ._files import OPEN_FLAGS, NotRegularFile, read_regular
 from .format import PROGRESS, default_chunk_rows  # noqa: F401  (default_chunk_rows: public via dfcache.store)
 
 np = LazyModule("numpy")  # imported by the first array read or write: opening a store and its manifests needs none
@@ -599,6 +601,8 @@ class ArrayReader:
         except FileNotFoundError:
             raise IntegrityError(f"{where} is missing; the artifact is incomplete.", key=key,
                                  fix=repair_hint(key)) from None
+        except IntegrityError as e:
+            raise e.with_fix(repair_hint(key)) from None
         try:
             return fmt.decode_chunk(data, self.spec.codec, (self.chunk_rows,) + self.shape[1:],
                                     self._storage.name, where, key)
@@ -729,7 +733,7 @@ class ArrayReader:
             if path is None:
                 return
             try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                fd = os.open(path, OPEN_FLAGS)  # (O_NONBLOCK: a FIFO planted as a chunk must not hang)
             except OSError:
                 continue  # the read reports it
             if large and _pagecache.missing_pages(fd, self._file_bytes):
@@ -767,13 +771,20 @@ class ArrayReader:
         body = self._file_bytes - 4
         loaded = False
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                if _pagecache.missing_pages(f.fileno(), st.st_size):
-                    loaded = _pagecache.load_large(f.fileno(), st.st_size)
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError):
+            fd = os.open(path, OPEN_FLAGS)
+        except OSError:
             return None  # _chunk() reports what is wrong
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return None
+            if _pagecache.missing_pages(fd, st.st_size):
+                loaded = _pagecache.load_large(fd, st.st_size)
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            return None
+        finally:
+            os.close(fd)
         if not loaded and hasattr(mm, "madvise"):  # one large read-ahead for the crc pass, not a fault per few pages
             mm.madvise(mmap.MADV_WILLNEED)
         raw = np.frombuffer(mm, dtype=np.uint8)
@@ -808,7 +819,7 @@ class ArrayReader:
         import mmap
 
         try:
-            fd = os.open(hit[1], os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(hit[1], OPEN_FLAGS)
         except OSError:
             return None
         try:
@@ -865,6 +876,8 @@ class ArrayReader:
         body = self.chunk_rows * row_bytes
         lo = index * self.chunk_rows
         st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False  # a FIFO or a directory in a chunk's place: _chunk() says so
         sig = _signature(st)
         ck = (self.artifact.key, self.name, index)
         contiguous = dest.flags.c_contiguous
@@ -954,16 +967,23 @@ class Artifact:
         if d is None:
             return None
         try:
-            return os.open(d + relpath, os.O_RDONLY | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO in a chunk's place opens at once (and is refused by the reader's
+            # fstat); on regular files it changes nothing.
+            return os.open(d + relpath, OPEN_FLAGS)
         except (FileNotFoundError, NotADirectoryError):
             return None
 
     def _read(self, relpath: str) -> bytes:
+        """A file of this artifact; IntegrityError (no fix) if it is not a regular file, never
+        blocking on one (a FIFO); FileNotFoundError if it is missing."""
         backend = self.store.backend
         path = backend.local_file_path(self.key, relpath)
         if path is not None:
-            with open(path, "rb") as f:
-                return f.read()
+            try:
+                return read_regular(path)
+            except NotRegularFile as e:
+                raise IntegrityError(f"{relpath} of artifact {self.key} is refused: {e.problem}.",
+                                     key=self.key) from None
         return backend.read_file(self.key, relpath)
 
     @property
@@ -987,6 +1007,8 @@ class Artifact:
         except FileNotFoundError:
             raise IntegrityError(f"document {name} of artifact {self.key} is missing.", key=self.key,
                                  fix=repair_hint(self.key)) from None
+        except IntegrityError as e:
+            raise e.with_fix(repair_hint(self.key)) from None
         try:
             fmt.check_file(self.manifest, rel, fmt.FileRole("blob", name), data)
         except IntegrityError as e:
@@ -1036,10 +1058,16 @@ class Store:
         return f"Store({self.url!r})"
 
     def has(self, key: str) -> bool:
-        return self.backend.read_manifest(key) is not None
+        try:
+            return self.backend.read_manifest(key) is not None
+        except UntrustedManifestError:
+            return True  # there, but damaged: manifest() says so, with the fix
 
     def manifest(self, key: str) -> Manifest:
-        raw = self.backend.read_manifest(key)
+        try:
+            raw = self.backend.read_manifest(key)
+        except UntrustedManifestError as e:
+            raise e.with_fix(repair_hint(key)) from None
         if raw is None:
             raise ArtifactNotFoundError(f"no artifact {key} in {self.url}; run `dfcache ls` to see what "
                                         "is there.")
@@ -1064,6 +1092,10 @@ class Store:
         and reported in ``errors`` as (key, message)."""
         out = []
         for key, raw in self.backend.iter_manifests():
+            if isinstance(raw, UnreadableManifest):
+                if errors is not None:
+                    errors.append((key, f"{raw.problem} {repair_hint(key)}"))
+                continue
             if stage is not None and f'"stage": "{stage}"' not in raw.decode("utf-8", "replace"):
                 continue
             try:

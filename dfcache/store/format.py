@@ -122,12 +122,54 @@ def format_refusal(url: str, found: Any, *, endpoint_url: str | None = None) -> 
                                                               if endpoint_url else "")
         return UsageError(f"store {url} has format {found} ({MIGRATABLE[found]}); this dfcache reads format "
                           f"{FORMAT_VERSION}. Upgrade it in place (every artifact is kept) with: {cmd}")
+    if isinstance(found, int) and not isinstance(found, bool) and found < FORMAT_VERSION:
+        return UsageError(f"store {url} has format {found}, older than any this dfcache reads or upgrades (it reads "
+                          f"format {FORMAT_VERSION}). Use the dfcache that wrote it, or another store.")
     return UsageError(f"store {url} has format {found!r}; this dfcache reads format {FORMAT_VERSION}. Upgrade "
                       "dfcache or use another store.")
 
 
+MARKER_KIND = "dfcache-store"
+MAX_MARKER_BYTES = 64 << 10  # the marker is ~50 bytes; every backend reads at most this much of it
+
+
 def store_marker_bytes() -> bytes:
-    return json.dumps({"format_version": FORMAT_VERSION, "kind": "dfcache-store"}).encode() + b"\n"
+    return json.dumps({"format_version": FORMAT_VERSION, "kind": MARKER_KIND}).encode() + b"\n"
+
+
+def damaged_marker(where: str, why: str) -> IntegrityError:
+    """The one message (exit 5) for a store marker that is not one: the store is damaged."""
+    return IntegrityError(f"{where} is unreadable ({why}); the store is damaged.",
+                          fix=f'Restore the file (content {{"format_version": {FORMAT_VERSION}, "kind": '
+                              f'"{MARKER_KIND}"}}, or the format the store was written in) or use another store.')
+
+
+def marker_format(raw: bytes, url: str, *, where: str | None = None) -> int:
+    """The format version a store marker declares. Damaged (not a JSON object, no whole-number
+    ``format_version``): IntegrityError, exit 5. Another program's file (a ``kind`` that is not
+    dfcache's): UsageError, exit 2. A marker without ``kind`` (older stores) is dfcache's."""
+    where = where or f"{url}/{STORE_MARKER}"
+    try:
+        info = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise damaged_marker(where, "not JSON") from None
+    if not isinstance(info, dict) or "format_version" not in info:
+        raise damaged_marker(where, "no format_version")
+    kind = info.get("kind", MARKER_KIND)
+    if kind != MARKER_KIND:
+        raise UsageError(f"{url} is not a dfcache store: its {STORE_MARKER} says kind {str(kind)[:80]!r}, not "
+                         f"{MARKER_KIND!r}. Check --store (or the remote URL), or pass a new directory for a new store.")
+    found = info["format_version"]
+    if isinstance(found, bool) or not isinstance(found, int):
+        raise damaged_marker(where, f"format_version {str(found)[:40]!r} is not a whole number")
+    return found
+
+
+def check_store_marker(raw: bytes, url: str, *, where: str | None = None, endpoint_url: str | None = None) -> None:
+    """Refuse a store whose marker is damaged (5), not dfcache's (2) or of another format (2)."""
+    found = marker_format(raw, url, where=where)
+    if found != FORMAT_VERSION:
+        raise format_refusal(url, found, endpoint_url=endpoint_url)
 
 
 def artifact_prefix(key: str) -> str:

@@ -131,6 +131,23 @@ SERVER_FIXES = {
 }
 
 
+# The most bytes one generation's answer may have (dfcache.http reads no more; beyond it the
+# request fails with exit 4, and DFCACHE_MAX_RESPONSE_BYTES replaces the bound). Per generated
+# token: its text JSON-escaped (a 16-character token of \uXXXX escapes is ~100 bytes), its id, and
+# room for a server that adds 20 top log-probabilities (OpenAI's shape, ~60 bytes each): 4 KiB.
+# Fixed part: the prompt's token ids where a server echoes them (vLLM's return_token_ids, ~7 bytes
+# each: 4 MiB holds ~600k), usage and other metadata. 2048 tokens: 12 MiB; 32768: 132 MiB; at
+# most 1 GiB.
+RESPONSE_BASE_BYTES = 4 << 20
+RESPONSE_TOKEN_BYTES = 4 << 10
+RESPONSE_MAX_BYTES = 1 << 30
+
+
+def response_bytes(max_new_tokens: int) -> int:
+    """The size bound of one generation's answer (see RESPONSE_TOKEN_BYTES)."""
+    return min(RESPONSE_MAX_BYTES, RESPONSE_BASE_BYTES + max(0, int(max_new_tokens)) * RESPONSE_TOKEN_BYTES)
+
+
 def server_url(url: str | None) -> str:
     """``--server`` as a base URL (``host:port`` and ``.../v1`` accepted)."""
     from dfcache.http import normalize_base_url
@@ -304,7 +321,8 @@ class OpenAIChatSource(_ServerSource):
 
     def complete(self, record: dict) -> Completion:
         url = self.base + "/v1/chat/completions"
-        resp = self.client.post_json(url, self.request_body(record), timeout=self.request_timeout)
+        resp = self.client.post_json(url, self.request_body(record), timeout=self.request_timeout,
+                                     max_bytes=response_bytes(self.params.max_new_tokens))
         rid = record["id"]
         choices = resp.get("choices") if isinstance(resp, dict) else None
         if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
@@ -381,7 +399,8 @@ class SGLangNativeSource(_ServerSource):
 
     def complete(self, record: dict) -> Completion:
         url = self.base + "/generate"
-        resp = self.client.post_json(url, self.request_body(record), timeout=self.request_timeout)
+        resp = self.client.post_json(url, self.request_body(record), timeout=self.request_timeout,
+                                     max_bytes=response_bytes(self.params.max_new_tokens))
         rid = record["id"]
         if isinstance(resp, list):
             resp = resp[0] if resp else None
