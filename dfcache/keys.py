@@ -102,6 +102,14 @@ def compute_key(stage: str, stage_version: int, inputs: dict, upstream: dict[str
     return xxhash.xxh3_128_hexdigest(canonical_encode(material))
 
 
+def segment_key(partition: str, keys) -> str:
+    """The key of a segment holding samples ``keys`` of ``partition`` (dfcache/samples.py):
+    ``xxh3_128(canonical({"partition": partition, "segment": xxh3_128(",".join(sorted(keys)))}))``."""
+    inner = xxhash.xxh3_128_hexdigest(",".join(sorted(keys)).encode())
+    # Exactly canonical_encode({"partition": partition, "segment": inner}): both are hex.
+    return xxhash.xxh3_128_hexdigest(('{"partition":"%s","segment":"%s"}' % (partition, inner)).encode())
+
+
 def digest_bytes(data) -> str:
     """xxh3-128 hex digest of a bytes-like object (numpy arrays must be C-contiguous)."""
     return xxhash.xxh3_128_hexdigest(data)

@@ -53,7 +53,7 @@ import xxhash
 
 from ._lazy import LazyModule
 from .errors import ArtifactNotFoundError, IntegrityError, SamplesMissingError, UsageError
-from .keys import compute_key
+from .keys import compute_key, segment_key  # noqa: F401  (segment_key: public here, defined with the other keys)
 from .manifest import STORAGE_DTYPE, Manifest
 from .store import CommitOnExit
 
@@ -79,11 +79,6 @@ def partition_key(stage: str, version: int, inputs: dict, upstream: dict | None 
 def sample_key(partition: str, upstream: str) -> str:
     # Exactly canonical_encode({"partition": partition, "sample": upstream}): both are hex.
     return xxhash.xxh3_128_hexdigest(('{"partition":"%s","sample":"%s"}' % (partition, upstream)).encode())
-
-
-def segment_key(partition: str, keys: Iterable[str]) -> str:
-    inner = xxhash.xxh3_128_hexdigest(",".join(sorted(keys)).encode())
-    return xxhash.xxh3_128_hexdigest(('{"partition":"%s","segment":"%s"}' % (partition, inner)).encode())
 
 
 def record_digest(record: Any) -> str:

@@ -21,7 +21,7 @@ from .._lazy import LazyModule
 from ..errors import (AmbiguousKeyError, ArtifactNotFoundError, IntegrityError, UntrustedManifestError,
                       UsageError)
 from ..keys import KEY_PATTERN
-from ..manifest import (CODECS, NAME_PATTERN, STORAGE_DTYPE, ArraySpec, BlobSpec, Manifest,
+from ..manifest import (CODECS, NAME_PATTERN, STORAGE_DTYPE, ArraySpec, BlobSpec, Manifest, key_problem,
                         validate_manifest)
 from . import _pagecache
 from . import format as fmt
@@ -1063,14 +1063,20 @@ class Store:
                               resumable=resumable, samples=samples, sample_refs=sample_refs)
 
     def list_manifests(self, stage: str | None = None, *, errors: list | None = None) -> list[Manifest]:
-        """Every committed artifact's manifest (never array data). Invalid manifests are skipped
-        and reported in ``errors`` as (key, message)."""
+        """Every committed artifact's manifest (never array data). Invalid manifests, and those
+        whose claims (stage, inputs, upstream) do not give their key, are skipped and reported in
+        ``errors`` as (key, message): whatever selects artifacts by what they claim (``ls``,
+        ``--where``, ``gc`` scopes, ``push``/``pull --stage``) never trusts an edited one."""
         out = []
         for key, raw in self.backend.iter_manifests():
             if stage is not None and f'"stage": "{stage}"' not in raw.decode("utf-8", "replace"):
                 continue
             try:
                 m = Manifest.from_json(raw, expect_key=key if KEY_PATTERN.match(key) else None)
+                claims = key_problem(m)
+                if claims:
+                    raise UntrustedManifestError(f"manifest of {m.key} refused: {claims}.", key=m.key,
+                                                 fix=repair_hint(m.key))
             except UntrustedManifestError as e:
                 if errors is not None:
                     errors.append((key, e.message))

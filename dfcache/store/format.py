@@ -49,7 +49,7 @@ import xxhash
 
 from .._lazy import LazyModule
 from ..errors import IntegrityError, UntrustedManifestError, UsageError
-from ..manifest import ITEMSIZE, STORAGE_DTYPE, ArraySpec, Manifest
+from ..manifest import ITEMSIZE, STORAGE_DTYPE, ArraySpec, Manifest, key_problem
 
 np = LazyModule("numpy")  # imported by the first chunk encoded or decoded: manifests and names need none
 
@@ -397,10 +397,12 @@ def array_meta_problem(meta: Any, spec: ArraySpec) -> str | None:
 
 
 def manifest_problems(m: Manifest) -> list[str]:
-    """What :func:`dfcache.manifest.validate_manifest` leaves to the format: array names that
-    collide with the group layout, array digests that disagree with their chunk digests, chunks
-    larger than anyone should download."""
-    out = []
+    """What :func:`dfcache.manifest.validate_manifest` leaves to the format: claims that do not
+    give the manifest's key (:func:`dfcache.manifest.key_problem`), array names that collide with
+    the group layout, array digests that disagree with their chunk digests, chunks larger than
+    anyone should download."""
+    claims = key_problem(m)
+    out = [claims] if claims else []
     for name, spec in m.arrays.items():
         if name in RESERVED_NAMES:
             out.append(f"array name {name!r} collides with the artifact layout")
