@@ -13,8 +13,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import UntrustedManifestError
-from .keys import KEY_PATTERN
+from .errors import KeyMaterialError, UntrustedManifestError
+from .keys import KEY_PATTERN, compute_key, segment_key
 
 FORMAT_VERSION = 1
 
@@ -237,9 +237,6 @@ def key_problem(m: Manifest) -> str | None:
     ``--where``, ``gc`` scopes and ``push``/``pull`` selections use (``Store.list_manifests``),
     and the format's manifest check (``verify``, ``pull``, ``push``) refuse such a manifest.
     Nothing but hashing: no numpy, no file read."""
-    from .errors import KeyMaterialError
-    from .keys import compute_key, segment_key
-
     s = m.samples
     try:
         if s:
