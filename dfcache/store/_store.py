@@ -622,10 +622,10 @@ class ArrayReader:
         chunks read and checked on reader threads beside the caller's (one per further core, up
         to 3). Each chunk file is checked against the manifest's digest of its rows (intact, and
         the chunk of this place: artifact, array, position) the first time this store reads it,
-        and the check is remembered by the file's inode, size, mtime and ctime, so a later read reads only the
-        rows it needs (a file rewritten or replaced is checked again; one corrupted in place
-        without any of those changing is not noticed until the store is reopened, and
-        ``verify`` still checks everything). Without ``out``, a result of 1 MiB or more lives in
+        and the check is remembered by the file's inode, size, mtime and ctime, so a later read
+        reads only the rows it needs (a file rewritten or replaced is checked again; one
+        corrupted in place without any of those changing is not noticed until the store is
+        reopened, and ``verify`` still checks everything). Without ``out``, a result of 1 MiB or more lives in
         a recycled buffer: one whose previous result (and everything made from it) is gone.
 
         ``mapped=True`` (local, uncompressed chunks): chunk files are memory-mapped and checked
@@ -746,9 +746,9 @@ class ArrayReader:
 
     def _mapped_chunk(self, index: int) -> np.ndarray | None:
         """An uncompressed local chunk's rows over a read-only mmap, checked against its digest
-        (fmt.rows_match) when first mapped by this store, then kept (a bounded number per store) while the file's signature
-        (inode, size, mtime, ctime; one ``stat`` per use) stays what it was when checked: a file
-        changed on disk is mapped and checked again. None: use _chunk()."""
+        (fmt.rows_match) when first mapped by this store, then kept (a bounded number per store)
+        while the file's signature (inode, size, mtime, ctime; one ``stat`` per use) stays what it
+        was when checked: a file changed on disk is mapped and checked again. None: use _chunk()."""
         if self.spec.codec != "none":
             return None
         store = self.artifact.store
@@ -777,7 +777,7 @@ class ArrayReader:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except (OSError, ValueError):
             return None  # _chunk() reports what is wrong
-        if not loaded and hasattr(mm, "madvise"):  # one large read-ahead for the check's pass, not a fault per few pages
+        if not loaded and hasattr(mm, "madvise"):  # one large read-ahead for the check, not a fault per few pages
             mm.madvise(mmap.MADV_WILLNEED)
         raw = np.frombuffer(mm, dtype=np.uint8)
         if len(raw) != body + 4 or not fmt.rows_match(raw[:body], self.spec, index):
@@ -797,10 +797,10 @@ class ArrayReader:
         whose check this store remembers (then read them with ``read_raw``).
 
         The chunk is checked against its digest when the store first maps it (as
-        ``read_raw(mapped=True)``),
-        and the file this map is made from is the one checked (same signature). Writing to the
-        result changes this process's copy of the pages, never the file or another result; the
-        pages are read from the page cache on first touch, as ``torch.load(mmap=True)`` does."""
+        ``read_raw(mapped=True)``), and the file this map is made from is the one checked (same
+        signature). Writing to the result changes this process's copy of the pages, never the
+        file or another result; the pages are read from the page cache on first touch, as
+        ``torch.load(mmap=True)`` does."""
         if self.spec.codec != "none" or stop <= start or start < 0 or stop > self.shape[0]:
             return None
         index = start // self.chunk_rows
@@ -860,8 +860,8 @@ class ArrayReader:
 
     def _read_local(self, fd: int, index: int, a: int, b: int, dest: np.ndarray):
         """Rows [a, b) of uncompressed local chunk ``index`` into ``dest``. The chunk is checked
-        against its digest (fmt.rows_match) the first time this store reads the file (known by inode, size, mtime, ctime);
-        after that only the rows asked for are read. Returns True (read, known good), the
+        against its digest (fmt.rows_match) the first time this store reads the file (known by
+        inode, size, mtime, ctime); after that only the rows asked for are read. Returns True (read, known good), the
         (chunk, signature) to remember (read and checked now), or False: use _chunk(), which
         says what is wrong. Safe on any thread: it records nothing itself."""
         store = self.artifact.store
