@@ -256,6 +256,24 @@ def test_ls_skips_a_manifest_edited_to_claim_another_backend(fast, tmp_path, zyg
     assert dfcache("verify", store=root).code == 0
 
 
+def test_a_partition_with_an_edited_segment_is_refused_when_read(tmp_path):
+    """The sample index decides which samples a partition holds from its segments' claims: a
+    segment whose claims no longer give its partition is refused there (exit 5), not trusted."""
+    from dfcache.errors import UntrustedManifestError
+
+    root = tmp_path / "store"
+    keys = _claims_store(root)
+    part = Partition("hidden_states", 1, {"layer": 1, "backend": TORCH}, {"sample": "0" * 32})
+    sample_keys = part.sample_keys([f"{i:032x}" for i in range(4)])
+    assert SampleSet(open_store(root), part.key, sample_keys).read(0, "hidden").tobytes() == \
+        rows_of(1)[:CHUNK].tobytes()
+    _edit(root, keys[1], lambda m: m["inputs"]["backend"].update(kernel="fla"))
+    with pytest.raises(UntrustedManifestError) as e:
+        SampleSet(open_store(root), part.key, sample_keys)
+    assert e.value.exit_code == EXIT_INTEGRITY and keys[1] in str(e.value) and "partition" in str(e.value)
+    assert f"dfcache gc --key {keys[1][:12]}" in str(e.value)
+
+
 def test_pull_refuses_a_manifest_whose_claims_do_not_give_its_key(tmp_path):
     src, dst = tmp_path / "src", tmp_path / "dst"
     keys = _claims_store(src)
