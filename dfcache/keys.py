@@ -38,7 +38,22 @@ def canonical_encode(value: Any) -> bytes:
     return _encode(value, "").encode("utf-8")
 
 
+# Exactly what json.dumps(s, ensure_ascii=False) and json.dumps(k) give for a str, without the
+# encoder json.dumps builds per call with non-default options (most of a key's cost, measured).
+_str_json = json.JSONEncoder(ensure_ascii=False).encode
+_name_json = json.JSONEncoder().encode
+
+
 def _encode(v: Any, where: str) -> str:
+    t = type(v)  # the common exact types first; anything else (subclasses too) as below
+    if t is str:
+        if _ABS_PATH.match(v):
+            raise KeyMaterialError(
+                f"key material {where or 'value'} is an absolute path ({v!r}); paths differ between "
+                "machines. Pass a fingerprint of the file or directory instead (dfcache.fingerprint_path).")
+        return _str_json(v)
+    if t is int:
+        return str(v)
     if v is None:
         return "null"
     if v is True:
@@ -58,7 +73,7 @@ def _encode(v: Any, where: str) -> str:
             raise KeyMaterialError(
                 f"key material {where or 'value'} is an absolute path ({v!r}); paths differ between "
                 "machines. Pass a fingerprint of the file or directory instead (dfcache.fingerprint_path).")
-        return json.dumps(v, ensure_ascii=False)
+        return _str_json(v)
     if isinstance(v, os.PathLike):
         raise KeyMaterialError(
             f"key material {where or 'value'} is a path object ({v!s}); pass a fingerprint instead.")
@@ -75,7 +90,7 @@ def _encode(v: Any, where: str) -> str:
                     "make keys differ between machines; leave it out of the inputs (record it in "
                     "provenance instead).")
         for k in sorted(v):
-            items.append(json.dumps(k) + ":" + _encode(v[k], f"{where}.{k}" if where else k))
+            items.append(_name_json(k) + ":" + _encode(v[k], f"{where}.{k}" if where else k))
         return "{" + ",".join(items) + "}"
     raise KeyMaterialError(
         f"key material {where or 'value'} has type {type(v).__name__}; use str, int, float, bool, "
@@ -100,6 +115,14 @@ def compute_key(stage: str, stage_version: int, inputs: dict, upstream: dict[str
     material = {"stage": stage, "stage_version": stage_version, "inputs": inputs,
                 "upstream": upstream or {}}
     return xxhash.xxh3_128_hexdigest(canonical_encode(material))
+
+
+def segment_key(partition: str, keys) -> str:
+    """The key of a segment holding samples ``keys`` of ``partition`` (dfcache/samples.py):
+    ``xxh3_128(canonical({"partition": partition, "segment": xxh3_128(",".join(sorted(keys)))}))``."""
+    inner = xxhash.xxh3_128_hexdigest(",".join(sorted(keys)).encode())
+    # Exactly canonical_encode({"partition": partition, "segment": inner}): both are hex.
+    return xxhash.xxh3_128_hexdigest(('{"partition":"%s","segment":"%s"}' % (partition, inner)).encode())
 
 
 def digest_bytes(data) -> str:

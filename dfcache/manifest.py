@@ -13,8 +13,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import UntrustedManifestError
-from .keys import KEY_PATTERN
+from .errors import KeyMaterialError, UntrustedManifestError
+from .keys import KEY_PATTERN, compute_key, segment_key
 
 FORMAT_VERSION = 1
 
@@ -224,6 +224,36 @@ def validate_manifest(data: Any, *, expect_key: str | None = None) -> Manifest:
                     blobs=blobs, created=data["created"], size_bytes=data["size_bytes"],
                     dfcache_version=data["dfcache_version"], format_version=fmt,
                     summary=str(data.get("summary", ""))[:500], samples=samples, sample_refs=refs)
+
+
+def key_problem(m: Manifest) -> str | None:
+    """What is wrong with a manifest's claims given its key (None if they give it).
+
+    A key is derived from what its manifest claims: ``compute_key(stage, stage_version, inputs,
+    upstream)``; for a segment of samples (``samples``), the partition key is that of its stage,
+    version, inputs and ``partition_upstream``, and the segment key
+    ``keys.segment_key(partition, sample keys)``. A manifest edited to claim other inputs (a
+    backend, a layer) still validates; this is what gives it away. ``ls``, the listings that
+    ``--where``, ``gc`` scopes and ``push``/``pull`` selections use (``Store.list_manifests``),
+    and the format's manifest check (``verify``, ``pull``, ``push``) refuse such a manifest.
+    Nothing but hashing: no numpy, no file read."""
+    s = m.samples
+    try:
+        if s:
+            partition = compute_key(m.stage, m.stage_version, m.inputs, dict(s.get("partition_upstream") or {}))
+            if partition != s["partition"]:
+                return (f"its stage, version, inputs and partition_upstream give partition {partition}, not the "
+                        f"{s['partition']} it claims: the manifest was edited")
+            derived = segment_key(partition, s["keys"])
+            what = "its partition and sample keys give"
+        else:
+            derived = compute_key(m.stage, m.stage_version, m.inputs, m.upstream)
+            what = "its stage, version, inputs and upstream give"
+    except KeyMaterialError as e:
+        return f"its claims cannot be key material ({e.problem}): the manifest was edited"
+    if derived != m.key:
+        return f"{what} key {derived}, not its own: the manifest was edited, or written under a key not its own"
+    return None
 
 
 def _is_key(v: Any) -> bool:

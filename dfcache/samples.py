@@ -53,8 +53,8 @@ import xxhash
 
 from ._lazy import LazyModule
 from .errors import ArtifactNotFoundError, IntegrityError, SamplesMissingError, UsageError
-from .keys import compute_key
-from .manifest import STORAGE_DTYPE, Manifest
+from .keys import compute_key, segment_key  # noqa: F401  (segment_key: public here, defined with the other keys)
+from .manifest import STORAGE_DTYPE, Manifest, key_problem
 from .store import CommitOnExit
 
 np = LazyModule("numpy")  # imported by the first array read, write or large key search: a plan of a few cached samples needs none
@@ -79,11 +79,6 @@ def partition_key(stage: str, version: int, inputs: dict, upstream: dict | None 
 def sample_key(partition: str, upstream: str) -> str:
     # Exactly canonical_encode({"partition": partition, "sample": upstream}): both are hex.
     return xxhash.xxh3_128_hexdigest(('{"partition":"%s","sample":"%s"}' % (partition, upstream)).encode())
-
-
-def segment_key(partition: str, keys: Iterable[str]) -> str:
-    inner = xxhash.xxh3_128_hexdigest(",".join(sorted(keys)).encode())
-    return xxhash.xxh3_128_hexdigest(('{"partition":"%s","segment":"%s"}' % (partition, inner)).encode())
 
 
 def record_digest(record: Any) -> str:
@@ -652,6 +647,11 @@ class SampleIndex:
             raise UntrustedManifestError(f"{e.message} (in {self.store.url})", key=key) from None
         if not m.samples or m.samples["partition"] != partition:
             return None
+        problem = key_problem(m)
+        if problem:  # its claims (inputs, partition, samples) were edited: they decide nothing here
+            raise UntrustedManifestError(f"manifest of segment {key} refused: {problem} (in {self.store.url}).",
+                                         key=key, fix=f"Delete it with `dfcache gc --key {key[:12]} --force --yes` "
+                                         "and run again to recompute its samples, or pull it again.")
         return m
 
     def _load(self, partition: str) -> PartitionSamples:

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from dfcache.keys import compute_key
 from dfcache.store import open_store
 from dfcache.testing.store_conformance import write_example
 
@@ -127,9 +128,10 @@ def test_ls_stage_spelled_as_run_spells_it(tmp_path, capsys):
 def test_show_json_has_the_backend_object_ls_has(tmp_path, capsys):
     s = open_store(tmp_path / "store")
     backend = {"kernel": "fla", "device": "cuda", "dtype": "bfloat16", "attn_implementation": "sdpa"}
-    with s.writer("ab" * 16, stage="hidden_states", stage_version=1, inputs={"layer": 1, "backend": backend}) as w:
+    key = compute_key("hidden_states", 1, {"layer": 1, "backend": backend})
+    with s.writer(key, stage="hidden_states", stage_version=1, inputs={"layer": 1, "backend": backend}) as w:
         w.put_json("x", {})
-    code, out, _ = _main(capsys, "--store", tmp_path / "store", "show", "abab", "--json")
+    code, out, _ = _main(capsys, "--store", tmp_path / "store", "show", key[:6], "--json")
     shown = json.loads(out)
     code, out, _ = _main(capsys, "--store", tmp_path / "store", "ls", "--json")
     assert shown["backend"] == json.loads(out)[0]["backend"] == backend
@@ -138,7 +140,7 @@ def test_show_json_has_the_backend_object_ls_has(tmp_path, capsys):
 def test_gc_refuses_dependents_force_removes_and_verify_reports_the_broken_chain(tmp_path, capsys):
     s = open_store(tmp_path / "store")
     up, _ = write_example(s, i=0, rows=50, chunk_rows=25)
-    down = "cd" * 16
+    down = compute_key("conformance2", 1, {}, {"states": [up]})
     with s.writer(down, stage="conformance2", stage_version=1, inputs={}, upstream={"states": [up]}) as w:
         w.put_json("x", {})
     store = tmp_path / "store"

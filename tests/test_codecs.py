@@ -28,7 +28,7 @@ def _arrays():
 
 def _write(store, codec, chunk_rows=None):
     key = compute_key("codec_test", 1, {"codec": codec, "chunk_rows": chunk_rows})
-    with store.writer(key, stage="codec_test", stage_version=1, inputs={"codec": codec}) as w:
+    with store.writer(key, stage="codec_test", stage_version=1, inputs={"codec": codec, "chunk_rows": chunk_rows}) as w:
         for name, a in _arrays().items():
             w.write_array(name, a, codec=codec, chunk_rows=chunk_rows if name != "empty" else None)
     return key

@@ -10,6 +10,7 @@ import pytest
 from cli_util import dfcache
 
 from dfcache.errors import EXIT_USAGE, UsageError
+from dfcache.keys import compute_key
 from dfcache.store import format as fmt
 from dfcache.store import migrate_store, open_store
 
@@ -20,11 +21,12 @@ def _old_store(root):
     """A store in the format-1 layout: format-1 artifacts are byte for byte what they are today,
     so one is committed and the marker is put back to what the older dfcache wrote."""
     st = open_store(root)
-    with st.writer("a" * 32, stage="tokens", stage_version=1, inputs={"x": 1}) as w:
+    key = compute_key("tokens", 1, {"x": 1})
+    with st.writer(key, stage="tokens", stage_version=1, inputs={"x": 1}) as w:
         w.write_array("token_ids", np.arange(10, dtype=np.int32))
         w.put_json("samples", [{"id": "p0"}])
     (root / fmt.STORE_MARKER).write_bytes(OLD_MARKER)
-    return "a" * 32
+    return key
 
 
 def test_old_store_is_refused_with_the_fix_then_migrated_in_place(tmp_path):

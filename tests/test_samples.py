@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from dfcache.errors import DependentsError, IntegrityError
+from dfcache.keys import compute_key
 from dfcache.maintenance import gc_plan
 from dfcache.references import dependents, redundant_segments
 from dfcache.sample_transfer import compare_samples, pull_samples, push_samples
@@ -258,10 +259,11 @@ def test_gc_refuses_to_remove_samples_others_depend_on(tmp_path):
     write(store, prompts, u[:2])
     assert dependents(open_store(tmp_path / "s"), [pseg.key]) == {}
     # a set-level artifact that names samples protects them
-    with store.writer("c" * 32, stage="report", stage_version=1, inputs={}, summary="r",
+    report = compute_key("report", 1, {})
+    with store.writer(report, stage="report", stage_version=1, inputs={}, summary="r",
                       sample_refs=[{"partition": tokens.key, "keys": tokens.sample_keys(tu[:1])}]) as w:
         w.put_json("x", {})
-    assert dependents(store, [tseg.key]) == {tseg.key: sorted([w_hs.key, "c" * 32])}  # states and report
+    assert dependents(store, [tseg.key]) == {tseg.key: sorted([w_hs.key, report])}  # states and report
     plan = gc_plan(store, tmp=False, keys=[tseg.key], force=True)
     assert [i.name for i in plan.items] == [tseg.key]
 
@@ -318,14 +320,15 @@ def test_an_artifact_made_from_samples_has_a_broken_chain_only_when_they_are_gon
     sink = write(store, p, u)
     keys = p.sample_keys(u)
     set_key = "c" * 32  # what a report's upstream names: a set of samples, not an artifact
-    with store.writer("d" * 32, stage="report", stage_version=1, inputs={}, upstream={"evals": [set_key]},
+    report = compute_key("report", 1, {}, {"evals": [set_key]})
+    with store.writer(report, stage="report", stage_version=1, inputs={}, upstream={"evals": [set_key]},
                       sample_refs=[{"partition": p.key, "keys": keys}]) as w:
         w.put_json("report", {})
     assert missing_upstream(store, store.list_manifests()) == []
     store.delete(sink.committed[0].key)
     store = open_store(tmp_path / "s")
     [(m, what)] = missing_upstream(store, store.list_manifests())
-    assert m.key == "d" * 32 and what == f"3 of 3 sample(s) of partition {p.key}"
+    assert m.key == report and what == f"3 of 3 sample(s) of partition {p.key}"
 
 
 def test_a_segment_whose_upstream_samples_are_gone_is_a_broken_chain_in_verify(tmp_path):

@@ -68,7 +68,7 @@ def test_gc_dry_run_changes_nothing_and_skips_live_writers(tmp_path):
     crashed = store.backend.open_staging(_key(2))
     crashed.put("x/c/0/0", b"123")
     crashed._release()  # the process "died": its lock is gone
-    live = store.writer(_key(3), stage="conformance", stage_version=1, inputs={})
+    live = store.writer(_key(3), stage="conformance", stage_version=1, inputs={"i": 3})
     live.write_array("x", np.zeros((10, 2), np.float32))
     before = sorted(str(p) for p in (tmp_path / "store").rglob("*"))
     plan = gc_plan(store, tmp=True, grace_s=0)
@@ -83,14 +83,14 @@ def test_resumable_writer_continues_after_a_crash(tmp_path):
     store = open_store(tmp_path / "store")
     key = _key("resume")
     data = np.random.default_rng(0).standard_normal((1000, 8)).astype(np.float32)
-    w = store.writer(key, stage="conformance", stage_version=1, inputs={}, resumable=True)
+    w = store.writer(key, stage="conformance", stage_version=1, inputs={"i": "resume"}, resumable=True)
     aw = w.create_array("x", data.shape, "float32", chunk_rows=64)
     aw.append(data[:300])
     w.checkpoint({"done": 300})
     aw.append(data[300:500])  # not checkpointed: lost in the "crash"
     w._staging._release()
     del w
-    w2 = store.writer(key, stage="conformance", stage_version=1, inputs={}, resumable=True)
+    w2 = store.writer(key, stage="conformance", stage_version=1, inputs={"i": "resume"}, resumable=True)
     assert w2.resumed and w2.state == {"done": 300}
     aw2 = w2.create_array("x", data.shape, "float32", chunk_rows=64)
     assert aw2.rows_written == 300

@@ -17,6 +17,9 @@ from s3server import s3_in_env  # noqa: E402
 from dfcache.errors import ConnectionRefused, NetworkError, OfflineModeIsEnabled, UsageError  # noqa: E402
 from dfcache.store import open_store  # noqa: E402
 from dfcache.testing.store_conformance import StoreConformance, write_example  # noqa: E402
+from dfcache.keys import compute_key  # noqa: E402
+
+KEY = compute_key("conformance", 1, {})  # the key of what these tests write (stage conformance, no inputs)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,7 @@ def _crash(writer) -> None:
 def test_crashed_writers_leave_only_temporaries_that_gc_removes(s3):
     bucket = s3.create_bucket()
     store = open_store(f"s3://{bucket}/p", endpoint_url=s3.endpoint)
-    key = "ab" * 16
+    key = KEY  # inputs={} give it
     first = store.writer(key, stage="conformance", stage_version=1, inputs={})
     first.write_array("x", np.zeros((40, 2), np.float32), chunk_rows=10)
     # A second writer of the key while the first holds its lease uploads to private staging.
@@ -136,7 +139,7 @@ def test_same_key_different_bytes_never_mix(s3, first_commits):
     import threading
 
     store = open_store(f"s3://{s3.create_bucket()}/p", endpoint_url=s3.endpoint)
-    key = "5e" * 16
+    key = KEY  # inputs={} give it
     data = {w: np.full((64, 4), w, np.float32) for w in (1, 2)}
     first = store.writer(key, stage="conformance", stage_version=1, inputs={})  # holds the lease
     second = store.writer(key, stage="conformance", stage_version=1, inputs={})  # uploads aside
@@ -254,7 +257,7 @@ def test_a_lease_of_a_killed_process_of_this_machine_is_taken_over_at_once(s3):
     from dfcache.store._s3_lease import LEASE_STALE_S
 
     url = f"s3://{s3.create_bucket()}/p"
-    key = "d1" * 16
+    key = KEY  # inputs={} give it
     holder = _lease_holder(s3, url, key)
     holder.kill()
     holder.wait()
@@ -273,7 +276,7 @@ def test_a_live_holders_lease_is_waited_for_then_taken_when_it_dies(s3):
     import threading
 
     url = f"s3://{s3.create_bucket()}/p"
-    key = "d2" * 16
+    key = KEY  # inputs={} give it
     holder = _lease_holder(s3, url, key)
     try:
         store = open_store(url, endpoint_url=s3.endpoint)

@@ -75,12 +75,15 @@ def make_entry(rel: str, st: os.stat_result, data: bytes, now_ns: int) -> str:
     from ..keys import KEY_PATTERN
     from ..maintenance import ls_entry
     from ..errors import UntrustedManifestError
-    from ..manifest import Manifest
+    from ..manifest import Manifest, key_problem
 
     name = rel.rsplit("/", 1)[-1]
     head = f"{_sig(st)}\t{_settled(st, now_ns)}\t{xxhash.xxh3_64_hexdigest(data)}"
     try:
         m = Manifest.from_json(data, expect_key=name if KEY_PATTERN.match(name) else None)
+        claims = key_problem(m)  # an edited claim (a backend, a layer) is listed as nothing, with the warning
+        if claims:
+            raise UntrustedManifestError(f"manifest of {m.key} refused: {claims}.", key=m.key)
     except UntrustedManifestError as e:
         return f"{head}\tE\t\t\t\t\t\t{json.dumps(e.message)}"
     created, key, stage, size, line, row = ls_entry(m)

@@ -22,7 +22,7 @@ from .._lazy import LazyModule
 from ..errors import (AmbiguousKeyError, ArtifactNotFoundError, IntegrityError, UntrustedManifestError,
                       UsageError)
 from ..keys import KEY_PATTERN
-from ..manifest import (CODECS, NAME_PATTERN, STORAGE_DTYPE, ArraySpec, BlobSpec, Manifest,
+from ..manifest import (CODECS, NAME_PATTERN, STORAGE_DTYPE, ArraySpec, BlobSpec, Manifest, key_problem,
                         validate_manifest)
 from . import _pagecache
 from . import format as fmt
@@ -33,7 +33,7 @@ from .format import PROGRESS, default_chunk_rows  # noqa: F401  (default_chunk_r
 np = LazyModule("numpy")  # imported by the first array read or write: opening a store and its manifests needs none
 
 MAPPED_CHUNKS = 512  # mapped chunks kept per store: address space only, the page cache holds the data
-VERIFIED_CHUNKS = 1 << 18  # chunk files whose crc32c a store remembers having checked (~40 MB at most)
+VERIFIED_CHUNKS = 1 << 18  # chunk files a store remembers having checked (~40 MB at most)
 ENCODE_AHEAD = 8  # compressed chunks in flight per array (up to 8 MiB of copies); beyond, the writer encodes too
 
 _pools: dict[str, tuple[int, object]] = {}
@@ -73,10 +73,7 @@ def _load_and_close(fd: int, size: int) -> None:
 
 def _read_workers() -> int:
     """Threads beside the caller that read and check chunk files of one large read (the pread
-    and the crc32c both release the GIL), so a read uses the machine's cores; none if the
-    crc32c library holds the GIL (the split would only add overhead)."""
-    if not fmt.crc_releases_gil():
-        return 0
+    and the xxh3 of the digest check both release the GIL), so a read uses the machine's cores."""
     return max(0, min(3, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1) - 1))
 
 
@@ -592,6 +589,9 @@ class ArrayReader:
         checked.add((key, self.name))
 
     def _chunk(self, index: int) -> np.ndarray:
+        """Chunk ``index``'s logical rows, read and checked in full (crc32c, decoded size,
+        digest): the path of compressed and remote chunks, and of any local chunk whose fast
+        read failed, which it then names exactly."""
         self._check_meta()
         key = self.artifact.key
         rel = fmt.chunk_relpath(self.name, index, self._ndim)
@@ -604,10 +604,12 @@ class ArrayReader:
         except IntegrityError as e:
             raise e.with_fix(repair_hint(key)) from None
         try:
-            return fmt.decode_chunk(data, self.spec.codec, (self.chunk_rows,) + self.shape[1:],
-                                    self._storage.name, where, key)
+            return fmt.check_chunk(self.spec, self.name, index, data, key)
         except IntegrityError as e:
-            raise e.with_fix(repair_hint(key)) from None
+            fix = repair_hint(key)
+            if e.reason == fmt.MOVED:  # the artifact it came from (or went to) is wrong too
+                fix += " `dfcache verify` finds every artifact affected; `dfcache gc --bad --yes` removes them all."
+            raise e.with_fix(fix) from None
 
     def read_raw(self, start: int = 0, stop: int | None = None, *, out: np.ndarray | None = None,
                  mapped: bool = False) -> np.ndarray:
@@ -622,15 +624,16 @@ class ArrayReader:
         the kernel allows, so later warm reads of them copy as fast as of freshly written ones;
         see ``_pagecache``); a read of 4 MiB or more is split into runs of
         chunks read and checked on reader threads beside the caller's (one per further core, up
-        to 3). Each chunk file's crc32c is checked the first time this store reads it and
-        remembered by the file's inode, size, mtime and ctime, so a later read reads only the
-        rows it needs (a file rewritten or replaced is checked again; one corrupted in place
-        without any of those changing is not noticed until the store is reopened, and
-        ``verify`` still checks everything). Without ``out``, a result of 1 MiB or more lives in
+        to 3). Each chunk file is checked against the manifest's digest of its rows (intact, and
+        the chunk of this place: artifact, array, position) the first time this store reads it,
+        and the check is remembered by the file's inode, size, mtime and ctime, so a later read
+        reads only the rows it needs (a file rewritten or replaced is checked again; one
+        corrupted in place without any of those changing is not noticed until the store is
+        reopened, and ``verify`` still checks everything). Without ``out``, a result of 1 MiB or more lives in
         a recycled buffer: one whose previous result (and everything made from it) is gone.
 
-        ``mapped=True`` (local, uncompressed chunks): chunk files are memory-mapped and their
-        crc32c checked the first time this store maps them, not on every read; rows are then
+        ``mapped=True`` (local, uncompressed chunks): chunk files are memory-mapped and checked
+        against their digest the first time this store maps them, not on every read; rows are then
         copied straight from the page cache into ``out``. For many small random reads over the
         same chunks (training). Each use ``stat``s the file: one whose signature changed since
         its check is mapped and checked again (``verify`` still checks everything)."""
@@ -746,10 +749,10 @@ class ArrayReader:
                 os.close(fd)
 
     def _mapped_chunk(self, index: int) -> np.ndarray | None:
-        """An uncompressed local chunk's rows over a read-only mmap, crc32c checked when first
-        mapped by this store, then kept (a bounded number per store) while the file's signature
-        (inode, size, mtime, ctime; one ``stat`` per use) stays what it was when checked: a file
-        changed on disk is mapped and checked again. None: use _chunk()."""
+        """An uncompressed local chunk's rows over a read-only mmap, checked against its digest
+        (fmt.rows_match) when first mapped by this store, then kept (a bounded number per store)
+        while the file's signature (inode, size, mtime, ctime; one ``stat`` per use) stays what it
+        was when checked: a file changed on disk is mapped and checked again. None: use _chunk()."""
         if self.spec.codec != "none":
             return None
         store = self.artifact.store
@@ -785,10 +788,10 @@ class ArrayReader:
             return None
         finally:
             os.close(fd)
-        if not loaded and hasattr(mm, "madvise"):  # one large read-ahead for the crc pass, not a fault per few pages
+        if not loaded and hasattr(mm, "madvise"):  # one large read-ahead for the check, not a fault per few pages
             mm.madvise(mmap.MADV_WILLNEED)
         raw = np.frombuffer(mm, dtype=np.uint8)
-        if len(raw) != body + 4 or not fmt.crc_ok(raw[:body], raw[body:].tobytes()):
+        if len(raw) != body + 4 or not fmt.rows_match(raw[:body], self.spec, index):
             del raw
             mm.close()
             return None  # _chunk() re-reads it and says exactly what is wrong
@@ -804,10 +807,11 @@ class ArrayReader:
         rows of their chunk file, or None when they are not in one local uncompressed chunk
         whose check this store remembers (then read them with ``read_raw``).
 
-        The chunk's crc32c is checked when the store first maps it (as ``read_raw(mapped=True)``),
-        and the file this map is made from is the one checked (same signature). Writing to the
-        result changes this process's copy of the pages, never the file or another result; the
-        pages are read from the page cache on first touch, as ``torch.load(mmap=True)`` does."""
+        The chunk is checked against its digest when the store first maps it (as
+        ``read_raw(mapped=True)``), and the file this map is made from is the one checked (same
+        signature). Writing to the result changes this process's copy of the pages, never the
+        file or another result; the pages are read from the page cache on first touch, as
+        ``torch.load(mmap=True)`` does."""
         if self.spec.codec != "none" or stop <= start or start < 0 or stop > self.shape[0]:
             return None
         index = start // self.chunk_rows
@@ -866,9 +870,9 @@ class ArrayReader:
         return fds, loads
 
     def _read_local(self, fd: int, index: int, a: int, b: int, dest: np.ndarray):
-        """Rows [a, b) of uncompressed local chunk ``index`` into ``dest``. The chunk's crc32c is
-        checked the first time this store reads the file (known by inode, size, mtime, ctime);
-        after that only the rows asked for are read. Returns True (read, known good), the
+        """Rows [a, b) of uncompressed local chunk ``index`` into ``dest``. The chunk is checked
+        against its digest (fmt.rows_match) the first time this store reads the file (known by
+        inode, size, mtime, ctime); after that only the rows asked for are read. Returns True (read, known good), the
         (chunk, signature) to remember (read and checked now), or False: use _chunk(), which
         says what is wrong. Safe on any thread: it records nothing itself."""
         store = self.artifact.store
@@ -895,13 +899,12 @@ class ArrayReader:
         # come: the file ends there); a short read (rare) is finished one call at a time.
         trailer = bytearray(5)
         got = os.preadv(fd, [buf, trailer], 0)
-        if got == body + 4:
-            trailer = bytes(trailer[:4])
-        elif got >= body or _pread_full(fd, buf, 0) != body:
-            return False
-        else:
-            trailer = os.pread(fd, 5, body)
-        if not fmt.crc_ok(buf, trailer):
+        if got != body + 4 and (got >= body or _pread_full(fd, buf, 0) != body or len(os.pread(fd, 5, body)) != 4):
+            return False  # not a chunk file of this array's size
+        # The manifest's digest of this chunk's rows: bytes intact *and* the file the manifest
+        # names for this place (a chunk moved from another array keeps a valid crc32c). One pass,
+        # in place of the crc32c: xxh3 is the faster (docs/format.md); verify checks the crc too.
+        if not fmt.rows_match(buf, self.spec, index):
             return False
         if not whole:
             rows = buf.view(self._storage.newbyteorder("<")).reshape((self.chunk_rows,) + self.shape[1:])
@@ -1051,7 +1054,7 @@ class Store:
         self._meta_checked: set[tuple[str, str]] = set()  # (key, array) whose zarr.json agrees
         # read_raw(mapped=True) chunks: (key, array, chunk) -> (rows, path, signature when checked)
         self._mapped: dict[tuple[str, str, int], tuple] = {}
-        # (key, array, chunk) -> the file's (inode, size, mtime, ctime) when its crc32c passed
+        # (key, array, chunk) -> the file's (inode, size, mtime, ctime) when its check passed
         self._verified: dict[tuple[str, str, int], tuple] = {}
 
     def __repr__(self) -> str:
@@ -1088,8 +1091,10 @@ class Store:
                               resumable=resumable, samples=samples, sample_refs=sample_refs)
 
     def list_manifests(self, stage: str | None = None, *, errors: list | None = None) -> list[Manifest]:
-        """Every committed artifact's manifest (never array data). Invalid manifests are skipped
-        and reported in ``errors`` as (key, message)."""
+        """Every committed artifact's manifest (never array data). Invalid manifests, and those
+        whose claims (stage, inputs, upstream) do not give their key, are skipped and reported in
+        ``errors`` as (key, message): whatever selects artifacts by what they claim (``ls``,
+        ``--where``, ``gc`` scopes, ``push``/``pull --stage``) never trusts an edited one."""
         out = []
         for key, raw in self.backend.iter_manifests():
             if isinstance(raw, UnreadableManifest):
@@ -1100,6 +1105,10 @@ class Store:
                 continue
             try:
                 m = Manifest.from_json(raw, expect_key=key if KEY_PATTERN.match(key) else None)
+                claims = key_problem(m)
+                if claims:
+                    raise UntrustedManifestError(f"manifest of {m.key} refused: {claims}.", key=m.key,
+                                                 fix=repair_hint(m.key))
             except UntrustedManifestError as e:
                 if errors is not None:
                     errors.append((key, e.message))

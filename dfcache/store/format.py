@@ -49,7 +49,7 @@ import xxhash
 
 from .._lazy import LazyModule
 from ..errors import IntegrityError, UntrustedManifestError, UsageError
-from ..manifest import ITEMSIZE, STORAGE_DTYPE, ArraySpec, Manifest
+from ..manifest import ITEMSIZE, STORAGE_DTYPE, ArraySpec, Manifest, key_problem
 
 np = LazyModule("numpy")  # imported by the first chunk encoded or decoded: manifests and names need none
 
@@ -439,10 +439,12 @@ def array_meta_problem(meta: Any, spec: ArraySpec) -> str | None:
 
 
 def manifest_problems(m: Manifest) -> list[str]:
-    """What :func:`dfcache.manifest.validate_manifest` leaves to the format: array names that
-    collide with the group layout, array digests that disagree with their chunk digests, chunks
-    larger than anyone should download."""
-    out = []
+    """What :func:`dfcache.manifest.validate_manifest` leaves to the format: claims that do not
+    give the manifest's key (:func:`dfcache.manifest.key_problem`), array names that collide with
+    the group layout, array digests that disagree with their chunk digests, chunks larger than
+    anyone should download."""
+    claims = key_problem(m)
+    out = [claims] if claims else []
     for name, spec in m.arrays.items():
         if name in RESERVED_NAMES:
             out.append(f"array name {name!r} collides with the artifact layout")
@@ -470,8 +472,29 @@ def missing_problem(m: Manifest, rel: str, role: FileRole) -> str:
     return f"chunk {role.index} of array {role.name} in artifact {m.key} is missing; the artifact is incomplete"
 
 
+def rows_match(body, spec: ArraySpec, index: int) -> bool:
+    """Whether ``body``, the bytes of uncompressed chunk ``index`` (a contiguous uint8 buffer of
+    ``chunk_rows`` full rows, the last chunk's padding included), holds exactly the rows the
+    manifest names for that chunk: its digest over the logical rows.
+
+    The check every local read of an uncompressed chunk makes (the first time a store reads the
+    file): the digest is the manifest's, so it binds the file to its place (this artifact, this
+    array, this position) as well as to its bytes, which a chunk's own crc32c cannot (a chunk
+    file moved from another array keeps a valid one). It replaces the crc32c on those reads: one
+    pass over the bytes either way, and xxh3 is the faster of the two (docs/format.md)."""
+    valid = min(spec.chunk_rows, spec.shape[0] - index * spec.chunk_rows) * (
+        math.prod(spec.shape[1:]) * ITEMSIZE[spec.storage_dtype])
+    return xxhash.xxh3_128_hexdigest(body[:valid]) == spec.chunk_digests[index]
+
+
+MOVED = "chunk_moved"  # IntegrityError.reason of an intact chunk in the wrong place
+
+
 def check_chunk(spec: ArraySpec, name: str, index: int, data: bytes, key: str) -> np.ndarray:
-    """Decode chunk ``index`` of array ``name`` and check it against its digest; its logical rows."""
+    """Decode chunk ``index`` of array ``name`` and check it against its digest; its logical rows.
+
+    A chunk whose crc32c holds but whose rows are not the manifest's for that place is an intact
+    chunk moved or copied from elsewhere: its IntegrityError has ``reason`` :data:`MOVED`."""
     where = f"chunk {index} of array {name} in artifact {key}"
     if spec.codec != "none" and len(data) >= 4:
         declared = content_size(spec.codec, memoryview(data)[:-4])
@@ -482,8 +505,16 @@ def check_chunk(spec: ArraySpec, name: str, index: int, data: bytes, key: str) -
     chunk = decode_chunk(data, spec.codec, (spec.chunk_rows,) + tuple(spec.shape[1:]), spec.storage_dtype,
                          where, key)
     rows = np.asarray(chunk[:min(spec.chunk_rows, spec.shape[0] - index * spec.chunk_rows)])
-    if chunk_digest(rows) != spec.chunk_digests[index]:
-        raise IntegrityError(f"{where} does not match its digest.", key=key)
+    digest = chunk_digest(rows)
+    if digest != spec.chunk_digests[index]:
+        # The crc32c held (decode_chunk checked it): whole bytes of some chunk, not this one.
+        same = [i for i, d in enumerate(spec.chunk_digests) if d == digest]
+        origin = (f"it holds the rows of chunk {same[0]} of the same array" if same else
+                  "it is an intact chunk (its crc32c holds) with other rows: a chunk file moved or copied here "
+                  "from another array, artifact or position")
+        err = IntegrityError(f"{where} does not match its digest: {origin}.", key=key)
+        err.reason = MOVED
+        raise err
     return rows
 
 

@@ -79,7 +79,7 @@ class StoreConformance:
             "u8": np.arange(256, dtype=np.uint8),
             "b": np.array([True, False, True]),
         }
-        with store.writer(key, stage="conformance", stage_version=1, inputs={}) as w:
+        with store.writer(key, stage="conformance", stage_version=1, inputs={"i": "dtypes"}) as w:
             for name, a in arrays.items():
                 w.write_array(name, a, chunk_rows=16)
         art = store.open(key)
@@ -129,7 +129,7 @@ class StoreConformance:
     def test_abort_leaves_nothing(self, store):
         key = _key("aborted")
         with pytest.raises(RuntimeError):
-            with store.writer(key, stage="conformance", stage_version=1, inputs={}) as w:
+            with store.writer(key, stage="conformance", stage_version=1, inputs={"i": "aborted"}) as w:
                 w.write_array("x", np.zeros((100, 4), np.float32), chunk_rows=10)
                 raise RuntimeError("boom")
         assert not store.has(key)
@@ -138,7 +138,7 @@ class StoreConformance:
     def test_incomplete_array_refused(self, store):
         key = _key("short")
         with pytest.raises(UsageError):
-            with store.writer(key, stage="conformance", stage_version=1, inputs={}) as w:
+            with store.writer(key, stage="conformance", stage_version=1, inputs={"i": "short"}) as w:
                 aw = w.create_array("x", (100, 4), "float32", chunk_rows=10)
                 aw.append(np.zeros((50, 4), np.float32))
         assert not store.has(key)
@@ -146,7 +146,7 @@ class StoreConformance:
     def test_streaming_append_matches_one_shot(self, store):
         key = _key("stream")
         data = np.random.default_rng(3).standard_normal((257, 5)).astype(np.float32)
-        with store.writer(key, stage="conformance", stage_version=1, inputs={}) as w:
+        with store.writer(key, stage="conformance", stage_version=1, inputs={"i": "stream"}) as w:
             aw = w.create_array("x", data.shape, "float32", chunk_rows=32)
             for start in range(0, 257, 45):
                 aw.append(data[start:start + 45])

@@ -241,7 +241,7 @@ def writer_job(store_path: str, job_json: str) -> int:
             mark(f"H {i} {key}")
             continue
         mark(f"S {i}")
-        with store.writer(key, stage="reliability", stage_version=1, inputs=spec,
+        with store.writer(key, stage="reliability", stage_version=1, inputs={k: v for k, v in spec.items() if k != "slow"},
                           summary=f"reliability {i}") as w:
             w.put_json("meta", {"spec": {k: v for k, v in spec.items() if k != "slow"}})
             data = data_of(spec)  # "computing" while the staging area exists

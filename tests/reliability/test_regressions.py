@@ -41,7 +41,7 @@ def test_stale_tail_of_the_same_length_is_not_resumed(tmp_path):
     store = open_store(tmp_path / "s")
     key = compute_key("regress", 1, {"case": "tail"})
     data = _data()
-    w = store.writer(key, stage="regress", stage_version=1, inputs={}, resumable=True)
+    w = store.writer(key, stage="regress", stage_version=1, inputs={"case": "tail"}, resumable=True)
     aw = w.create_array("x", data.shape, "float32", chunk_rows=64)
     aw.append(data[:74])  # one chunk + a tail of 10 rows
     w.checkpoint()
@@ -49,7 +49,7 @@ def test_stale_tail_of_the_same_length_is_not_resumed(tmp_path):
     # The crash: the new tail file is in place, progress.json still describes the old one.
     w._put("tails/x.bin", memoryview(np.ascontiguousarray(aw._tail).view(np.uint8).reshape(-1)))
     _crash(w)
-    w2 = store.writer(key, stage="regress", stage_version=1, inputs={}, resumable=True)
+    w2 = store.writer(key, stage="regress", stage_version=1, inputs={"case": "tail"}, resumable=True)
     aw2 = w2.create_array("x", data.shape, "float32", chunk_rows=64)
     assert aw2.rows_written == 64, "a tail that is not the checkpointed one must be dropped"
     aw2.append(data[aw2.rows_written:])
@@ -61,9 +61,9 @@ def test_stale_tail_of_the_same_length_is_not_resumed(tmp_path):
 # ------------------------------------------------------------------------------ 2. partial removal
 
 
-def _progress_with_chunks(store, key):
+def _progress_with_chunks(store, key, inputs):
     data = _data(640)
-    w = store.writer(key, stage="regress", stage_version=1, inputs={}, resumable=True)
+    w = store.writer(key, stage="regress", stage_version=1, inputs=inputs, resumable=True)
     aw = w.create_array("x", data.shape, "float32", chunk_rows=64)
     aw.append(data[:400])
     w.checkpoint()
@@ -77,9 +77,9 @@ def test_resume_refuses_progress_whose_files_are_gone(tmp_path):
     half-way) was trusted; the resumed writer committed an artifact with missing chunks."""
     store = open_store(tmp_path / "s")
     key = compute_key("regress", 1, {"case": "partial"})
-    data, path = _progress_with_chunks(store, key)
+    data, path = _progress_with_chunks(store, key, {"case": "partial"})
     (path / "x" / "c" / "2" / "0").unlink()
-    w = store.writer(key, stage="regress", stage_version=1, inputs={}, resumable=True)
+    w = store.writer(key, stage="regress", stage_version=1, inputs={"case": "partial"}, resumable=True)
     assert not w.resumed
     aw = w.create_array("x", data.shape, "float32", chunk_rows=64)
     assert aw.rows_written == 0
@@ -94,7 +94,7 @@ def test_gc_takes_a_staging_area_out_of_sight_before_deleting_it(tmp_path, monke
     a gc killed half-way left progress without its chunks under the name the next writer uses."""
     store = open_store(tmp_path / "s")
     key = compute_key("regress", 1, {"case": "gc"})
-    _progress_with_chunks(store, key)
+    _progress_with_chunks(store, key, {"case": "gc"})
 
     def killed_midway(path, *a, **kw):  # deletes one file, then the process "dies"
         next(p for p in path.rglob("0") if p.is_file()).unlink()
@@ -142,7 +142,8 @@ def test_writer_survives_gc_between_mkdir_and_lock(tmp_path, monkeypatch, resuma
 
     monkeypatch.setattr(_local.fcntl, "flock", flock)
     monkeypatch.setattr(_local._LocalStaging, "put", put)
-    with store.writer(key, stage="regress", stage_version=1, inputs={}, resumable=resumable) as w:
+    with store.writer(key, stage="regress", stage_version=1, inputs={"case": "race", "r": resumable},
+                      resumable=resumable) as w:
         w.write_array("x", _data(), chunk_rows=64)
     monkeypatch.undo()
     assert len(fired) == 2 and store.verify(key) == []
@@ -159,7 +160,7 @@ def test_reads_refuse_a_manifest_that_disagrees_with_zarr_json(tmp_path, edit):
     reinterpreted as good. Reads now check each array's zarr.json against the manifest."""
     store = open_store(tmp_path / "s")
     key = compute_key("regress", 1, {"case": edit})
-    with store.writer(key, stage="regress", stage_version=1, inputs={}) as w:
+    with store.writer(key, stage="regress", stage_version=1, inputs={"case": edit}) as w:
         w.write_array("x", _data(), chunk_rows=128)
     mpath = tmp_path / "s" / "artifacts" / key[:2] / key / "manifest.json"
     m = json.loads(mpath.read_text())
@@ -181,7 +182,7 @@ def test_corrupt_chunk_message_names_the_key_and_the_gc_command(tmp_path):
     prefix or the command; every corrupt-artifact message now ends with the same fix."""
     store = open_store(tmp_path / "s")
     key = compute_key("regress", 1, {"case": "msg"})
-    with store.writer(key, stage="regress", stage_version=1, inputs={}) as w:
+    with store.writer(key, stage="regress", stage_version=1, inputs={"case": "msg"}) as w:
         w.write_array("x", _data(), chunk_rows=128)
         w.put_json("doc", {"a": 1})
     art = tmp_path / "s" / "artifacts" / key[:2] / key
@@ -213,7 +214,7 @@ def test_a_full_store_is_one_clear_error_and_leaves_nothing(tmp_path, monkeypatc
 
     monkeypatch.setattr(_local._LocalStaging, "_put", full)
     with pytest.raises(StoreWriteError) as e:
-        with store.writer(key, stage="regress", stage_version=1, inputs={}) as w:
+        with store.writer(key, stage="regress", stage_version=1, inputs={"case": "full"}) as w:
             w.write_array("x", _data())
     assert e.value.exit_code == 2 and "No space left on device" in str(e.value)
     assert str(tmp_path / "s") in str(e.value) and "another --store" in str(e.value)
@@ -261,7 +262,7 @@ def test_importing_the_http_client_opens_no_socket():
 def test_regression_helpers_leave_no_staging_behind(tmp_path):
     store = open_store(tmp_path / "s")
     key = compute_key("regress", 1, {"case": "clean"})
-    w = store.writer(key, stage="regress", stage_version=1, inputs={})
+    w = store.writer(key, stage="regress", stage_version=1, inputs={"case": "clean"})
     w.write_array("x", _data())
     w.abort()
     assert list((tmp_path / "s" / "staging").iterdir()) == []
