@@ -241,7 +241,7 @@ class HttpClient:
             return _err(ServerTimeout, "connect_timeout", f"connecting to {url} ({where}) timed out.", fixes,
                         url=url)
         if isinstance(e, (requests.exceptions.ReadTimeout, requests.exceptions.Timeout)):
-            return _err(ServerTimeout, "read_timeout", f"{method} {url} got no answer within {read_timeout:g} s.",
+            return _err(ServerTimeout, "read_timeout", f"{method} {url} got no answer within {round(read_timeout, 1):g} s.",
                         fixes, url=url)
         if isinstance(e, (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema,
                           requests.exceptions.InvalidSchema)):
