@@ -128,7 +128,7 @@ def _open(store):
 
 _FLAGS = {"target": "--target", "target_revision": "--revision", "drafters": "--drafter", "layers": "--layer",
           "tree_budgets": "--tree-budget", "remotes": "--remote"}
-_NO_FLAG = ("json", "progress", "attn_implementation")
+_NO_FLAG = ("json", "progress", "progress_every", "attn_implementation")
 
 
 def cli_args(opts: EvalOptions) -> list[str]:

@@ -475,7 +475,7 @@ def exe(env: dict, *args, cwd=None) -> tuple[Run, bool]:
 
 def _no_seconds(out: str) -> str:
     out = re.sub(r'"seconds":[0-9.e-]+', '"seconds":S', out)
-    return re.sub(r"(from the cache; |reused in )[0-9.]+ s", r"\1S s", out)
+    return re.sub(r"(; | in )[0-9.]+ s(\.?)$", r"\1S s\2", out, flags=re.M)  # the summary line's seconds
 
 
 @_NO_EVAL
