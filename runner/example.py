@@ -117,12 +117,12 @@ _UNWRITABLE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCE
 
 def _unwritable(e: BaseException, where: Path) -> StoreWriteError | None:
     """A full or read-only disk met while building, as one StoreWriteError (exit 2); else None.
-    safetensors reports it as ``SafetensorError: Error while serializing: IoError(Os { code: 28,
-    kind: StorageFull, ... })``, with no errno of its own."""
+    safetensors reports it as ``SafetensorError: Error while serializing: I/O error: File too large
+    (os error 27)`` (older versions: ``IoError(Os { code: 28, ... })``), with no errno of its own."""
     code = getattr(e, "errno", None) if isinstance(e, OSError) else None
     if code is None and type(e).__name__ == "SafetensorError":
-        m = re.search(r"\bcode: (\d+)", str(e))
-        code = int(m.group(1)) if m else None
+        m = re.search(r"\(os error (\d+)\)|\bcode: (\d+)", str(e))
+        code = int(m.group(1) or m.group(2)) if m else None
     if code not in _UNWRITABLE:
         return None
     return StoreWriteError(f"cannot build the --example models under {where}: {os.strerror(code)}. Free space "
