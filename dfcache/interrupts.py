@@ -135,7 +135,7 @@ def install() -> None:
     _state["installed"] = True
     import atexit
 
-    atexit.register(_ignore_late)  # registered first, so it runs last
+    atexit.register(_end_late)  # registered first, so it runs last
 
 
 def _say_interrupted() -> None:
@@ -168,10 +168,10 @@ def finish(rc: int) -> None:
 
     From here on a Ctrl-C ends the process at once (130 and the message), while the non-daemon
     threads are joined and the exit functions run; the last exit function (registered first, by
-    :func:`install`) then ignores SIGINT, so that none can land after the interpreter has removed
-    its handler (status -2, no message). After an interrupt the interpreter is not finalized at
-    all: it could still end with -2 (the "unhandled" mark of an interrupt raised in ``exec``) or
-    wait for threads stuck in requests the interrupt abandoned."""
+    :func:`install`) then ends the process, so that no Ctrl-C can land after the interpreter has
+    removed its handler (status -2, no message). After an interrupt the interpreter is not
+    finalized at all: it could still end with -2 (the "unhandled" mark of an interrupt raised in
+    ``exec``) or wait for threads stuck in requests the interrupt abandoned."""
     if _state["installed"]:
         signal.signal(signal.SIGINT, _exit_now)
     if received():
@@ -179,8 +179,9 @@ def finish(rc: int) -> None:
             _say_interrupted()
         _flush()
         os._exit(130)
+    _state["rc"] = rc
     if "obstore" not in sys.modules:
-        sys.exit(rc)
+        sys.exit(rc)  # joins the threads and runs the exit functions, the last of them _end_late
     # obstore's tokio threads release Python objects on their own schedule, and one that does so
     # during finalization aborts the process (dfcache/store/_s3.py): run the exit functions and end.
     import atexit
@@ -192,8 +193,14 @@ def finish(rc: int) -> None:
         os._exit(rc)
 
 
-def _ignore_late() -> None:
-    """The last exit function: SIGINT is ignored from here to the end of the process (the
-    interpreter keeps an ignored signal ignored; a handler of ours it resets to the default)."""
-    if _state["installed"]:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
+def _end_late() -> None:
+    """The last exit function: the process ends here, with the command's status, once the threads
+    are joined and the other exit functions ran. What the interpreter would still do (tear the
+    modules down, then exit) is where a Ctrl-C was lost (exit 0) or, once it had removed its
+    handler, killed the process with status -2 and no message."""
+    if not _state["installed"]:
+        return
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if "rc" in _state:  # ended through finish(): its status (else a caller of ours goes on exiting)
+        _flush()
+        os._exit(_state["rc"])
