@@ -118,11 +118,14 @@ def exit_process(rc) -> None:
     ``sys.exit`` takes them), or 130 with the interrupted message if Ctrl-C came at any point
     (:func:`dfcache.interrupts.finish`).
 
-    Once obstore (the S3 backend) is loaded, or after a Ctrl-C, the interpreter is not finalized:
-    the exit functions run, the output is flushed, and the process ends with ``os._exit``.
-    obstore's tokio threads release Python objects on their own schedule, and one that does so
-    during finalization aborts the process (SIGABRT or SIGBUS after the command's output, seen
-    under load: ``dfcache/store/_s3.py``), which turned a clean exit 4 into -6."""
+    The interpreter joins the threads and runs the exit functions, and the process ends with
+    ``os._exit`` after the last one (installed by :func:`main`): a Ctrl-C during the module
+    teardown that would follow was lost or killed the process with -2. Once obstore (the S3
+    backend) is loaded, or after a Ctrl-C, not even that: the exit functions run, the output is
+    flushed, and the process ends. obstore's tokio threads release Python objects on their own
+    schedule, and one that does so during finalization aborts the process (SIGABRT or SIGBUS
+    after the command's output, seen under load: ``dfcache/store/_s3.py``), which turned a
+    clean exit 4 into -6."""
     if rc is None:
         rc = 0
     elif not isinstance(rc, int):

@@ -42,11 +42,6 @@ def received() -> bool:
     return _state["received"] > 0
 
 
-def told() -> None:
-    """Record that the interrupted message has been printed (so :func:`finish` does not repeat it)."""
-    _state["told"] = True
-
-
 def _on_sigint(signum, frame) -> None:
     _state["received"] += 1
     if _state["deferring"] and _state["received"] == 1:

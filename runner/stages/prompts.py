@@ -161,7 +161,7 @@ def load_records(spec: str) -> list[dict]:
     return parse_records(_read_prompt_file(spec), spec)
 
 
-def _not_a_file(spec: str, st) -> str:
+def _not_a_file(st) -> str:
     if st is None:
         return "does not exist"
     if stat.S_ISDIR(st.st_mode):
@@ -187,7 +187,7 @@ def _read_prompt_file(spec: str) -> str:
     except OSError as e:
         raise BadInputError(f"prompt file {spec} cannot be read ({e.strerror}); {fix}") from None
     if st is None or not stat.S_ISREG(st.st_mode):
-        raise BadInputError(f"prompt file {spec} {_not_a_file(spec, st)}; {fix}")
+        raise BadInputError(f"prompt file {spec} {_not_a_file(st)}; {fix}")
     try:
         fd = os.open(spec, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError as e:
@@ -195,7 +195,7 @@ def _read_prompt_file(spec: str) -> str:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):  # replaced between the two looks
-            raise BadInputError(f"prompt file {spec} {_not_a_file(spec, st)}; {fix}")
+            raise BadInputError(f"prompt file {spec} {_not_a_file(st)}; {fix}")
         with os.fdopen(fd, "rb", closefd=False) as f:
             data = f.read()
     except OSError as e:
@@ -312,9 +312,9 @@ def build(ctx: RunContext) -> Node:
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
     from dfcache.samples import SampleSink
 
-    for node in nodes:
-        from ..summaries import prompt_set_name
+    from ..summaries import prompt_set_name
 
+    for node in nodes:
         # The set's name in the summary: `dfcache ls --by selection` shows one line per set.
         with SampleSink(ctx.store, node.partition, summary=f"prompt records of {prompt_set_name(node)}",
                         provenance={"source": "builtin" if ctx.options.prompts.startswith("builtin:")
