@@ -110,7 +110,8 @@ def check_config_object(model_dir: Path) -> None:
 
 
 def context_window(model_dir: Path) -> int | None:
-    """``max_position_embeddings`` of the model's config.json (its ``text_config`` first), or None."""
+    """The context window of the model: ``max_position_embeddings`` of its config.json (its
+    ``text_config`` first), times a RoPE scaling factor where there is one; None if unknown."""
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_bytes())
     except (OSError, ValueError, RecursionError):
@@ -119,7 +120,16 @@ def context_window(model_dir: Path) -> int | None:
         return None
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     n = text.get("max_position_embeddings", cfg.get("max_position_embeddings"))
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+    if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+        return None
+    # RoPE scaling (YaRN and the like) stretches the window past max_position_embeddings: never
+    # refuse what a server may serve (transformers 5 calls it rope_parameters).
+    for name in ("rope_scaling", "rope_parameters"):
+        rope = text.get(name, cfg.get(name))
+        factor = rope.get("factor") if isinstance(rope, dict) else None
+        if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
+            n = max(n, int(n * factor))
+    return n
 
 
 _WEIGHT_FILES = re.compile(r"^(.*\.safetensors|pytorch_model.*\.bin|.*\.safetensors\.index\.json)$")
