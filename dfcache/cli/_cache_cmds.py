@@ -24,8 +24,6 @@ def register(app: typer.Typer) -> None:
            by: str = typer.Option("artifact", "--by", help="artifact: one line per stored artifact (segment); selection: one line per partition and prompt set (the segments of one run together).")) -> None:
         """List artifacts: key, stage, size, created, backend, inputs."""
         if by not in ("artifact", "selection"):
-            from ..errors import UsageError
-
             raise UsageError(f"--by {by!r} is not one of artifact, selection.")
         import json
         from types import SimpleNamespace
