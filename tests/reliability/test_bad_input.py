@@ -516,6 +516,23 @@ def test_bad_input_under_json_is_one_object_on_stdout(case: Case, zygote, heavy_
         assert obj["missing"] and obj["missing"][0]["stage"] == "completions", obj
 
 
+def test_gc_dry_run_lists_what_force_would_remove(zygote, base_store, tmp_path):
+    """`gc --dry-run --stage S` of artifacts others depend on exited 2 and listed nothing; it lists
+    what `--force` would remove (exit 0), warns which of it others need, and removes nothing."""
+    store = copy_store(base_store, tmp_path / "store")
+    before = artifacts_listing(store)
+    prompts, completions = base_store["keys"]["prompts"], base_store["keys"]["completions"]
+    r = zygote.cli("--store", store, "gc", "--dry-run", "--stage", "prompts")
+    assert r.code == EXIT_OK, r.err
+    assert f"would remove: artifact {prompts}" in r.out and "run with --yes --force to remove" in r.out, r.out
+    assert f"{prompts[:12]} is needed by {completions[:12]}" in r.err and "error" not in r.err.lower()
+    j = zygote.cli("--store", store, "--json", "gc", "--dry-run", "--stage", "prompts")
+    doc = json.loads(j.out)
+    assert j.code == EXIT_OK and doc["needed_by"] == {prompts: [completions]}, j.out
+    assert [i["name"] for i in doc["items"]] == [prompts] and doc["removed"] == []
+    assert artifacts_listing(store) == before
+
+
 def test_same_answers_through_python_m_dfcache(base_store, env, tmp_path):
     """The table runs `dfcache.cli.main` in forked processes; three cases through the real entry
     point (`python -m dfcache`, fresh interpreter) give the same codes and messages."""
