@@ -4,8 +4,8 @@ no traceback, the store holding only complete artifacts (dfcache/interrupts.py).
 
 Of 50 SIGINTs sent at random instants to `run eval --example` before the fix, 4 ended with -2
 after the message, 2 with -2 and a traceback, 2 with SIGABRT (``pybind11::error_already_set``),
-1 with exit 1; after it, 49 of 50 ended 130 (the 50th landed in the interpreter's own start-up,
-before dfcache runs). The points here are where those came from, reached deterministically: the
+1 with exit 1; after it, two runs of 50 ended 130 in 49 and 50 trials (the other one landed in
+the interpreter's own start-up, before dfcache runs). The points here are where those came from, reached deterministically: the
 child stops itself (SIGSTOP, tests/reliability/sigpause/sitecustomize.py) at a named point, the
 test sends SIGINT then SIGCONT, and the interrupt lands exactly there.
 """
