@@ -124,52 +124,57 @@ def _fast_run(argv: list[str]) -> int | None:
 
 def exit_process(rc) -> None:
     """End the command with exit status ``rc`` (an int, None for 0, or a message for 1, as
-    ``sys.exit`` takes them).
+    ``sys.exit`` takes them), or 130 with the interrupted message if Ctrl-C came at any point
+    (:func:`dfcache.interrupts.finish`).
 
-    Once obstore (the S3 backend) is loaded, the interpreter is not finalized: the exit
-    functions run, the output is flushed, and the process ends with ``os._exit``. obstore's tokio
-    threads release Python objects on their own schedule, and one that does so during
-    finalization aborts the process (SIGABRT or SIGBUS after the command's output, seen under
-    load: ``dfcache/store/_s3.py``), which turned a clean exit 4 into -6."""
+    The interpreter joins the threads and runs the exit functions, and the process ends with
+    ``os._exit`` after the last one (installed by :func:`main`): a Ctrl-C during the module
+    teardown that would follow was lost or killed the process with -2. Once obstore (the S3
+    backend) is loaded, or after a Ctrl-C, not even that: the exit functions run, the output is
+    flushed, and the process ends. obstore's tokio threads release Python objects on their own
+    schedule, and one that does so during finalization aborts the process (SIGABRT or SIGBUS
+    after the command's output, seen under load: ``dfcache/store/_s3.py``), which turned a
+    clean exit 4 into -6."""
     if rc is None:
         rc = 0
     elif not isinstance(rc, int):
         print(rc, file=sys.stderr)
         rc = 1
-    if "obstore" not in sys.modules:
-        sys.exit(rc)
-    import atexit
+    from .interrupts import finish
 
-    try:
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # a closed pipe: nothing more can be said
-                pass
-        os._exit(rc)
+    finish(rc)
 
 
 def main() -> None:
+    from . import interrupts
+
+    interrupts.install()  # first: Ctrl-C from here on ends with the message and 130
     argv = sys.argv[1:]
-    rc = _fast_ls(argv)
-    if rc is None:
-        rc = _fast_run(argv)
-    if rc is None:
-        from dfcache.cli import main as cli_main
+    try:
+        rc = _fast_ls(argv)
+        if rc is None:
+            rc = _fast_run(argv)
+        if rc is None:
+            from dfcache.cli import main as cli_main
 
-        try:
             rc = cli_main()
-        except SystemExit as e:
-            rc = e.code
-        except BaseException as e:  # --debug lets errors through: the traceback, then the same exit
-            if "obstore" not in sys.modules:
-                raise
-            import traceback
+    except SystemExit as e:
+        rc = e.code
+    except BaseException as e:  # --debug lets errors through: the traceback, then the same exit
+        import traceback
 
+        from .config import debug_from_env
+
+        if not isinstance(e, KeyboardInterrupt) or "--debug" in argv or debug_from_env():
             traceback.print_exc()
-            rc = 130 if isinstance(e, KeyboardInterrupt) else 1
+        rc = 1
+        if isinstance(e, KeyboardInterrupt):  # outside the commands' own handling (a fast path, an error handler)
+            from .console import INTERRUPTED, emit_json, err
+
+            err(INTERRUPTED)
+            if "--json" in argv:
+                emit_json({"error": INTERRUPTED, "exit_code": 130, "type": "KeyboardInterrupt"})
+            rc = 130
     exit_process(rc)
 
 

@@ -10,6 +10,9 @@ Environment:
                        ``~/.cache/dfcache``.
     DFCACHE_CONFIG     path of a config file to use instead of the usual search.
     DFCACHE_DEBUG      any non-empty value: tracebacks instead of one-line errors (as ``--debug``).
+    DFCACHE_PROGRESS_INTERVAL
+                       seconds between the progress lines of long stages when stderr is not a
+                       terminal (default 10; 0: a line at every step; ``--no-progress``: none).
     AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, AWS_ENDPOINT, AWS_REGION, AWS_DEFAULT_REGION
                        the S3 endpoint and region when neither ``--endpoint-url`` nor the remote's
                        config gives one (credentials, ``AWS_ACCESS_KEY_ID`` and friends, are read
@@ -155,6 +158,23 @@ def segment_bytes() -> int:
             raise UsageError(f"DFCACHE_SEGMENT_BYTES={raw!r}: give a positive number of bytes (e.g. 268435456).")
         return value
     return 256 << 20
+
+
+def progress_interval() -> float:
+    """Seconds between the progress lines long stages print when stderr is not a terminal
+    ($DFCACHE_PROGRESS_INTERVAL, default 10; 0: a line at every step). A terminal gets bars."""
+    import math
+
+    raw = os.environ.get("DFCACHE_PROGRESS_INTERVAL", "").strip()
+    if not raw:
+        return 10.0
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not (math.isfinite(value) and value >= 0):
+        raise UsageError(f"DFCACHE_PROGRESS_INTERVAL={raw!r}: give a number of seconds (0: a line at every step).")
+    return value
 
 
 def dfcache_home() -> Path:

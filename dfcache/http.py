@@ -496,7 +496,7 @@ class HttpClient:
         if isinstance(e, (requests.exceptions.ReadTimeout, requests.exceptions.Timeout)) or any(
                 isinstance(c, (socket.timeout, TimeoutError)) or type(c).__name__ == "ReadTimeoutError"
                 for c in _causes(e)):
-            return _err(ServerTimeout, "read_timeout", f"{method} {url} got no answer within {read_timeout:g} s.",
+            return _err(ServerTimeout, "read_timeout", f"{method} {url} got no answer within {round(read_timeout, 1):g} s.",
                         fixes, url=url)
         if isinstance(e, (requests.exceptions.InvalidURL, requests.exceptions.MissingSchema,
                           requests.exceptions.InvalidSchema)):

@@ -64,7 +64,10 @@ def manifest_row(m: Manifest) -> dict:
     return {"key": m.key, "stage": m.stage, "stage_version": m.stage_version, "size_bytes": m.size_bytes,
             "created": m.created, "backend": m.backend, "inputs": m.inputs, "upstream": m.upstream,
             "provenance": m.provenance, "summary": m.summary,
-            "arrays": {n: {"shape": a.shape, "dtype": a.dtype} for n, a in m.arrays.items()}}
+            "arrays": {n: {"shape": a.shape, "dtype": a.dtype} for n, a in m.arrays.items()},
+            # a segment's partition and how many samples it holds (`ls --by selection` groups by them)
+            "samples": ({"partition": m.samples["partition"], "count": len(m.samples["keys"])}
+                        if m.samples else None)}
 
 
 def missing_upstream(store, manifests) -> list[tuple[Manifest, str]]:

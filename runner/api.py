@@ -145,7 +145,7 @@ def _open(store, opts: EvalOptions | None = None):
 
 _FLAGS = {"target": "--target", "target_revision": "--revision", "drafters": "--drafter", "layers": "--layer",
           "tree_budgets": "--tree-budget", "remotes": "--remote"}
-_NO_FLAG = ("json", "progress")
+_NO_FLAG = ("json", "progress", "progress_every")
 
 
 def cli_args(opts: EvalOptions) -> list[str]:

@@ -64,7 +64,7 @@ def _make_command(mode: str):
     ):
         # --store, --json, --debug, --offline and --no-progress are the dfcache CLI's global
         # options, which it adds to every command (dfcache.cli.common.GLOBAL_OPTIONS).
-        from dfcache.config import offline_from_env
+        from dfcache.config import offline_from_env, progress_interval
 
         if server is not None:
             # --server alone means "completions from that server": silently generating locally
@@ -88,7 +88,7 @@ def _make_command(mode: str):
             compression=compression, tree_budgets=list(tree_budget or []), max_blocks=max_blocks,
             end_rule=end_rule, eval_device=eval_device, offline=state.offline or offline_from_env(),
             remotes=list(remote or []), endpoint_url=endpoint_url, json=state.json,
-            progress=progress_enabled(),
+            progress=progress_enabled(), progress_every=None if state.no_progress else progress_interval(),
             attn_implementation=attn_implementation, key_versions=_key_versions(key_versions))
         if shard is not None and mode != "run":
             raise UsageError(f"--shard applies to `dfcache run` only (it splits the work of a run between "

@@ -84,19 +84,44 @@ def print_run(result, opts: EvalOptions, worker=None) -> None:
         for name, path in result.files.items():
             print(f"{name:<28} {path}")
         print()
+        # Every stage, cached or not (a fully cached run printed nothing here), and the report
+        # itself: a run that only pulled the report says so.
+        width = label_width(result.nodes)
         for n in result.nodes:
-            if n.samples is not None and n.status != "cached":
-                print(f"{n.label:<28} {_sample_outcome(n)}")
-        print(f"\n{len(result.computed)} node(s) did work, the rest from the cache; {result.seconds:.1f} s.")
+            print(f"{n.label:<{width}} {_sample_outcome(n) if n.samples is not None else _node_outcome(n)}")
+        print(f"\n{_work_summary(result)}; {result.seconds:.1f} s.")
         return
     if opts.json:
         emit_json({"nodes": [n.to_dict() for n in result.nodes], "stages": [n.stage_row() for n in result.nodes],
                    "computed": result.computed, "seconds": round(result.seconds, 3), **extra})
         return
+    width = label_width(result.nodes)
     for n in result.nodes:
-        print(f"{n.label:<28} {n.key[:12]}  {_sample_outcome(n) if n.samples is not None else n.outcome}")
-    print(f"{len(result.computed)} node(s) did work, {len(result.nodes) - len(result.computed)} reused in "
-          f"{result.seconds:.1f} s")
+        print(f"{n.label:<{width}} {n.key[:12]}  {_sample_outcome(n) if n.samples is not None else _node_outcome(n)}")
+    print(f"{_work_summary(result)} in {result.seconds:.1f} s")
+
+
+def label_width(nodes, least: int = 28) -> int:
+    """The width of the label column: the longest label (``completions (local,
+    torch/cpu/float32/sdpa)`` is 43 characters), so the columns after it line up."""
+    return max([least] + [len(getattr(n, "label", None) or n.stage) for n in nodes])
+
+
+def _node_outcome(n) -> str:
+    """A set-level node (the report) after a run: computed, pulled from a remote, or reused."""
+    return {"computed": "computed", "pulled": "pulled from a remote", "cached": "reused (in the store)"}.get(
+        n.outcome, n.outcome or n.status)
+
+
+def _work_summary(result) -> str:
+    done = set(result.computed)
+    pulled = sum(1 for n in result.nodes if n.key not in done and n.outcome == "pulled")
+    idle = sum(1 for n in result.nodes if n.key not in done and n.outcome != "pulled" and n.status == "not needed")
+    what = f"{len(done)} node(s) did work"
+    if pulled:
+        what += f", {pulled} pulled"
+    what += f", {len(result.nodes) - len(done) - pulled - idle} reused"
+    return what + (f", {idle} not needed" if idle else "")
 
 
 def _print_worker(result, opts: EvalOptions, w) -> None:
@@ -113,10 +138,11 @@ def _print_worker(result, opts: EvalOptions, w) -> None:
             f"the set's {w.job_units} prompt(s) shared by {me.world} workers ({me.launcher}); each makes the missing part of its share")
     print(f"worker {me.rank}/{me.world}: {what}; its own share was {w.my_units} prompt(s), ~{w.my_tokens} tokens.")
     if not w.complete:
+        width = label_width(result.nodes)
         for n in result.nodes:
             if n.samples is not None:
                 s = n.stage_row()["samples"]
-                print(f"{n.label:<28} {s['reused']} reused, {s['pulled']} pulled, {s['computed']} computed here of "
+                print(f"{n.label:<{width}} {s['reused']} reused, {s['pulled']} pulled, {s['computed']} computed here of "
                       f"{s['total']} samples")
         print(f"{w.missing} prompt(s) of the set are still missing: other workers' shares. When every worker has "
               "finished, the same command run once more (any --shard, or none) computes nothing stored and "
@@ -125,14 +151,18 @@ def _print_worker(result, opts: EvalOptions, w) -> None:
 
 def _sample_outcome(n) -> str:
     s = n.stage_row()["samples"]
-    return f"{s['reused']} reused, {s['pulled']} pulled, {s['computed']} computed of {s['total']} samples"
+    text = f"{s['reused']} reused, {s['pulled']} pulled, {s['computed']} computed of {s['total']} samples"
+    if s["not_needed"]:  # e.g. the report was pulled: nothing under it was read or made
+        text += f" ({s['not_needed']} not needed)"
+    return text
 
 
 def _print_plan(nodes, opts: EvalOptions) -> None:
     if opts.json:
         emit_json([n.to_plan_dict() for n in nodes])
         return
-    print(f"{'STAGE':<28} {'KEY':<12}  {'STATUS':<14} {'NEEDS':<8} SAMPLES")
+    width = label_width(nodes)
+    print(f"{'STAGE':<{width}} {'KEY':<12}  {'STATUS':<14} {'NEEDS':<8} SAMPLES")
     for n in nodes:
         extra = f"  ({n.contacts})" if n.status == "network" and n.contacts else ""
         samples = "-"
@@ -145,6 +175,6 @@ def _print_plan(nodes, opts: EvalOptions) -> None:
                 samples += f", {c['missing']} missing"
             if c["to_produce"] != c["missing"] or c["to_pull"] != c["remote"]:
                 samples += f" ({c['to_pull']} to pull, {c['to_produce']} to produce)"
-        print(f"{n.label or n.stage:<28} {n.key[:12]}  {n.status:<14} {n.needs:<8} {samples}{extra}")
+        print(f"{n.label or n.stage:<{width}} {n.key[:12]}  {n.status:<14} {n.needs:<8} {samples}{extra}")
     todo = sum(1 for n in nodes if n.status not in ("cached", "not needed"))
     print(f"{len(nodes)} node(s), {len(nodes) - todo} cached or not needed, {todo} to produce")

@@ -4,17 +4,22 @@ The first run builds, next to the store (``<store>/example/``), a tiny Qwen3.5-s
 its tokenizer (from a config, random weights, fixed seed), a tiny DFlash drafter trained
 briefly on the target's own greedy completions and hidden states, and an untrained drafter of
 the same shape. Each model directory is built in a temporary directory and renamed into place,
-so an interrupted build is redone, never half used. Later runs find them and import no torch.
+so an interrupted build is redone, never half used; the temporary directory a killed build left
+is removed by the next build (each build holds a lock on its own). Later runs find them and
+import no torch.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import os
+import re
 import shutil
 from pathlib import Path
 from typing import Callable
 
-from dfcache.errors import UsageError
+from dfcache.errors import StoreWriteError, UsageError
 
 from .options import EvalOptions
 
@@ -26,11 +31,14 @@ DONE = ".dfcache-example-done"
 def _build_once(path: Path, build: Callable[[Path], None]) -> None:
     if (path / DONE).exists():
         return
-    tmp = path.with_name(f".{path.name}.{os.urandom(4).hex()}.tmp")
-    tmp.mkdir(parents=True)
+    remove_stale_builds(path.parent)
+    tmp, fd = _new_build_dir(path)
     try:
-        build(tmp)
-        (tmp / DONE).write_text("ok\n")
+        try:
+            build(tmp)
+            (tmp / DONE).write_text("ok\n")
+        except Exception as e:
+            raise _unwritable(e, path.parent) or e
         # Several workers of one distributed run may build at once: the first finished copy stays
         # (another may be reading it; the builds are deterministic), a half-built leftover goes.
         if (path / DONE).exists():
@@ -44,6 +52,82 @@ def _build_once(path: Path, build: Callable[[Path], None]) -> None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
+
+
+def _new_build_dir(path: Path) -> tuple[Path, int]:
+    """A fresh temporary directory beside ``path``, locked (flock) for as long as this process builds
+    in it: :func:`remove_stale_builds` removes only directories nobody holds."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{os.urandom(4).hex()}.tmp")
+        try:
+            tmp.mkdir(parents=True)
+        except OSError as e:
+            raise _unwritable(e, path.parent) or e
+        try:
+            fd = os.open(tmp, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue  # removed by another build's clean-up between mkdir and open: not ours any more
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.stat(tmp).st_ino == os.fstat(fd).st_ino:
+                return tmp, fd  # still the directory we locked
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def remove_stale_builds(root: Path) -> list[Path]:
+    """Remove the temporary build directories (``.NAME.*.tmp``) that a killed build left under
+    ``root``; one whose lock a live build holds is left alone. Returns what was removed."""
+    removed = []
+    try:
+        names = [n for n in os.listdir(root) if n.startswith(".") and n.endswith((".tmp", ".deleted"))]
+    except OSError:
+        return removed
+    for name in names:
+        p = root / name
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue  # gone already, or not a directory of ours
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live build holds it
+            # Out of sight first (one rename), then deleted: a removal cut short leaves a
+            # .deleted directory, which the next build removes, never a half-emptied build.
+            grave = p if name.endswith(".deleted") else root / f"{name[:-4]}.deleted"
+            try:
+                if grave != p:
+                    os.rename(p, grave)
+                shutil.rmtree(grave)
+            except OSError:
+                continue
+            removed.append(p)
+        finally:
+            os.close(fd)
+    return removed
+
+
+# errnos that mean "this disk cannot take the write", as for the store (dfcache/store/_local.py)
+_UNWRITABLE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def _unwritable(e: BaseException, where: Path) -> StoreWriteError | None:
+    """A full or read-only disk met while building, as one StoreWriteError (exit 2); else None.
+    safetensors reports it as ``SafetensorError: Error while serializing: I/O error: File too large
+    (os error 27)`` (older versions: ``IoError(Os { code: 28, ... })``), with no errno of its own."""
+    code = getattr(e, "errno", None) if isinstance(e, OSError) else None
+    if code is None and type(e).__name__ == "SafetensorError":
+        m = re.search(r"\(os error (\d+)\)|\bcode: (\d+)", str(e))
+        code = int(m.group(1) or m.group(2)) if m else None
+    if code not in _UNWRITABLE:
+        return None
+    return StoreWriteError(f"cannot build the --example models under {where}: {os.strerror(code)}. Free space "
+                           "(`dfcache gc --dry-run` lists what can go) or fix its permissions, or pass another "
+                           "--store; then run again.", path=str(where))
 
 
 def example_built(store) -> bool:

@@ -34,7 +34,7 @@ from typing import Callable
 
 import numpy as np
 
-from dfcache.errors import UsageError
+from dfcache.errors import BadInputError, UsageError
 
 from .samples import Selection
 
@@ -134,8 +134,11 @@ def export(sel: Selection, fmt: str, out: str | os.PathLike, *, progress=None) -
         try:
             import datasets  # noqa: F401
         except ImportError:
-            raise UsageError("--format speculators also writes the prepared dataset speculators trains "
-                             "from, with the `datasets` package; install it (pip install datasets).") from None
+            # A well-formed command this install cannot carry out: bad input (6), like a model it
+            # cannot load, not a malformed command line (2).
+            raise BadInputError("--format speculators also writes the prepared dataset speculators trains "
+                                "from, with the `datasets` package, which is not installed; install it with "
+                                "pip install 'dfcache[peers]' (or pip install datasets).") from None
     check_destination(fmt, sel, out)
     src = sel.source()
     keys = src.keys()

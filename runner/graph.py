@@ -240,6 +240,13 @@ class RunContext:
         print(message, file=self.out, flush=True)
 
     def progress(self, total: int | None, desc: str, unit: str = "it", unit_scale: bool = False):
+        """A bar on a terminal; elsewhere, with ``options.progress_every`` set (the command line
+        sets it unless --no-progress), a line every so many seconds (runner/progress.py)."""
+        every = getattr(self.options, "progress_every", None)
+        if not self.options.progress and every is not None:
+            from .progress import LineProgress
+
+            return LineProgress(total, desc, unit, self.out, every, unit_scale=unit_scale)
         from tqdm.auto import tqdm
 
         disable = not self.options.progress

@@ -6,9 +6,12 @@ API both reach it (``RunContext`` calls it), and the stages trust what it let th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from dfcache.errors import UsageError
+
+MAX_NEW_TOKENS = 2**31 - 1  # token ids and counts are stored as int32
 
 CHOICES = {  # option -> (its flag, allowed values)
     "completions": ("--completions", ("server", "local")),
@@ -67,6 +70,9 @@ class EvalOptions:
     endpoint_url: str | None = None
     json: bool = False
     progress: bool = True
+    # seconds between progress lines when there are no bars (stderr not a terminal); None: no
+    # lines (the Python API's default). The command line sets it unless --no-progress.
+    progress_every: float | None = None
     # hidden states (extraction)
     attn_implementation: str = "sdpa"  # sdpa|eager|...: keyed with the backend class
     key_versions: list[str] = field(default_factory=list)  # packages whose versions join hidden-state keys
@@ -95,11 +101,22 @@ class EvalOptions:
         if any(int(b) < 1 for b in self.tree_budgets):
             raise UsageError(f"--tree-budget {min(int(b) for b in self.tree_budgets)}: budgets are positive "
                              "numbers of drafted nodes.")
-        if not self.request_timeout > 0:
+        if self.max_new_tokens is not None and self.max_new_tokens > MAX_NEW_TOKENS:
+            # Token counts are stored as int32; a target's own context window is checked against
+            # its config.json when the graph is built (runner/stages/completions).
+            raise UsageError(f"--max-new-tokens {self.max_new_tokens}: more than any model can generate; give "
+                             f"at most {MAX_NEW_TOKENS} (and no more than the target's context window).")
+        if not (math.isfinite(self.request_timeout) and self.request_timeout > 0):
             raise UsageError(f"--request-timeout {self.request_timeout:g}: give a positive number of seconds.")
-        if self.wait_server < 0:
-            raise UsageError(f"--wait-server {self.wait_server:g}: give 0 (check once) or a positive number of "
-                             "seconds.")
+        if not (math.isfinite(self.wait_server) and self.wait_server >= 0):
+            # inf waited forever: the wait is meant to be bounded (DESIGN §5).
+            raise UsageError(f"--wait-server {self.wait_server:g}: give 0 (check once) or a finite number of "
+                             "seconds to wait for the server.")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise UsageError(f"--temperature {self.temperature:g}: give 0 (greedy) or a positive number.")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            # A probability mass: servers refuse anything else (vLLM, SGLang: "top_p must be in (0, 1]").
+            raise UsageError(f"--top-p {self.top_p:g}: give a probability in (0, 1] (1 keeps every token).")
         if self.completions == "server" and not self.server:
             raise UsageError("--completions server needs --server URL (e.g. --server http://127.0.0.1:30000), "
                              "or use --completions local.")

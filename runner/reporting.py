@@ -314,7 +314,13 @@ figure{display:inline-block;margin:0 12px 12px 0} figure img{max-width:520px;bor
 article.prompt{margin:10px 0 18px} article.prompt h4{margin:6px 0} details.method summary{cursor:pointer;color:#345}
 .legend span{display:inline-block;padding:1px 7px;margin-right:2px;border-radius:3px;font:12px ui-monospace,monospace}
 pre{white-space:pre-wrap;background:#f6f6f6;padding:6px}
+table{display:block;max-width:100%;overflow-x:auto}
+.completion,pre,td.l,h1,h2,h3,h4,p,figcaption{overflow-wrap:anywhere}
+figure{max-width:100%} figure img{max-width:min(520px,100%);height:auto}
 """
+# The last three lines keep the page inside the window (it scrolled sideways at 1400 px): a table
+# wider than the page (many drafters, checkpoints or tree budgets) scrolls inside itself, and long
+# unbroken text (ids, keys, paths, a completion without spaces) wraps instead of widening the page.
 
 
 def legend_html(block_size: int) -> str:

@@ -46,16 +46,23 @@ def completions_origin(store, completions_key: str) -> str:
     return f"{prompts}, {source}"
 
 
+def prompt_set_name(prompts_node) -> str:
+    """``builtin:coding×8`` or ``q.jsonl×100``: the prompt set a per-sample prompts node was
+    built from (its summary says ``8 prompts from builtin:coding``), as summaries name it."""
+    text = getattr(prompts_node, "summary", "") or ""
+    n, _, spec = text.partition(" prompts from ")
+    if not spec:
+        return text or "?"
+    return f"{spec if spec.startswith('builtin:') else PurePath(spec).name}×{n}"
+
+
 def samples_origin(store, completions_node) -> str:
     """:func:`completions_origin` of a per-sample completions node: the prompt set from its prompts
     node, the served model from a stored completion's provenance (what the server said it was)."""
     if completions_node is None:
         return "?"
     prompts = completions_node.payload.get("prompts") if isinstance(completions_node.payload, dict) else None
-    text = getattr(prompts, "summary", "") or ""
-    n, _, spec = text.partition(" prompts from ")
-    name = (spec if spec.startswith("builtin:") else PurePath(spec).name) if spec else (text or "?")
-    set_name = f"{name}×{n}" if spec else name
+    set_name = prompt_set_name(prompts)
     endpoint = completions_node.inputs.get("endpoint")
     if endpoint == "local":
         return f"{set_name}, local greedy"

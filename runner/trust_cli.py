@@ -20,6 +20,17 @@ def _json(local: bool) -> bool:
     return local or state.json
 
 
+def _bars(json_out: bool) -> bool:
+    """Progress bars: on a terminal, without --json or --no-progress (the global option)."""
+    return sys.stderr.isatty() and not _json(json_out) and not state.no_progress
+
+
+def quiet_libraries(*, bars: bool, notices: bool) -> None:
+    from .cli_support import quiet_libraries as quiet
+
+    quiet(bars=bars, notices=notices)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("doctor")
     def doctor(target: str = typer.Option(..., "--target", help="Target model: a local directory or a Hugging Face id in the local cache."),
@@ -81,7 +92,9 @@ def register(app: typer.Typer) -> None:
                               max_new_tokens=max_new_tokens, dtype=dtype, device=device, backend=backend,
                               attn_implementation=attn_implementation, tree_budgets=list(tree_budget or []),
                               enable_thinking=enable_thinking, show_mismatches=max_mismatches,
-                              progress=sys.stderr.isatty() and not _json(json_out))
+                              progress=_bars(json_out))
+        # transformers' own "Loading weights" bars and notices follow ours (--no-progress, no terminal)
+        quiet_libraries(bars=popts.progress, notices=popts.progress or not state.no_progress)
         res = run_parity(get_store(), popts)
         if _json(json_out):
             emit_json(res.to_dict())
@@ -142,8 +155,9 @@ def register(app: typer.Typer) -> None:
                            tree_budgets=list(tree_budget or []), max_blocks=max_blocks,
                            offline=offline or state.offline or offline_from_env(), remotes=list(remote or []),
                            endpoint_url=endpoint_url, json=_json(json_out),
-                           progress=not no_progress and sys.stderr.isatty() and not _json(json_out),
+                           progress=not no_progress and _bars(json_out),
                            attn_implementation=attn_implementation, eval_device=eval_device)
+        quiet_libraries(bars=opts.progress, notices=opts.progress or not (no_progress or state.no_progress))
         res = run_compare(get_store(), opts, list(backend), completions_backend=completions_backend,
                           remotes=open_remotes(opts),
                           argv=["compare-backends", "--target", target] + [a for d in drafter for a in ("--drafter", d)])

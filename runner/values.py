@@ -10,3 +10,12 @@ def int_list(value: Any) -> list[int] | None:
     if isinstance(value, list) and value and all(isinstance(x, int) and not isinstance(x, bool) for x in value):
         return [int(x) for x in value]
     return None
+
+
+def json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words (for "config.json is a JSON array" messages)."""
+    if isinstance(value, bool):
+        return "boolean"
+    if value is None:
+        return "null"
+    return {dict: "object", list: "array", str: "string", int: "number", float: "number"}.get(type(value), "value")

@@ -39,6 +39,7 @@ from .checkpoints import (Checkpoint, glob_checkpoints, incomplete_reason, is_gl
 from .options import EvalOptions
 
 FILES = ("watch.json", "watch.md", "tau_by_step.png", "histograms.png", "report.html")
+SETTLE_SLACK = 1.0  # seconds `--once` may wait past one interval, for the clock's rounding
 
 
 # --------------------------------------------------------------------------------------------
@@ -419,10 +420,7 @@ class Watch:
             while True:
                 ready, soonest = self.poll()
                 if self.once and soonest is not None and first:
-                    self.log(f"waiting {soonest:.0f} s for checkpoints being written to settle")
-                    self.sleep(soonest)
-                    more, _ = self.poll()
-                    ready += [c for c in more if c.path not in {r.path for r in ready}]
+                    ready = self._settle_once(ready, soonest)
                 new = self.evaluate(ready) if ready or first else []
                 if first and self.reference:
                     self.print_rows([self.reference])
@@ -441,14 +439,32 @@ class Watch:
             self.log(f"watch stopped: {len(self.records)} checkpoint(s) evaluated; report in {self.out_dir}")
             raise
         result = self.result(paths)
+        for p, why in sorted(self.pending.items()):  # on stderr whatever the output, terminal or not
+            self.log(f"skipped (still being written): {p}: {why}; run the watch again once it is complete.")
         if self.opts.json:
             emit_json(result)
         else:
-            for p, why in sorted(self.pending.items()):
-                self.log(f"not yet evaluated: {p}: {why}")
             for name, path in paths.items():
                 print(f"{name:<28} {path}")
         return result
+
+    def _settle_once(self, ready: list[Checkpoint], soonest: float) -> list[Checkpoint]:
+        """``--once``: wait, at most one interval from the first look, for the checkpoints being
+        written to settle, looking again after each wait. One wait was not enough: the wall clock
+        the checkpoint's quiet time is measured on may advance a little less than the sleep did
+        (rounding, NTP slewing), so a checkpoint unchanged for the whole wait was still "29.99 s
+        quiet" and left pending. A checkpoint that changes meanwhile keeps waiting until the end."""
+        clock = self.readiness.clock
+        deadline = clock() + self.interval + SETTLE_SLACK
+        self.log(f"waiting up to {min(soonest, self.interval):.1f} s for checkpoints being written to settle")
+        while soonest is not None:
+            left = deadline - clock()
+            if left <= 0:
+                break
+            self.sleep(min(max(soonest, 0.05), left))
+            more, soonest = self.poll()
+            ready += [c for c in more if c.path not in {r.path for r in ready}]
+        return ready
 
 
 def fmt(v) -> str:

@@ -357,3 +357,18 @@ def test_any_subset_superset_or_order_of_fetched_prompts_reuses_every_completion
     assert serve.chat_requests() - before == 1
     assert nodes["completions"].samples_dict()["produced"] == 1
     assert nodes["tokens"].samples_dict() == {**nodes["tokens"].samples_dict(), "cached": 4, "produced": 1}
+
+
+def test_the_context_window_counts_rope_scaling(tmp_path):
+    """`--max-new-tokens` is refused at or past the target's context window (exit 6, before any
+    work); a YaRN-scaled model serves past max_position_embeddings, so its factor counts."""
+    import json as _json
+
+    from runner.models.resolve import context_window
+
+    for cfg, want in (({"max_position_embeddings": 4096}, 4096),
+                      ({"max_position_embeddings": 32768, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, 131072),
+                      ({"text_config": {"max_position_embeddings": 100, "rope_parameters": {"factor": 2}}}, 200),
+                      ({"vocab_size": 8}, None), ([1, 2], None)):
+        (tmp_path / "config.json").write_text(_json.dumps(cfg))
+        assert context_window(tmp_path) == want, cfg

@@ -204,6 +204,31 @@ def test_parity_options_are_the_eval_options_checks(tmp_path):
     assert store.keys() == []
 
 
+def test_parity_no_progress_silences_the_libraries_bars(tmp_path, capsys, monkeypatch):
+    """`dfcache parity --no-progress` (the global option) turns transformers' own progress bars
+    ("Loading weights") off before any model is loaded, as `run` does; it left them on."""
+    import dataclasses
+
+    from transformers.utils import logging as tlog
+
+    from dfcache.cli import main
+    from dfcache.cli.common import state
+
+    monkeypatch.setattr("sys.stderr.isatty", lambda: True, raising=False)
+    saved = dataclasses.replace(state)
+    tlog.enable_progress_bar()
+    try:
+        rc = main(["--store", str(tmp_path / "store"), "parity", "--target", str(tmp_path / "absent"),
+                   "--drafter", str(tmp_path / "absent"), "--no-progress"])
+        assert rc == 6  # the target is not there: after the libraries were set up, before any work
+        assert not tlog.is_progress_bar_enabled()
+    finally:
+        tlog.enable_progress_bar()
+        for f in dataclasses.fields(state):
+            setattr(state, f.name, getattr(saved, f.name))
+    capsys.readouterr()
+
+
 @pytest.fixture(scope="module")
 def parity_store(tmp_path_factory):
     from dfcache import open_store

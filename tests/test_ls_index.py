@@ -186,3 +186,51 @@ def test_file_remote_and_local_dir_never_use_the_index(store):
     assert remote.backend.listing() is None
     with pytest.raises(UsageError):
         store.local_dir("index")
+
+
+def test_ls_by_selection_groups_the_segments_of_one_run(tmp_path, capsys):
+    """A 10-prompt server run that committed a segment per answer lists as ten one-sample rows in
+    `ls`; `ls --by selection` shows one line for it (10 samples in 10 segments), one for another
+    prompt set of the same partition (named in the summaries), and other artifacts as they are.
+    Through the listing index (in-process, the full CLI) and from manifests (--where)."""
+    from dfcache.samples import Partition, SampleSink, record_digest
+
+    store = open_store(tmp_path / "s")
+    part = Partition("completions", 2, {"endpoint": "openai", "max_new_tokens": 8})
+    with SampleSink(store, part, max_samples=1, summary="q.jsonl×10: completions from openai server") as sink:
+        for i in range(10):
+            sink.add(record_digest({"p": i}), doc={"text": f"answer {i}"})
+    with SampleSink(store, part, summary="builtin:coding×3: completions from openai server") as sink:
+        for i in range(3):
+            sink.add(record_digest({"c": i}), doc={"text": f"code {i}"})
+    other = _commit(store, 0, stage="report", summary="report: a vs b")
+
+    capsys.readouterr()
+    assert cli_main(["--store", str(tmp_path / "s"), "ls"]) == 0
+    assert len([ln for ln in capsys.readouterr().out.splitlines() if " completions " in ln]) == 11
+
+    assert cli_main(["--store", str(tmp_path / "s"), "ls", "--by", "selection"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["KEY", "STAGE", "SAMPLES", "SEGS"]
+    at = lines[0].index("SELECTION")
+    rows = {ln[at:]: ln.split() for ln in lines[1:-1]}
+    assert rows["q.jsonl×10: completions from openai server"][:4] == [part.key[:12], "completions", "10", "10"]
+    assert rows["builtin:coding×3: completions from openai server"][:4] == [part.key[:12], "completions", "3", "1"]
+    assert rows["report: a vs b"][:4] == [other[:12], "report", "-", "-"]
+    assert lines[-1].startswith("3 selection(s) of 12 artifact(s)")
+
+    for where in ([], ["--where", "dfcache~0"]):  # the index, then the manifests themselves
+        assert cli_main(["--store", str(tmp_path / "s"), "--json", "ls", "--by", "selection", *where]) == 0
+        got = json.loads(capsys.readouterr().out)
+        by_summary = {g["summary"]: g for g in got}
+        run = by_summary["q.jsonl×10: completions from openai server"]
+        assert run["partition"] == part.key and run["samples"] == 10 and len(run["segments"]) == 10
+        assert run["stage"] == "completions" and run["size_bytes"] > 0 and run["first_created"] <= run["created"]
+        assert by_summary["report: a vs b"]["key"] == other and by_summary["report: a vs b"]["segments"] == []
+    # Each artifact's `ls --json` row says which partition and how many samples a segment holds.
+    assert cli_main(["--store", str(tmp_path / "s"), "--json", "ls", "--stage", "completions"]) == 0
+    segs = json.loads(capsys.readouterr().out)
+    assert sorted(r["samples"]["count"] for r in segs) == [1] * 10 + [3]
+    assert {r["samples"]["partition"] for r in segs} == {part.key}
+    assert cli_main(["--store", str(tmp_path / "s"), "ls", "--by", "stage"]) == 2
+    assert "--by 'stage' is not one of artifact, selection" in capsys.readouterr().err

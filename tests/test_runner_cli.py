@@ -254,8 +254,11 @@ def _server_check_cases():
                                           "pass a larger --wait-server"], ["no answer", "--wait-server SECONDS"]),
         ("not ready", "loading", 0, ["is not ready (HTTP 503", "--wait-server"], ["refused", "no answer"]),
         ("not ready, waited", "loading", 1, ["not ready after waiting 1 s", "HTTP 503"], ["refused", "no answer"]),
-        ("timeout, waited", "silent", 1.5, ["not ready after waiting 1.5 s", "got no answer within"],
-         ["refused", "HTTP 503"]),
+        ("timeout, waited", "silent", 1.5, ["not ready after waiting 1.5 s", "got no answer within",
+                                            "pass a larger --wait-server"], ["refused", "HTTP 503", "--request-timeout"]),
+        # The check's own 10 s: --request-timeout (what the fix said to raise) does not change it.
+        ("timeout", "silent", 0, ["got no answer within 10 s", "readiness check", "--wait-server SECONDS"],
+         ["refused", "--request-timeout"]),
     ]
 
 
@@ -291,6 +294,8 @@ def test_server_check_fails_once_up_front_with_exit_4(name, kind, wait, words, n
     msg = r.one_error()
     for w in words:
         assert w in msg, f"{name}: {w!r} not in {msg!r}"
+    if kind == "silent":  # seconds rounded ("4.4905 s" was printed as computed)
+        assert re.search(r"got no answer within [0-9]+(\.[0-9])? s\.", msg), msg
     for w in not_words:
         assert w not in msg, f"{name}: {w!r} in {msg!r}"
     assert url in msg
@@ -364,6 +369,21 @@ def test_server_failures_exit_4_and_cache_no_completions(mode, extra, words, pro
         assert chat_requests == 0
         assert stages_in(store) == {}
     assert chat_requests <= N and "waiting for server" not in r.err  # no retries, no waiting
+
+
+def test_long_stages_print_progress_lines_when_stderr_is_not_a_terminal(tiny_target, env, tmp_path):
+    """No terminal (a log file, a batch job): bars are off and a long stage prints a line every
+    DFCACHE_PROGRESS_INTERVAL seconds instead (0: at every step), as pip and DVC do; eight minutes
+    of server generation showed nothing before. --no-progress silences them."""
+    with ScriptedServer(chat="ok") as server:
+        base = ["run", "completions", *_args(tiny_target, "--server", server.url)]
+        r = cli(env, tmp_path / "a", *base, extra_env={"DFCACHE_PROGRESS_INTERVAL": "0"})
+        quiet = cli(env, tmp_path / "b", *base, "--no-progress", extra_env={"DFCACHE_PROGRESS_INTERVAL": "0"})
+    assert r.code == 0 and quiet.code == 0, r.err + quiet.err
+    lines = [ln for ln in r.err.splitlines() if ln.startswith("completions: ")]
+    assert [ln.split(",")[0] for ln in lines] == [f"completions: {i}/{N} req ({100 * i // N}%)" for i in range(1, N + 1)]
+    assert all("elapsed" in ln for ln in lines) and "\r" not in r.err
+    assert not [ln for ln in quiet.err.splitlines() if ln.startswith("completions: ")], quiet.err
 
 
 def test_options_after_the_command(env, tmp_path):
@@ -443,6 +463,51 @@ def test_fully_cached_eval_does_no_work_and_imports_no_torch(local_run, tiny_tar
     assert committed(store) == before
 
 
+@_NO_EVAL
+def test_run_prints_every_stage_and_what_happened_to_the_report(local_run, tiny_target, env, tmp_path_factory):
+    """After the report table, one line per node: a fully cached run printed a blank line there; a
+    run that only pulled the report said "0 reused, 0 pulled, 0 computed" for every stage and never
+    that it pulled the report. The labels' column is as wide as the longest label (`completions
+    (local, torch/cpu/bfloat16/sdpa)`), in `run` and in `plan`."""
+    from runner.train_tiny import make_untrained_drafter
+
+    store, _ = local_run
+    drafter = make_untrained_drafter(tiny_target, tmp_path_factory.mktemp("drafter-lines") / "d", seed=1)
+    args = ["run", "eval", *_args(tiny_target, "--completions", "local", "--drafter", drafter)]
+    assert cli(env, store, *args).code == 0
+    r = cli(env, store, *args)
+    assert r.code == 0, r.err
+    tail = r.out[r.out.index("report.html"):].splitlines()[2:]
+    rows = [ln for ln in tail if ln and "node(s)" not in ln]
+    labels = ["prompts", "completions (local, ", "tokens", "hidden_states[1]", "drafter_eval d", "report"]
+    for label in labels:
+        assert any(ln.startswith(label) for ln in rows), f"no line for {label}:\n{r.out}"
+    at = {ln.index(f"{N} reused") for ln in rows if "samples" in ln}
+    longest = next(ln for ln in rows if ln.startswith("completions"))
+    assert at == {longest.index(")") + 2}, rows  # every count starts one space after the longest label
+    assert [ln.split("  ")[-1].strip() for ln in rows if ln.startswith("report")] == ["reused (in the store)"]
+    assert tail[-1].startswith("0 node(s) did work, ") and "reused" in tail[-1]
+
+    plan = cli(env, store, "plan", *args[1:])
+    assert plan.code == 0, plan.err
+    lines = plan.out.splitlines()[:-1]
+    key_col = lines[0].index("KEY")
+    assert all(re.fullmatch(r"[0-9a-f]{12}", ln[key_col:key_col + 12]) for ln in lines[1:]), plan.out
+
+    # Only the report in a remote: it is pulled, and nothing under it is needed.
+    key = next(ln.split("/")[-2] for ln in r.out.splitlines() if ln.startswith("report.json"))
+    remote = tmp_path_factory.mktemp("report-remote") / "r"
+    push = cli(env, store, "push", f"file://{remote}", key, "--no-upstream")
+    assert push.code == 0, push.err
+    other = tmp_path_factory.mktemp("pulls-report") / "store"
+    pulled = cli(env, other, *args, "--remote", f"file://{remote}")
+    assert pulled.code == 0, pulled.err
+    rows = pulled.out[pulled.out.index("report.html"):].splitlines()[2:]
+    assert [ln for ln in rows if ln.startswith("report")][0].endswith("pulled from a remote"), pulled.out
+    assert all(ln.endswith(f"({N} not needed)") for ln in rows if ln.startswith(("prompts", "tokens"))), pulled.out
+    assert "1 pulled" in rows[-1] and "not needed" in rows[-1], pulled.out
+
+
 # `python -m dfcache` as the installed executable runs it (dfcache/__main__.py and its fast
 # paths), reporting on its last stderr line the exit code, whether typer was imported, and which
 # of the modules a fully cached run must not import were (LAZY: numpy alone costs such a run more
@@ -475,7 +540,7 @@ def exe(env: dict, *args, cwd=None) -> tuple[Run, bool]:
 
 def _no_seconds(out: str) -> str:
     out = re.sub(r'"seconds":[0-9.e-]+', '"seconds":S', out)
-    return re.sub(r"(from the cache; |reused in )[0-9.]+ s", r"\1S s", out)
+    return re.sub(r"(; | in )[0-9.]+ s(\.?)$", r"\1S s\2", out, flags=re.M)  # the summary line's seconds
 
 
 @_NO_EVAL

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -248,6 +249,17 @@ def test_export_speculators_reads_back_with_speculators_loader(cached, tmp_path,
         assert sorted(f.keys()) == ["hidden_states", "token_ids"]
         assert f.get_tensor("hidden_states").shape[1:] == (3, 128)
         assert f.get_tensor("token_ids").dtype == torch.int64
+
+
+def test_export_speculators_without_datasets_is_bad_input_naming_the_extra(cached, tmp_path, capsys, monkeypatch):
+    """A well-formed command this install cannot carry out: exit 6 (it was 2, a usage error), the
+    message naming the package and the extra that brings it, and nothing written."""
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` now fails as if absent
+    out = tmp_path / "sp"
+    assert _export(cached, "speculators", out) == 6
+    err = capsys.readouterr().err
+    assert "`datasets` package, which is not installed" in err and "pip install 'dfcache[peers]'" in err, err
+    assert err.count("error:") == 1 and not out.exists()
 
 
 def test_export_refuses_a_foreign_or_other_selection_directory(cached, tmp_path, capsys):

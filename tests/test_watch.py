@@ -385,3 +385,73 @@ def test_html_report_renders_in_headless_chromium(watched, tmp_path):
     keep = os.environ.get("DFCACHE_TEST_SCREENSHOT")
     if keep:  # to look at it
         shutil.copy(shot, keep)
+
+
+# ----------------------------------------------------------------------------- --once and checkpoints being written
+
+
+def _tiny_checkpoint(path: Path, t: float) -> Path:
+    """A complete checkpoint as the readiness check sees it (config.json, one whole safetensors
+    file), its files last written at ``t``."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text('{"dflash_config": {}}')
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    (path / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0\0\0\0")
+    for f in path.iterdir():
+        os.utime(f, (t, t))
+    return path
+
+
+def _watch_once(run: Path, clock, sleep, out_dir: Path):
+    from runner.options import EvalOptions
+    from runner.watch import Watch
+
+    seen: list = []
+
+    class Only(Watch):  # the polling and waiting of --once; no model work, no report files
+        def check_inputs(self) -> None:
+            pass
+
+        def evaluate(self, ready):
+            seen.extend(c.path for c in ready)
+            return []
+
+        def write_report(self):
+            return {}
+
+    w = Only(None, EvalOptions(json=False), directory=str(run), reference=None, interval=30.0, once=True,
+             out_dir=out_dir, html_step=None, argv=[], remotes=[], clock=clock, sleep=sleep)
+    return w.run(), seen
+
+
+def test_watch_once_waits_until_a_checkpoint_written_just_now_has_settled(tmp_path, capsys):
+    """`--once` on a checkpoint written a second ago: it waits and evaluates it. The wall clock the
+    quiet time is measured on advances here a little less than each sleep (rounding, NTP slewing):
+    one sleep of the announced length left it "being written" and pending before."""
+    now = [1_000_000.0]
+    ck = _tiny_checkpoint(tmp_path / "run" / "checkpoint-5", now[0] - 1)
+
+    def sleep(s: float) -> None:
+        now[0] += max(s - 0.01, 0.001)
+
+    result, seen = _watch_once(tmp_path / "run", lambda: now[0], sleep, tmp_path / "out")
+    assert seen == [ck] and result["pending"] == []
+    assert "skipped" not in capsys.readouterr().err
+
+
+def test_watch_once_reports_a_checkpoint_still_being_written_as_skipped(tmp_path, capsys):
+    """One that keeps changing for the whole interval is left for the next watch, and says so on
+    stderr whatever the terminal (the note never showed on one)."""
+    now = [1_000_000.0]
+    ck = _tiny_checkpoint(tmp_path / "run" / "checkpoint-7", now[0])
+
+    def sleep(s: float) -> None:  # the trainer writes again while we wait
+        now[0] += s
+        (ck / "config.json").write_text('{"dflash_config": {}, "at": %r}' % now[0])
+        os.utime(ck / "config.json", (now[0], now[0]))
+
+    result, seen = _watch_once(tmp_path / "run", lambda: now[0], sleep, tmp_path / "out")
+    assert seen == [] and [p["path"] for p in result["pending"]] == [str(ck)]
+    assert now[0] - 1_000_000.0 <= 30.0 + 1.0 + 1e-6  # at most one interval (and the slack)
+    err = capsys.readouterr().err
+    assert f"skipped (still being written): {ck}: being written" in err

@@ -17,7 +17,7 @@ from typing import Optional
 
 import typer
 
-from .. import __version__
+from .. import __version__, interrupts
 from ..console import INTERRUPTED
 from ..errors import EXIT_INTERNAL, EXIT_USAGE, DfcacheError
 from .common import GLOBAL_OPTIONS, GlobalState, apply_global, emit_json, err, state, with_global_options
@@ -118,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     except DfcacheError as e:
         if state.debug:
             raise
+        if interrupts.received():  # a failure that Ctrl-C caused (a request cut short) is the interrupt
+            err(_INTERRUPTED)
+            return _json_error(_INTERRUPTED, 130, "KeyboardInterrupt")
         err(f"error: {e}")
         extra = {"missing": e.missing} if getattr(e, "missing", None) else {}
         return _json_error(str(e), e.exit_code, type(e).__name__, **extra)
@@ -142,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
             return _json_error(e.format_message(), code, "UsageError")
         if state.debug:
             raise
+        if interrupts.received():  # e.g. a TypeError the warnings machinery made of a KeyboardInterrupt
+            err(_INTERRUPTED)
+            return _json_error(_INTERRUPTED, 130, "KeyboardInterrupt")
         message = (f"internal error: {type(e).__name__}: {e} (rerun with --debug for the traceback and "
                    "report it)")
         err(message)

@@ -8,7 +8,7 @@ from typing import List, Optional
 
 import typer
 
-from ..errors import IntegrityError, UsageError
+from ..errors import DependentsError, IntegrityError, UsageError
 from ..maintenance import (backend_summary, gc_plan, ls_entry, ls_output, missing_upstream, upstream_chain,
                            where_scope)
 from ..query import filter_manifests
@@ -21,8 +21,11 @@ def register(app: typer.Typer) -> None:
            backend: Optional[str] = typer.Option(None, "--backend", help="Only hidden states of this kernel family (fla|torch)."),
            remote: Optional[str] = typer.Option(None, "--remote", help="List a remote store instead (URL or configured name)."),
            endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
-           where: Optional[List[str]] = typer.Option(None, "--where", help="Provenance condition, e.g. 'fla<0.7', 'gpu~H100' (repeatable; all must hold).")) -> None:
+           where: Optional[List[str]] = typer.Option(None, "--where", help="Provenance condition, e.g. 'fla<0.7', 'gpu~H100' (repeatable; all must hold)."),
+           by: str = typer.Option("artifact", "--by", help="artifact: one line per stored artifact (segment); selection: one line per partition and prompt set (the segments of one run together).")) -> None:
         """List artifacts: key, stage, size, created, backend, inputs."""
+        if by not in ("artifact", "selection"):
+            raise UsageError(f"--by {by!r} is not one of artifact, selection.")
         import json
         from types import SimpleNamespace
 
@@ -56,6 +59,12 @@ def register(app: typer.Typer) -> None:
                 entries = [e for e, b in kernels if (b or {}).get("kernel") == backend]
             entries = [e for e in entries if stage is None or e[2] == stage]
         entries.sort(key=lambda e: (e[0], e[1]))  # (created, key); stable, so directory order between equals
+        if by == "selection":
+            from ..listing import selection_output
+
+            sys.stdout.write(selection_output(entries, json_out=state.json, url=store.url, stage=stage, errors=n_errors))
+            sys.stdout.flush()
+            return
         sys.stdout.write(ls_output(entries, json_out=state.json, url=store.url, stage=stage, errors=n_errors))
         sys.stdout.flush()
 
@@ -198,20 +207,36 @@ def register(app: typer.Typer) -> None:
             # --where narrows --stage/--older-than instead of adding to them.
             keys += [m.key for m in where_scope(store, where, stage, older_than)]
             stage, older_than = None, None
-        plan = gc_plan(store, tmp=tmp or default_scope,
-                       stage=stage, older_than_days=older_than, keys=keys, bad=bad, grace_s=grace,
-                       duplicates=duplicates or default_scope, force=force)
+        scope = dict(tmp=tmp or default_scope, stage=stage, older_than_days=older_than, keys=keys, bad=bad,
+                     grace_s=grace, duplicates=duplicates or default_scope)
+        needed: dict = {}
+        try:
+            plan = gc_plan(store, **scope, force=force)
+        except DependentsError as e:
+            if not dry_run:
+                raise
+            # A dry run shows what --force would remove (it exited 2 and showed nothing), and
+            # says which of it others depend on: --yes still refuses those without --force.
+            needed = e.dependents
+            plan = gc_plan(store, **scope, force=True)
         removed = plan.execute(store, grace_s=grace) if yes else []
+        if needed:
+            lines = [f"  {k[:12]} is needed by {', '.join(d[:12] for d in v[:5])}" + (" ..." if len(v) > 5 else "")
+                     for k, v in list(needed.items())[:10]]
+            err(f"warning: {len(needed)} of these artifact(s) are needed by others:\n" + "\n".join(lines)
+                + "\n--yes refuses to remove them: add the dependents too (--key), or pass --force (the dependents "
+                "then show as BROKEN CHAIN in `dfcache verify`).")
         if state.json:
             emit_json({"dry_run": dry_run, "items": [i.__dict__ for i in plan.items],
-                       "bytes": plan.total_bytes, "removed": removed})
+                       "bytes": plan.total_bytes, "removed": removed, "needed_by": needed})
             return
         for item in plan.items:
             verb = "would remove" if dry_run else ("removed" if item.name in removed else "kept (in use)")
             print(f"{verb}: {item.kind} {item.name} ({human_bytes(item.size_bytes)})")
         freed = sum(i.size_bytes for i in plan.items if i.name in removed)
         if dry_run:
-            print(f"{len(plan.items)} item(s), {human_bytes(plan.total_bytes)} would be freed; run with --yes to remove.")
+            print(f"{len(plan.items)} item(s), {human_bytes(plan.total_bytes)} would be freed; run with "
+                  f"{'--yes --force' if needed else '--yes'} to remove.")
         else:
             print(f"removed {len(removed)} item(s), {human_bytes(freed)} freed.")
 

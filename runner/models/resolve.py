@@ -68,8 +68,8 @@ def resolve_target(target: str | None, revision: str | None = None) -> Path:
     path = Path(target).expanduser()
     if path.is_dir():
         if revision:
-            raise UsageError(f"--target-revision {revision} applies to a Hugging Face id, but --target "
-                             f"{target} is a local directory; drop --target-revision.")
+            raise UsageError(f"--revision {revision} applies to a Hugging Face id, but --target "
+                             f"{target} is a local directory; drop --revision.")
         return path.absolute()
     if path.exists():
         raise BadInputError(f"--target {target} is a file; pass the model directory that holds "
@@ -86,6 +86,50 @@ def resolve_target(target: str | None, revision: str | None = None) -> Path:
             f"first with `hf download {target} --revision {rev}` (or set HF_HUB_CACHE / HF_HOME to the "
             "cache that has it), or pass a local directory with --target.")
     return snap
+
+
+def check_config_object(model_dir: Path) -> None:
+    """A ``config.json`` that is there must be one JSON object (an array, or JSON nested past the
+    parser's depth, failed later as an internal error); a missing one is the stages' business."""
+    f = model_dir / "config.json"
+    try:
+        raw = f.read_bytes() if f.is_file() else None
+    except OSError as e:
+        raise BadInputError(f"{f} cannot be read ({e.strerror}); fix its permissions or re-download the model.") from None
+    if raw is None:
+        return
+    try:
+        cfg = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise BadInputError(f"{f} is not valid JSON ({e}); repair or re-download the model.") from None
+    if not isinstance(cfg, dict):
+        from ..values import json_kind
+
+        raise BadInputError(f"{f} is a JSON {json_kind(cfg)}, not an object; a model's config.json is one "
+                            "object of its settings: repair or re-download the model.")
+
+
+def context_window(model_dir: Path) -> int | None:
+    """The context window of the model: ``max_position_embeddings`` of its config.json (its
+    ``text_config`` first), times a RoPE scaling factor where there is one; None if unknown."""
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(cfg, dict):
+        return None
+    text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+    n = text.get("max_position_embeddings", cfg.get("max_position_embeddings"))
+    if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
+        return None
+    # RoPE scaling (YaRN and the like) stretches the window past max_position_embeddings: never
+    # refuse what a server may serve (transformers 5 calls it rope_parameters).
+    for name in ("rope_scaling", "rope_parameters"):
+        rope = text.get(name, cfg.get(name))
+        factor = rope.get("factor") if isinstance(rope, dict) else None
+        if isinstance(factor, (int, float)) and not isinstance(factor, bool) and factor > 1:
+            n = max(n, int(n * factor))
+    return n
 
 
 _WEIGHT_FILES = re.compile(r"^(.*\.safetensors|pytorch_model.*\.bin|.*\.safetensors\.index\.json)$")
@@ -177,6 +221,44 @@ def chat_template_text(model_dir: str | os.PathLike) -> str:
                         "add its template as chat_template.jinja.")
 
 
+def check_chat_template(model_dir: str | os.PathLike) -> None:
+    """Compile the chat template as transformers does (a sandboxed jinja2 environment with loop
+    controls and its ``{% generation %}`` tag), so that a template with a syntax error is one
+    :class:`BadInputError` before any work (rendering it later died with TemplateSyntaxError,
+    exit 1). Runs where a stage will render it: local completions, tokens."""
+    import jinja2
+    from jinja2.ext import Extension, loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class _Generation(Extension):  # transformers' AssistantTracker tag, parsed and ignored here
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body, lineno=lineno)
+
+    text = chat_template_text(model_dir)
+    try:
+        templates = json.loads(text) if text.startswith("[") else [{"template": text}]
+        if not isinstance(templates, list):
+            templates = [{"template": text}]
+    except ValueError:
+        templates = [{"template": text}]
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[_Generation, loopcontrols])
+    for t in templates:
+        source = t.get("template") if isinstance(t, dict) else None
+        if not isinstance(source, str):
+            continue
+        try:
+            env.parse(source)
+        except jinja2.TemplateSyntaxError as e:
+            name = f" {t['name']!r}" if isinstance(t, dict) and t.get("name") else ""
+            raise BadInputError(f"the chat template{name} of {Path(model_dir)} has a syntax error (line {e.lineno}: "
+                                f"{e.message}); fix chat_template.jinja (or the chat_template of "
+                                "tokenizer_config.json), or restore the model's original template.") from None
+
+
 def chat_template_hash(model_dir: str | os.PathLike) -> str:
     return fingerprint_text(chat_template_text(model_dir))
 
@@ -237,6 +319,7 @@ def resolved_target(ctx) -> ResolvedTarget:
     hit = ctx.cache.resolved_targets.get(cache_key)
     if hit is None:
         d = resolve_target(opts.target, opts.target_revision)
+        check_config_object(d)
         hit = ResolvedTarget(dir=d, fingerprint=fingerprint_path(d), chat_template_hash=chat_template_hash(d),
                              tokenizer_fingerprint=tokenizer_fingerprint(d))
         ctx.cache.resolved_targets[cache_key] = hit

@@ -91,6 +91,7 @@ class ModelInfo:
     hidden_size: int
     vocab_size: int | None
     has_linear_attention: bool
+    max_positions: int | None = None  # max_position_embeddings: the context window, when config.json says
 
 
 def read_model_info(target_dir: str | os.PathLike) -> ModelInfo:
@@ -101,8 +102,13 @@ def read_model_info(target_dir: str | os.PathLike) -> ModelInfo:
                                  "and the weights with --target.")
     try:
         cfg = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise BadInputError(f"{path} is not valid JSON ({e}); repair or re-download the model.") from None
+    if not isinstance(cfg, dict):
+        from ..values import json_kind
+
+        raise BadInputError(f"{path} is a JSON {json_kind(cfg)}, not an object; a model's config.json is one "
+                            "object of its settings: repair or re-download the model.")
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     model_type = str(cfg.get("model_type") or text.get("model_type") or "")
     layers, hidden = text.get("num_hidden_layers"), text.get("hidden_size")
@@ -116,8 +122,10 @@ def read_model_info(target_dir: str | os.PathLike) -> ModelInfo:
         linear = model_type in LINEAR_ATTENTION_MODEL_TYPES or \
             str(text.get("model_type", "")) in LINEAR_ATTENTION_MODEL_TYPES
     vocab = text.get("vocab_size", cfg.get("vocab_size"))
+    positions = text.get("max_position_embeddings", cfg.get("max_position_embeddings"))
     return ModelInfo(model_type=model_type, num_layers=layers, hidden_size=hidden,
-                     vocab_size=vocab if isinstance(vocab, int) else None, has_linear_attention=linear)
+                     vocab_size=vocab if isinstance(vocab, int) else None, has_linear_attention=linear,
+                     max_positions=positions if isinstance(positions, int) and positions > 0 else None)
 
 
 def _torch_build() -> dict:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from json.encoder import encode_basestring as _json_str
 from pathlib import Path
 
@@ -65,6 +66,23 @@ def messages_digest(messages: list[dict]) -> str:
     return xxhash.xxh3_128_hexdigest(('{"messages":[' + body + "]}").encode())
 
 
+# The roles chat templates know (OpenAI's chat API and the Hugging Face templates): anything else
+# is rendered as nothing, or as a turn the model never saw in training, and cached as if it were fine.
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _check_roles(messages: list[dict], source: str, lineno: int) -> None:
+    for m in messages:
+        if m["role"] not in ROLES:
+            raise BadInputError(f"{source}:{lineno}: unknown role {m['role']!r}; a message's role is one of "
+                                f"{', '.join(ROLES)}.")
+    if not any(m["role"] == "user" for m in messages):
+        # Only a system prompt, or only an assistant turn: there is nothing to answer, and the
+        # model's completion of it is not a response the drafter will ever be asked to speed up.
+        raise BadInputError(f"{source}:{lineno}: the messages have no \"user\" turn (roles: "
+                            f"{', '.join(m['role'] for m in messages)}); give each prompt a user message.")
+
+
 def parse_records(text: str, source: str) -> list[dict]:
     """Parse JSONL prompt records; every problem names the file and line."""
     records: list[dict] = []
@@ -77,6 +95,10 @@ def parse_records(text: str, source: str) -> list[dict]:
         except ValueError as e:
             raise BadInputError(f"{source}:{lineno}: not valid JSON ({e.msg}); each line must be "
                                 '{"id": ..., "messages": [...]} or {"id": ..., "prompt": "..."}.') from None
+        except RecursionError:  # the parser recurses per level: 100,000 brackets exhaust its stack
+            raise BadInputError(f"{source}:{lineno}: JSON nested too deeply to read; a prompt record is "
+                                '{"id": ..., "messages": [{"role": ..., "content": "..."}]} or {"id": ..., '
+                                '"prompt": "..."}.') from None
         if not isinstance(rec, dict):
             raise BadInputError(f"{source}:{lineno}: a line must be a JSON object with \"id\" and "
                                 "\"messages\" or \"prompt\".")
@@ -97,6 +119,7 @@ def parse_records(text: str, source: str) -> list[dict]:
                 raise BadInputError(f"{source}:{lineno}: \"messages\" must be a non-empty list of "
                                     '{"role": str, "content": str} objects.')
             messages = [{"role": m["role"], "content": m["content"]} for m in msgs]
+            _check_roles(messages, source, lineno)
         elif "prompt" in rec:
             if not isinstance(rec["prompt"], str) or not rec["prompt"].strip():
                 raise BadInputError(f"{source}:{lineno}: \"prompt\" must be a non-empty string.")
@@ -135,15 +158,54 @@ def load_records(spec: str) -> list[dict]:
         if name not in BUILTIN_SETS:
             raise BadInputError(f"unknown prompt set {spec!r}; built-in sets are {_builtin_names()}.")
         return parse_records(_builtin_text(BUILTIN_SETS[name]), spec)
-    path = Path(spec)
-    if not path.is_file():
-        raise BadInputError(f"prompt file {spec} does not exist; pass a JSONL file or one of "
-                            f"{_builtin_names()} with --prompts.")
+    return parse_records(_read_prompt_file(spec), spec)
+
+
+def _not_a_file(st) -> str:
+    if st is None:
+        return "does not exist"
+    if stat.S_ISDIR(st.st_mode):
+        return "is a directory"
+    if stat.S_ISFIFO(st.st_mode):
+        return "is a FIFO (a named pipe), not a regular file"
+    if stat.S_ISSOCK(st.st_mode):
+        return "is a socket, not a regular file"
+    if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+        return "is a device, not a regular file"
+    return "is not a regular file"
+
+
+def _read_prompt_file(spec: str) -> str:
+    """The text of a prompt file. A directory, FIFO, socket or device is named as what it is, and
+    nothing here can block: the file is opened non-blocking and checked to be a regular file
+    before it is read (a FIFO opened for reading waits for a writer forever)."""
+    fix = f"pass a JSONL file or one of {_builtin_names()} with --prompts."
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
+        st = os.stat(spec)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise BadInputError(f"prompt file {spec} cannot be read ({e.strerror}); {fix}") from None
+    if st is None or not stat.S_ISREG(st.st_mode):
+        raise BadInputError(f"prompt file {spec} {_not_a_file(st)}; {fix}")
+    try:
+        fd = os.open(spec, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        raise BadInputError(f"prompt file {spec} cannot be read ({e.strerror}); {fix}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # replaced between the two looks
+            raise BadInputError(f"prompt file {spec} {_not_a_file(st)}; {fix}")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read()
+    except OSError as e:
+        raise BadInputError(f"prompt file {spec} cannot be read ({e.strerror}); {fix}") from None
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
         raise BadInputError(f"prompt file {spec} cannot be read ({e}); pass a UTF-8 JSONL file.") from None
-    return parse_records(text, spec)
 
 
 # A large prompt file's ids and digests are kept in $DFCACHE_HOME/prompt-sets/, by (path, size,
@@ -151,7 +213,7 @@ def load_records(spec: str) -> list[dict]:
 # set then reads one small JSON document instead of parsing and hashing every line; the records
 # themselves are parsed only if a stage needs them (PromptRecords).
 MEMO_MIN_RECORDS = 5000
-MEMO_VERSION = 1
+MEMO_VERSION = 2  # 2: records with an unknown role or no user turn are refused
 
 
 def _memo_path(path: Path, st) -> Path:
@@ -250,8 +312,11 @@ def build(ctx: RunContext) -> Node:
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
     from dfcache.samples import SampleSink
 
+    from ..summaries import prompt_set_name
+
     for node in nodes:
-        with SampleSink(ctx.store, node.partition, summary="prompt records",
+        # The set's name in the summary: `dfcache ls --by selection` shows one line per set.
+        with SampleSink(ctx.store, node.partition, summary=f"prompt records of {prompt_set_name(node)}",
                         provenance={"source": "builtin" if ctx.options.prompts.startswith("builtin:")
                                     else "file"}) as sink:
             for i in node.positions_distinct(node.produce):

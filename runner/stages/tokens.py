@@ -48,7 +48,7 @@ from dfcache.errors import BadInputError
 
 from ..graph import KeyRecipe, Node, RunContext
 from ..summaries import samples_origin
-from ..models.resolve import resolved_target
+from ..models.resolve import check_chat_template, resolved_target
 
 if TYPE_CHECKING:  # numpy is imported where arrays are made: planning a cached graph needs none
     import numpy as np
@@ -71,6 +71,7 @@ def build(ctx: RunContext, completions_node: Node) -> Node:
     return KEY.samples(inputs=inputs, upstream_samples=completions_node.sample_keys,
                        partition_upstream={"sample": completions_node.partition.key}, ids=completions_node.ids,
                        needs="cpu", deps=[completions_node], label="tokens",
+                       precheck=lambda: check_chat_template(target.dir),  # before any work, if it renders
                        payload={"target_dir": str(target.dir), "completions": completions_node,
                                 "prompts": completions_node.payload["prompts"]},
                        summary=f"prompt + completion ids ({completions_node.label or 'completions'})")

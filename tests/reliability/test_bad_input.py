@@ -151,6 +151,40 @@ def pulled_without_upstream(ctx: Ctx) -> None:
         w.put_json("summary", {"tau": 2.5})
 
 
+def a_dir_or_fifo(kind: str) -> Callable[[Ctx], None]:
+    """A prompt path that is not a regular file: a directory, or a FIFO (opening a FIFO for reading
+    waits for a writer forever; the run must say what it is, not hang)."""
+    def setup(ctx: Ctx) -> None:
+        p = ctx.tmp / "prompts.jsonl"
+        p.mkdir() if kind == "dir" else os.mkfifo(p)
+        ctx.files["prompts"] = p
+    return setup
+
+
+def drafter_config(raw: bytes) -> Callable[[Ctx], None]:
+    """A drafter whose config.json is replaced by ``raw`` (weights left as they are)."""
+    def setup(ctx: Ctx) -> None:
+        drafter()(ctx)
+        (ctx.files["drafter"] / "config.json").write_bytes(raw)
+    return setup
+
+
+def chat_template(text: str) -> Callable[[Ctx], None]:
+    def setup(ctx: Ctx) -> None:
+        model_dir(TARGET_FILES + ("model.safetensors",))(ctx)
+        (ctx.files["model"] / "chat_template.jinja").write_text(text)
+    return setup
+
+
+def _mask_outside_vocab(cfg: dict) -> None:
+    cfg["dflash_config"]["mask_token_id"] = 100000  # the tiny target has 512 ids
+
+
+def only_role(*roles: str) -> str:
+    msgs = [{"role": r, "content": f"a {r} turn"} for r in roles]
+    return json.dumps({"id": "p0", "messages": msgs}) + "\n"
+
+
 SIX = "".join(f'{{"id": "p{i}", "prompt": "question {i}"}}\n' for i in range(6))
 FILE_STORE = "{tmp}/store-file is a file, not a directory"
 
@@ -185,6 +219,21 @@ CASES = [
          lambda c: ["run", "prompts", "--prompts", "builtin:nope"]),
     Case("prompts: --num-prompts 0", EXIT_USAGE, ["--num-prompts 0", "positive number"],
          lambda c: ["run", "prompts", "--num-prompts", "0"]),
+    Case("prompts: a line nested 100,000 brackets deep", EXIT_BAD_INPUT, [f"{P}:2", "nested too deeply"],
+         lambda c: ["run", "prompts", "--prompts", c.files["prompts"]],
+         prompt_file('{"id": "a", "prompt": "hi"}\n{"id": "b", "prompt": ' + "[" * 100_000 + "]" * 100_000 + "}\n"),
+         absent=["RecursionError", "internal error"]),
+    Case("prompts: messages with only a system turn", EXIT_BAD_INPUT, [f"{P}:1", 'no "user" turn', "roles: system"],
+         lambda c: ["run", "prompts", "--prompts", c.files["prompts"]], prompt_file(only_role("system"))),
+    Case("prompts: messages with only an assistant turn", EXIT_BAD_INPUT, [f"{P}:1", 'no "user" turn'],
+         lambda c: ["run", "prompts", "--prompts", c.files["prompts"]], prompt_file(only_role("assistant"))),
+    Case("prompts: a role that is no role (wizard)", EXIT_BAD_INPUT, [f"{P}:1", "unknown role 'wizard'", "user"],
+         lambda c: ["run", "prompts", "--prompts", c.files["prompts"]], prompt_file(only_role("user", "wizard"))),
+    Case("prompts: the path is a directory", EXIT_BAD_INPUT, [f"prompt file {P} is a directory"],
+         lambda c: ["run", "prompts", "--prompts", c.files["prompts"]], a_dir_or_fifo("dir"), absent=["does not exist"]),
+    Case("prompts: the path is a FIFO (never opened, never waited on)", EXIT_BAD_INPUT,
+         [f"prompt file {P} is a FIFO"], lambda c: ["run", "prompts", "--prompts", c.files["prompts"]],
+         a_dir_or_fifo("fifo"), absent=["does not exist"]),
     Case("prompts: --num-prompts past the end of the set", EXIT_BAD_INPUT,
          ["--num-prompts 99", f"{P} holds only 6 prompt(s)", "--num-prompts 6 or fewer"],
          lambda c: ["run", "prompts", "--prompts", c.files["prompts"], "--num-prompts", "99"], prompt_file(SIX)),
@@ -212,6 +261,19 @@ CASES = [
     Case("target: config.json is not JSON", EXIT_BAD_INPUT, ["{tmp}/model/config.json", "not valid JSON"],
          lambda c: c.run("hidden-states", "--offline", "--layer", "1", target=str(c.files["model"])),
          model_dir(TARGET_FILES + ("model.safetensors",), config=b"{not json"), needs="hidden_states"),
+    Case("target: config.json is a JSON array", EXIT_BAD_INPUT, ["{tmp}/model/config.json is a JSON array",
+                                                                   "not an object"],
+         lambda c: c.run("tokens", "--offline", target=str(c.files["model"])),
+         model_dir(TARGET_FILES + ("model.safetensors",), config=b"[1, 2, 3]\n"), absent=["internal error"]),
+    Case("target: chat template with a syntax error, checked before any work", EXIT_BAD_INPUT,
+         ["chat template of {tmp}/model has a syntax error", "line 1", "chat_template.jinja"],
+         lambda c: ["run", "completions", "--target", c.files["model"], "--completions", "local",
+                    "--num-prompts", "2", "--max-new-tokens", "4"], chat_template("{% if %}hello{% endif %}"),
+         absent=["TemplateSyntaxError", "internal error"]),
+    Case("target: --max-new-tokens past its context window", EXIT_BAD_INPUT,
+         ["--max-new-tokens 5000", "context window (4096 tokens", "below 4096"],
+         lambda c: ["run", "completions", "--target", c.target, "--completions", "local", "--num-prompts", "2",
+                    "--max-new-tokens", "5000"]),
     Case("target: no tokenizer", EXIT_BAD_INPUT, ["{tmp}/model", "no tokenizer files"],
          lambda c: c.run("tokens", "--offline", target=str(c.files["model"])),
          model_dir(("config.json", "model.safetensors", "chat_template.jinja"))),
@@ -244,6 +306,14 @@ CASES = [
          ["{tmp}/drafter/model.safetensors is not a valid safetensors file", "header length"],
          lambda c: c.run("eval", "--offline", "--drafter", c.files["drafter"]), drafter(weights=overwrite),
          needs="drafter_eval"),
+    Case("drafter: config.json is a JSON array", EXIT_BAD_INPUT, ["{tmp}/drafter/config.json", "a JSON array",
+                                                                    "not an object"],
+         lambda c: c.run("eval", "--offline", "--drafter", c.files["drafter"]), drafter_config(b"[]\n"),
+         needs="drafter_eval", absent=["internal error"]),
+    Case("drafter: mask_token_id outside the target's vocabulary, refused before any stage runs", EXIT_BAD_INPUT,
+         ["mask_token_id 100000 is outside the target's vocabulary", "ids 0..511"],
+         lambda c: c.run("eval", "--offline", "--drafter", c.files["drafter"]),
+         drafter(_mask_outside_vocab), needs="drafter_eval"),
     Case("drafter: directory does not exist", EXIT_BAD_INPUT, ["{tmp}/no-drafter"],
          lambda c: c.run("eval", "--offline", "--drafter", c.tmp / "no-drafter"), needs="drafter_eval"),
     # ---- the completions server (exit 4): one check up front, no retry loop, nothing cached
@@ -259,8 +329,9 @@ CASES = [
          lambda c: c.run("tokens", url=c.url, max_new=MAX_NEW + 1), server="closed"),
     Case("server: still loading (503)", EXIT_NETWORK, ["not ready"],
          lambda c: c.run("tokens", url=c.url, max_new=MAX_NEW + 1), server="loading"),
-    Case("server: accepts but never answers", EXIT_NETWORK, ["{url}"],
-         lambda c: c.run("tokens", "--request-timeout", "1", url=c.url, max_new=MAX_NEW + 1), server="silent"),
+    Case("server: accepts but never answers", EXIT_NETWORK, ["{url}", "readiness check", "--wait-server"],
+         lambda c: c.run("tokens", "--request-timeout", "1", url=c.url, max_new=MAX_NEW + 1), server="silent",
+         absent=["--request-timeout"]),  # the check's own 10 s, which --request-timeout does not change
     Case("server: missing completions while offline", EXIT_OFFLINE_MISSING, ["offline mode is on", "produce it with"],
          lambda c: c.run("tokens", "--offline", max_new=MAX_NEW + 1)),
     # ---- remotes
@@ -300,13 +371,28 @@ CASES = [
     Case("gc: --key of an artifact that others depend on", EXIT_USAGE,
          ["that others depend on", "{key_completions} is needed by {key_tokens}", "--force"],
          lambda c: ["gc", "--yes", "--key", c.keys["completions"][:12]]),
-    Case("gc: --stage whose artifacts others depend on (dry run says so too)", EXIT_USAGE,
+    # A dry run shows what --force would remove (it used to exit 2 and show nothing) and warns.
+    Case("gc: --stage whose artifacts others depend on, dry run", EXIT_OK,
+         ["warning: 1 of these artifact(s) are needed by others", "{key_prompts} is needed by {key_completions}",
+          "--force"], lambda c: ["gc", "--dry-run", "--stage", "prompts"]),
+    Case("gc: --stage whose artifacts others depend on, --yes", EXIT_USAGE,
          ["that others depend on", "{key_prompts} is needed by {key_completions}", "--force"],
-         lambda c: ["gc", "--dry-run", "--stage", "prompts"]),
+         lambda c: ["gc", "--yes", "--stage", "prompts"]),
     Case("usage: --end-rule continuation (not wired: refused before any key)", EXIT_USAGE,
          ["--end-rule continuation is not available yet", "--end-rule within"],
          lambda c: c.run("eval", "--offline", "--end-rule", "continuation")),
     Case("usage: --tree-budget 0", EXIT_USAGE, ["--tree-budget 0"], lambda c: c.run("eval", "--tree-budget", "0")),
+    Case("usage: --top-p 5", EXIT_USAGE, ["--top-p 5", "(0, 1]"], lambda c: c.run("tokens", "--top-p", "5")),
+    Case("usage: --temperature -1", EXIT_USAGE, ["--temperature -1"], lambda c: c.run("tokens", "--temperature", "-1")),
+    Case("usage: --wait-server inf (would wait forever)", EXIT_USAGE, ["--wait-server inf", "finite"],
+         lambda c: c.run("tokens", "--wait-server", "inf")),
+    Case("usage: --request-timeout nan", EXIT_USAGE, ["--request-timeout nan"],
+         lambda c: c.run("tokens", "--request-timeout", "nan")),
+    Case("usage: --max-new-tokens 1000000000000", EXIT_USAGE, ["--max-new-tokens 1000000000000", "at most"],
+         lambda c: c.run("tokens", max_new=1_000_000_000_000)),
+    Case("usage: --revision with a local directory names --revision", EXIT_USAGE,
+         ["--revision abc123", "drop --revision"],
+         lambda c: c.run("tokens", "--offline", "--revision", "abc123"), absent=["--target-revision"]),
     # ---- a store path that is a file (exit 2), whatever the command and wherever --store stands
     Case("store: a file (ls)", EXIT_USAGE, [FILE_STORE], lambda c: ["--store", c.tmp / "store-file", "ls"], a_file()),
     Case("store: a file (ls --store after the command)", EXIT_USAGE, [FILE_STORE],
@@ -430,6 +516,23 @@ def test_bad_input_under_json_is_one_object_on_stdout(case: Case, zygote, heavy_
         assert obj["missing"] and obj["missing"][0]["stage"] == "completions", obj
 
 
+def test_gc_dry_run_lists_what_force_would_remove(zygote, base_store, tmp_path):
+    """`gc --dry-run --stage S` of artifacts others depend on exited 2 and listed nothing; it lists
+    what `--force` would remove (exit 0), warns which of it others need, and removes nothing."""
+    store = copy_store(base_store, tmp_path / "store")
+    before = artifacts_listing(store)
+    prompts, completions = base_store["keys"]["prompts"], base_store["keys"]["completions"]
+    r = zygote.cli("--store", store, "gc", "--dry-run", "--stage", "prompts")
+    assert r.code == EXIT_OK, r.err
+    assert f"would remove: artifact {prompts}" in r.out and "run with --yes --force to remove" in r.out, r.out
+    assert f"{prompts[:12]} is needed by {completions[:12]}" in r.err and "error" not in r.err.lower()
+    j = zygote.cli("--store", store, "--json", "gc", "--dry-run", "--stage", "prompts")
+    doc = json.loads(j.out)
+    assert j.code == EXIT_OK and doc["needed_by"] == {prompts: [completions]}, j.out
+    assert [i["name"] for i in doc["items"]] == [prompts] and doc["removed"] == []
+    assert artifacts_listing(store) == before
+
+
 def test_same_answers_through_python_m_dfcache(base_store, env, tmp_path):
     """The table runs `dfcache.cli.main` in forked processes; three cases through the real entry
     point (`python -m dfcache`, fresh interpreter) give the same codes and messages."""
@@ -496,6 +599,71 @@ def test_full_disk(heavy_zygote, base_store, tmp_path, figures):
     finally:
         if mounted:
             subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_example_built_on_a_full_disk_is_one_clear_error(heavy_zygote, tmp_path, figures):
+    """`run eval --example` building its tiny models where the disk is full (a file size limit of
+    1 MB: the target's weights are 4 MB) gives exit 2 and one message naming the place, not
+    "internal error: SafetensorError" (exit 1); the failed build leaves no temporary directory."""
+    store = tmp_path / "store"
+    r = heavy_zygote.run("children:cli_with_fsize_limit", str(1 << 20), "--store", str(store), "run", "eval",
+                         "--example", "--offline", timeout=300)
+    assert r.code == EXIT_USAGE, f"exit {r.code}\n{r.err[-3000:]}"
+    err = check_one_message(r, EXIT_USAGE)
+    assert f"cannot build the --example models under {store}/example" in err and "File too large" in err, err
+    assert "SafetensorError" not in err and "internal error" not in err
+    left = [p.name for p in (store / "example").iterdir()] if (store / "example").exists() else []
+    assert not [n for n in left if n.endswith((".tmp", ".deleted"))], left
+    assert artifacts_listing(store) == []
+    figures.record("bad_input_cases", **{"store: --example built on a full disk (RLIMIT_FSIZE)": {"exit": r.code}})
+
+
+_BUILD = r"""
+import os, signal, sys
+from pathlib import Path
+from runner.example import _build_once, _new_build_dir
+
+where = Path(sys.argv[2])
+if sys.argv[1] == "killed":  # a build stopped half-way, then SIGKILLed by the test
+    def build(d):
+        (d / "half.bin").write_bytes(b"x" * 1000)
+        os.write(1, b"building\n")
+        os.kill(os.getpid(), signal.SIGSTOP)
+    _build_once(where / "drafter-trained", build)
+else:  # a live build: holds its directory's lock until its stdin closes
+    tmp, fd = _new_build_dir(where / "drafter-untrained")
+    os.write(1, (str(tmp) + "\n").encode())
+    sys.stdin.read()
+"""
+
+
+def test_a_killed_example_build_is_cleaned_by_the_next_build_and_a_live_one_is_not(env, tmp_path):
+    """A build killed half-way leaves `example/.drafter-trained.*.tmp/`; the next build removes it
+    (it holds no lock), never the directory of a build still running (it holds its lock), and
+    builds its own model."""
+    from runner.example import DONE, _build_once
+
+    where = tmp_path / "example"
+    killed = subprocess.Popen([sys.executable, "-c", _BUILD, "killed", str(where)], stdout=subprocess.PIPE,
+                              env=env, text=True)
+    assert killed.stdout.readline() == "building\n"
+    killed.kill()
+    killed.wait(60)
+    stale = [p for p in where.iterdir() if p.name.startswith(".drafter-trained.") and p.name.endswith(".tmp")]
+    assert len(stale) == 1 and (stale[0] / "half.bin").exists()
+    live = subprocess.Popen([sys.executable, "-c", _BUILD, "live", str(where)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, env=env, text=True)
+    try:
+        live_dir = Path(live.stdout.readline().strip())
+        assert live_dir.is_dir()
+        _build_once(where / "drafter-trained", lambda d: (d / "model.bin").write_bytes(b"ok"))
+        assert (where / "drafter-trained" / DONE).exists() and (where / "drafter-trained" / "model.bin").exists()
+        assert not stale[0].exists(), "the killed build's temporary directory is still there"
+        assert live_dir.is_dir(), "a live build's directory was removed"
+        assert [p.name for p in where.iterdir() if p.name.endswith(".deleted")] == []
+    finally:
+        live.stdin.close()
+        live.wait(60)
 
 
 # ------------------------------------------------------------------------------ Ctrl-C

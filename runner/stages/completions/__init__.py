@@ -56,10 +56,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from dfcache.errors import UsageError
+from dfcache.errors import BadInputError, UsageError
 
 from ...graph import KeyRecipe, Node, RunContext
-from ...models.resolve import require_weights, resolved_target
+from ...models.resolve import check_chat_template, context_window, require_weights, resolved_target
 from .. import prompts as prompts_stage
 
 KEY = KeyRecipe("completions", 2, inputs={
@@ -90,6 +90,13 @@ def build(ctx: RunContext, prompts_node: Node) -> Node:
     opts = ctx.options
     kind = endpoint_kind(opts)  # options are valid here: EvalOptions.validate() ran
     target = resolved_target(ctx)
+    window = context_window(target.dir)
+    if window is not None and opts.max_new_tokens >= window:
+        # A well-formed count the model contradicts (6): a local run went on silently, a server
+        # refuses every request (its max_model_len is at most this) after the prompts were stored.
+        raise BadInputError(f"--max-new-tokens {opts.max_new_tokens} does not fit the target's context window "
+                            f"({window} tokens, max_position_embeddings in {target.dir}/config.json), which "
+                            f"the prompt shares; pass a --max-new-tokens below {window}, leaving room for the prompt.")
     inputs = {
         "target": target.fingerprint,
         "served_model": opts.served_model if kind != "local" else None,
@@ -113,6 +120,7 @@ def build(ctx: RunContext, prompts_node: Node) -> Node:
         return KEY.samples(inputs=inputs, **samples,
                            needs="gpu" if backend.device == "cuda" else "cpu", deps=[prompts_node],
                            label=f"completions (local, {backend.label})",
+                           precheck=lambda: check_chat_template(target.dir),
                            payload={"target_dir": str(target.dir), "prompts": prompts_node},
                            summary=f"local greedy completions, {opts.max_new_tokens} new tokens max")
     from .sources import server_url
@@ -166,7 +174,10 @@ def _produce_one(ctx: RunContext, node: Node) -> None:
     source.prepare()  # readiness and model check, once, before any generation request
     verify = None if source.kind == "local" else _Verifier(ctx, node)
     try:
-        with SampleSink(ctx.store, node.partition, summary=node.summary, provenance=source.provenance,
+        from ...summaries import prompt_set_name
+
+        summary = f"{prompt_set_name(node.payload['prompts'])}: {node.summary}"  # the set: ls --by selection
+        with SampleSink(ctx.store, node.partition, summary=summary, provenance=source.provenance,
                         max_samples=COMMIT_EVERY, max_seconds=COMMIT_EVERY_S) as sink:
             refused = _run(ctx, sink, node, source, records, todo, verify)
     finally:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dfcache.errors import BadInputError, ServerHTTPError, UsageError
+from dfcache.errors import BadInputError, NetworkError, ServerHTTPError, UsageError
 
 from ...graph import RunCache
 from ...values import int_list
@@ -122,6 +122,11 @@ SERVER_FIXES = {
     "not_ready.waited": "Wait until it has loaded the model, or pass a larger --wait-server.",
     "read_timeout": "The server may be hung or overloaded: check its log, lower --concurrency or raise "
                     "--request-timeout.",
+    "ready_timeout": "It accepts connections but did not answer its readiness check (each check waits up to "
+                     "10 s): it may still be loading or be hung. Check its log, or pass --wait-server SECONDS "
+                     "to wait for it.",
+    "ready_timeout.waited": "It accepts connections but never answered its readiness check: it may still be "
+                            "loading or be hung. Check its log, or pass a larger --wait-server.",
     "unresolvable": "Check the host name in --server and the network.",
     "no_route": "Check --server and the network (VPN, firewall).",
     "other": "Check that the server is running and --server is right.",
@@ -251,7 +256,14 @@ class _ServerSource:
         if key not in self.cache.served_models:
             from dfcache.http import wait_ready
 
-            wait_ready(self.base, self.wait_seconds, self.progress, client=self.client, out=self.out)
+            try:
+                wait_ready(self.base, self.wait_seconds, self.progress, client=self.client, out=self.out)
+            except NetworkError as e:
+                if getattr(e, "reason", None) != "read_timeout":
+                    raise
+                # The readiness probe's own timeout (10 s at most), which --request-timeout does not
+                # change: its fix says "raise --request-timeout", which did nothing here.
+                raise e.with_fix(SERVER_FIXES["ready_timeout.waited" if self.wait_seconds else "ready_timeout"]) from None
             name, owner = check_served_model(self.client, self.base, self.wanted_model, self.kind)
             info = {"owned_by": owner}
             if self.kind == "openai" and owner == "vllm":

@@ -46,7 +46,7 @@ from dfcache.errors import BadInputError, ModelNotFoundError
 from dfcache.keys import fingerprint_path
 
 from ...graph import KeyRecipe, Node, RunContext
-from ...values import int_list
+from ...values import int_list, json_kind
 
 # version 3: CPU scoring runs in passes of 64 roots (dflash.CPU_BATCH_ROOTS), not 256; the attention
 # groups follow the passes, so CPU logits moved at float rounding (2e-6 on the bench drafter) and an
@@ -106,8 +106,11 @@ def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
                        "download that stopped half-way leaves such a file).")
     try:
         cfg = json.loads(cfg_path.read_text())
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise BadInputError(f"{cfg_path}: not valid JSON ({e}); fix or re-download the file.") from None
+    if not isinstance(cfg, dict):
+        raise BadInputError(f"{cfg_path}: a JSON {json_kind(cfg)}, not an object; a drafter's config.json is one "
+                            "object of its settings (with dflash_config): fix or re-download the checkpoint.")
     dcfg = cfg.get("dflash_config") or {}
     if not isinstance(dcfg, dict):
         raise BadInputError(f"{cfg_path}: dflash_config must be an object.")
@@ -168,10 +171,18 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
     from ...models.target import read_model_info
 
     # Checked here, before any work: a drafter for another target must not cost an extraction.
-    width = read_model_info(tokens_node.payload["target_dir"]).hidden_size
+    info = read_model_info(tokens_node.payload["target_dir"])
+    width = info.hidden_size
     if drafter.hidden_size is not None and drafter.hidden_size != width:
         raise BadInputError(f"drafter {drafter.path} has hidden_size {drafter.hidden_size} but the target "
                             f"is {width} wide; pass the drafter trained for this target (or that target).")
+    # The MASK id indexes the target's embedding table: one outside it failed only in this
+    # stage's produce(), after completions, tokens and hidden states had been computed.
+    if drafter.mask_token_id < 0 or (info.vocab_size is not None and drafter.mask_token_id >= info.vocab_size):
+        ids = f"ids 0..{info.vocab_size - 1}, vocab_size in its config.json" if info.vocab_size else "ids from 0"
+        raise BadInputError(f"drafter {drafter.path}: mask_token_id {drafter.mask_token_id} is outside the "
+                            f"target's vocabulary ({ids}); set dflash_config.mask_token_id to the MASK id the drafter was trained "
+                            "with (dfcache doctor checks it), or pass the target it was trained for.")
     layers = [hs_nodes[k] for k in drafter.target_layer_ids]
     backend = layers[0].inputs["backend"]
     budgets = sorted({int(b) for b in opts.tree_budgets})
@@ -245,7 +256,11 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         states = [SampleSet(ctx.store, ln.partition.key, [ln.sample_keys[i] for i in todo])
                   for ln in node.payload["layers"]]
         bar = ctx.progress(len(todo), desc=f"eval {ref.name}", unit="resp")
-        with SampleSink(ctx.store, node.partition, summary=node.summary, max_samples=COMMIT_EVERY,
+        from ...summaries import samples_origin
+
+        tp = node.payload["tokens"].payload
+        origin = samples_origin(ctx.store, tp.get("completions") if isinstance(tp, dict) else None)
+        with SampleSink(ctx.store, node.partition, summary=f"{node.summary}; {origin}", max_samples=COMMIT_EVERY,
                         provenance={"torch": torch.__version__, "device": device}) as sink:
             for j, i in enumerate(todo):
                 seq = toks.sample(j)
