@@ -616,7 +616,7 @@ class HostileServer:
           "/v1/models": {"object": "list", "data": [{"id": "scripted-model", "object": "model"}]},
           "/v1/chat/completions": {"choices": [{"index": 0, "finish_reason": "stop",
                                                 "message": {"role": "assistant", "content": "hello"}}],
-                                   "usage": {"prompt_tokens": 3, "completion_tokens": 1}}}
+                                   "usage": {"prompt_tokens": 3, "completion_tokens": SCRIPTED_TOKENS}}}
 
     def __init__(self, modes: dict[str, str]) -> None:
         self.modes = dict(modes)
