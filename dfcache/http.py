@@ -452,7 +452,7 @@ class HttpClient:
 
     def _expired(self, method: str, url: str, total: float, answering: bool) -> NetworkError:
         what = "got only part of its answer" if answering else "got no answer"
-        return _err(ServerTimeout, "read_timeout", f"{method} {url} {what} within {round(total, 2):g} s, the time one "
+        return _err(ServerTimeout, "read_timeout", f"{method} {url} {what} within {round(total, 1):g} s, the time one "
                     "request may take; dfcache stopped waiting there.", self.fixes, url=url)
 
     def get_json(self, url: str, *, timeout: float | None = None, max_bytes: int | None = None) -> Any:
