@@ -139,6 +139,7 @@ class Rows:
     post: list[int]
     margin: list[float]
     feats: object
+    logits: object = None  # [n, V] float32, kept for the parting check only
 
 
 class _Verifier:
@@ -178,7 +179,7 @@ class _Verifier:
         top = torch.topk(logits, min(2, logits.shape[-1]), dim=-1)
         margin = (top.values[:, 0] - top.values[:, -1]).tolist()
         feats = torch.cat([captured[k][0, start:] for k in self.layer_ids], dim=-1).float()
-        return Rows(logits.argmax(-1).tolist(), margin, feats)
+        return Rows(logits.argmax(-1).tolist(), margin, feats, logits)
 
 
 class RecomputeVerifier(_Verifier):
@@ -196,6 +197,10 @@ class RecomputeVerifier(_Verifier):
 
     def accept(self, tokens: list[int]) -> None:
         self.seq += list(tokens)
+
+    def verify_each(self, blocks: list[list[int]]) -> list[Rows]:
+        """Each block verified from the same committed state, which stays as it was."""
+        return [self.verify(b) for b in blocks]
 
 
 class CachedVerifier(_Verifier):
@@ -253,6 +258,20 @@ class CachedVerifier(_Verifier):
         elif n:
             self._forward(list(tokens), 0, **self._kw(self.cache))
         self.pending = []
+
+    def verify_each(self, blocks: list[list[int]]) -> list[Rows]:
+        """Each block verified from the same committed state (a copy of the cache each), which
+        stays as it was."""
+        import copy
+
+        kept, out = self.cache, []
+        try:
+            for b in blocks:
+                self.cache = copy.deepcopy(kept)
+                out.append(self.verify(b))
+        finally:
+            self.cache, self.pending = kept, []
+        return out
 
 
 def make_verifier(loop: str, model, layer_ids, block_size: int, rebind=None) -> _Verifier:
@@ -377,6 +396,39 @@ def online_ddtree(model, drafter, head, prompt: list[int], max_new_tokens: int, 
             if _stopped(out, P, start, stop_ids):
                 break
     return _completion(out, P, start, max_length, stop_ids), blocks
+
+
+def parting_row_check(model, drafter, prompt: list[int], completion: list[int], blocks: list[OnlineBlock],
+                       parted: int, alternatives: list[int], *, loop: str = "cache", rebind=None) -> bool | None:
+    """Whether the verify forward that chose the token at position ``parted`` gave that row the same
+    logits, bit for bit, with each of ``alternatives`` in the next slot instead of the draft there.
+
+    The loop is replayed up to the block that holds ``parted`` (the same blocks, so the same cache
+    states), then that block is verified as it was and with each alternative. None when the replay
+    does not reproduce the loop's own choice (non-deterministic kernels) or no slot follows."""
+    import torch
+
+    seq = list(prompt) + list(completion)
+    k = next((i for i, b in enumerate(blocks) if b.root < parted <= b.root + b.value), None)
+    if k is None:
+        return None
+    blk = blocks[k]
+    j = parted - blk.root - 1
+    if j + 1 >= drafter.block_size:
+        return None
+    verifier = make_verifier(loop, model, drafter.target_layer_ids, drafter.block_size, rebind)
+    with torch.no_grad():
+        verifier.prefill(list(prompt))
+        for b in blocks[:k]:
+            tokens = [seq[b.root]] + list(b.drafts)
+            verifier.verify(tokens)
+            verifier.accept(tokens[:b.value])
+        block = [seq[blk.root]] + list(blk.drafts)
+        variants = [block] + [block[:j + 1] + [t] + block[j + 2:] for t in alternatives]
+        rows = verifier.verify_each(variants)
+    if rows[0].post[j] != blk.target[j]:
+        return None
+    return all(torch.equal(r.logits[j], rows[0].logits[j]) for r in rows[1:])
 
 
 def greedy_continuation(model, seq: list[int], n: int) -> list[int]:
@@ -718,10 +770,16 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
                     draft = blk.drafts[j] if j < len(blk.drafts) else None
                     cached = stored[at] if at < len(stored) else None
                     chosen = completion[at] if at < len(completion) else None
+                    # Could the draft have won the tie? Its token enters the verify forward one slot
+                    # after the row that chose x[parted]: swap it for each choice and compare that row.
+                    others = [t for t in (cached, chosen) if t is not None and t != draft]
+                    independent = parting_row_check(target.model, drafter, prompt, completion, record["blocks"],
+                                                    parted, others, loop=opts.online_loop,
+                                                    rebind=target.rebind) if others else None
                     partings.append({"response": resp["id"], "position": parted, "cached": cached, "online": chosen,
                                      "draft": draft, "draft_matches": None if draft is None else
                                      ("online" if draft == chosen else "cached" if draft == cached else "neither"),
-                                     "margin": blk.margin[j], "root": blk.root,
+                                     "margin": blk.margin[j], "root": blk.root, "row_independent": independent,
                                      "online_value": dict(on).get(blk.root), "offline_value": dict(off).get(blk.root)})
             if trace is not None:
                 offd = dict(off)
@@ -765,6 +823,14 @@ def format_parity(res: ParityResult) -> str:
         draft = "no draft there" if c["draft"] is None else f"the draft there {c['draft']} (matches {c['draft_matches']})"
         lines.append(f"  {c['response']}: differs from position {c['position']}: cached {c['cached']}, online "
                      f"{c['online']}, target top-2 margin {c['margin']:.4g}; {draft}")
+    if res.partings:
+        n = len(res.partings)
+        has = {k: sum(1 for c in res.partings if c["draft_matches"] == k) for k in ("online", "cached", "neither")}
+        checked = [c["row_independent"] for c in res.partings if c["row_independent"] is not None]
+        lines.append(f"  at the {n} parting(s): target top-2 margin {min(c['margin'] for c in res.partings):.4g} to "
+                     f"{max(c['margin'] for c in res.partings):.4g}; the draft had the online token {has['online']}x, "
+                     f"the cached one {has['cached']}x, neither {has['neither']}x; the choosing row is unchanged by "
+                     f"the token drafted after it in {sum(checked)}/{len(checked)} checked")
     for c in res.completion_mismatches[len(res.partings[:5]):5]:
         if not any(p["response"] == c["response"] for p in res.partings):
             lines.append(f"  {c['response']}: differs from position {c['position']}")

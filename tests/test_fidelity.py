@@ -106,6 +106,35 @@ def test_loops_agree_in_float32(tiny, monkeypatch):
     assert (completion, blocks) == (run["completion"], run["blocks"])
 
 
+def test_verify_row_does_not_see_the_token_drafted_after_it(tiny):
+    """bf16, cached loop: the verify row that chooses x[t] has the same logits, bit for bit, whatever
+    token is drafted for x[t] (it enters one slot later), so a draft cannot win a target tie."""
+    from transformers import AutoModelForCausalLM
+
+    from runner.parity import parting_row_check
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny["target_dir"]), dtype=torch.bfloat16).eval()
+    drafter = DFlashDrafter.from_pretrained(tiny["drafter_dir"], dtype=torch.bfloat16)
+    head = load_target_head(tiny["target_dir"], dtype=torch.bfloat16)
+    run = tiny["runs"][0]
+    record: dict = {}
+    with single_thread():
+        completion, _, _ = online_dflash(model, drafter, head, run["prompt"], 32, tiny["stop_ids"], record=record)
+        blocks = record["blocks"]
+        k = next(i for i, b in enumerate(blocks) if b.value >= 3)
+        b = blocks[k]
+        t = b.root + 2  # chosen by row 1 of that block; the draft for it sits in slot 2
+        others = [x for x in ((b.drafts[1] + 1) % head.vocab_size, 0) if x != b.drafts[1]]
+        assert parting_row_check(model, drafter, run["prompt"], completion, blocks, t, others) is True
+        # the same check through the whole-prefix loop
+        record2: dict = {}
+        completion2, _, _ = online_dflash(model, drafter, head, run["prompt"], 32, tiny["stop_ids"],
+                                          loop="recompute", record=record2)
+        b2 = next(x for x in record2["blocks"] if x.value >= 3)
+        assert parting_row_check(model, drafter, run["prompt"], completion2, record2["blocks"], b2.root + 2,
+                                 [(b2.drafts[1] + 1) % head.vocab_size], loop="recompute") is True
+
+
 def test_online_loop_is_lossless(tiny):
     # Speculative decoding must reproduce plain greedy decoding; otherwise the comparison below
     # would be against a broken loop.
