@@ -45,7 +45,8 @@ from pathlib import Path
 from dfcache.errors import BadInputError, UsageError
 
 __all__ = ["reference_draft", "target_pass", "online_dflash", "online_ddtree", "greedy_continuation",
-           "CachedVerifier", "RecomputeVerifier", "make_verifier", "LOOPS", "OnlineBlock",
+           "CachedVerifier", "RecomputeVerifier", "make_verifier", "LOOPS", "OnlineBlock", "serving_features_walk",
+           "parting_row_check",
            "ParityOptions", "ParityResult", "run_parity", "compare_blocks", "format_parity", "bootstrap_mean"]
 
 
@@ -354,6 +355,38 @@ def online_dflash(model, drafter, head, prompt: list[int], max_new_tokens: int, 
     return _completion(out, P, start, max_length, stop_ids), blocks, draft_logits
 
 
+def serving_features_walk(model, drafter, head, prompt: list[int], completion: list[int], *, rebind=None,
+                          loop: str = "cache") -> list[tuple[int, int]]:
+    """The chain walk over a fixed ``completion`` (within-output rule) with the drafter's context
+    taken as a serving engine takes it: from the verify forward over each drafted block, rows of
+    the accepted tokens, rather than from one forward over the whole sequence. Acceptance is
+    judged against ``completion`` (teacher forcing), so the walk is the offline eval's except for
+    where the features come from: what a "serving features" eval mode would compute."""
+    import torch
+
+    from .stages.drafter_eval.metrics import chain_accept
+
+    B = drafter.block_size
+    seq = list(prompt) + list(completion)
+    P, last = len(prompt), len(prompt) + len(completion) - 1
+    verifier = make_verifier(loop, model, drafter.target_layer_ids, B, rebind)
+    walk = []
+    with torch.no_grad():
+        ctx = verifier.prefill(list(prompt)).feats
+        start = P
+        while start < last:
+            block = [seq[start]] + [drafter.mask_token_id] * (B - 1)
+            block[1:] = reference_draft(drafter, head, ctx, torch.tensor(block), start).argmax(-1).tolist()
+            rows = verifier.verify(block)
+            acc = chain_accept(block[1:], seq[start + 1:min(start + B, last + 1)])
+            verifier.accept(block[:acc + 1])
+            ctx = torch.cat([ctx, rows.feats[:acc + 1].to(ctx.device)])
+            value = min(acc + 1, last - start)
+            walk.append((start, value))
+            start += value
+    return walk
+
+
 def online_ddtree(model, drafter, head, prompt: list[int], max_new_tokens: int, stop_ids, budget: int, *,
                   rebind=None, loop: str = "cache"):
     """Greedy DDTree decoding with budget ``budget``: (completion, [(root, value)] per block).
@@ -472,6 +505,7 @@ class ParityOptions:
     online_loop: str = "cache"  # cache (as a serving engine) | recompute (the whole prefix each round)
     example: bool = False  # the embedded example's target and trained drafter (built once)
     trace: str | None = None  # write one JSON line per online chain block to this file
+    serving_features: bool = False  # also walk the cached completions with verify-forward features
 
 
 # The interval parity judges bf16 by: a 95% percentile bootstrap over prompts, with a fixed seed so
@@ -540,6 +574,7 @@ class ParityResult:
     online_loop: str = "cache"
     alignment: dict = field(default_factory=dict)  # chain blocks before / at / after each first parting
     partings: list[dict] = field(default_factory=list)  # chain: where each online completion parts
+    serving_features: MethodParity | None = None  # --serving-features: reported, not judged
 
     @property
     def exact_required(self) -> bool:
@@ -565,7 +600,10 @@ class ParityResult:
                              "responses": [{"response": r, "tau_online": a, "tau_offline": b} for r, a, b in m.pairs]}
                             for m in self.methods],
                 "tau_online": self.tau_online, "tau_offline": self.tau_offline,
-                "alignment": self.alignment, "partings": self.partings}
+                "alignment": self.alignment, "partings": self.partings,
+                "serving_features": None if self.serving_features is None else {
+                    "blocks": self.serving_features.blocks, "matched": self.serving_features.matched,
+                    "interval": self.serving_features.interval()}}
 
 
 def compare_blocks(method: MethodParity, response_id: str, online: list[tuple[int, int]],
@@ -712,6 +750,7 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
     stops = eos_token_ids(target_dir)
     B = drafter.block_size
     methods = [MethodParity("chain")] + [MethodParity(f"tree-{b}") for b in budgets]
+    served = MethodParity("serving-features") if opts.serving_features else None
     completions_equal, comp_mismatch, partings = 0, [], []
     align = _Alignment()
     on_walks: dict[str, list] = {m.method: [] for m in methods}
@@ -790,6 +829,10 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
                         "drafts": b.drafts, "offline_drafts": offline_drafts.get(p), "target": b.target,
                         "cached": stored[p - P + 1:p - P + B] if k != "after" else None,
                         "margin": [round(x, 6) for x in b.margin]}) + "\n")
+            if served is not None:
+                compare_blocks(served, resp["id"], serving_features_walk(target.model, drafter, head, prompt, stored,
+                                                                         rebind=target.rebind, loop=opts.online_loop),
+                               off, 0)
             for m, bud in zip(methods[1:], budgets):
                 comp_t, tblocks = online_ddtree(target.model, drafter, head, prompt, opts.max_new_tokens, stops, bud,
                                                 rebind=target.rebind, loop=opts.online_loop)
@@ -807,7 +850,7 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
                         completions_equal=completions_equal, completion_mismatches=comp_mismatch,
                         methods=methods, tau_online={k: _tau(v) for k, v in on_walks.items()},
                         tau_offline={k: _tau(v) for k, v in off_walks.items()}, online_loop=opts.online_loop,
-                        alignment=align.to_dict(), partings=partings)
+                        alignment=align.to_dict(), partings=partings, serving_features=served)
 
 
 def _iv(lo_hi) -> str:
@@ -859,6 +902,11 @@ def format_parity(res: ParityResult) -> str:
         if "features" in a:
             text += f"; features rel. L2 {a['features']['rel_l2_mean']:.2g} mean, {a['features']['rel_l2_max']:.2g} max"
         lines.append(text)
+    sf = res.serving_features.interval() if res.serving_features is not None else None
+    if sf is not None:
+        lines.append(f"offline τ with serving-engine features (verify forwards over the cached completions): "
+                     f"{sf['online']:.3f}, {res.serving_features.matched}/{res.serving_features.blocks} blocks as "
+                     f"offline; − offline {sf['difference']:+.3f} {_iv(sf['difference_interval'])} (reported, not judged)")
     if res.exact_required:
         lines.append("OK: offline equals online on every block" if res.ok else
                      "FAIL: in float32 offline must equal online on every block")

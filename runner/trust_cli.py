@@ -56,6 +56,7 @@ def register(app: typer.Typer) -> None:
                enable_thinking: bool = typer.Option(False, "--enable-thinking/--no-enable-thinking"),
                online_loop: str = typer.Option("cache", "--online-loop", help="cache: the target as a serving engine runs it (KV cache, one verify forward a block); recompute: the whole prefix re-run each round."),
                trace: Optional[str] = typer.Option(None, "--trace", help="Write one JSON line per online chain block to this file."),
+               serving_features: bool = typer.Option(False, "--serving-features", help="Also walk the cached completions with the drafter's context from verify forwards, as a serving engine computes it (reported, not judged)."),
                max_mismatches: int = typer.Option(5, "--show-mismatches", help="How many first mismatches to list."),
                json_out: bool = typer.Option(False, "--json")) -> None:
         """Real greedy speculative decoding vs the offline eval from the store, block by block."""
@@ -66,7 +67,7 @@ def register(app: typer.Typer) -> None:
                               attn_implementation=attn_implementation, tree_budgets=list(tree_budget or []),
                               enable_thinking=enable_thinking, show_mismatches=max_mismatches,
                               progress=sys.stderr.isatty() and not _json(json_out), online_loop=online_loop,
-                              example=example, trace=trace)
+                              example=example, trace=trace, serving_features=serving_features)
         res = run_parity(get_store(), popts)
         if _json(json_out):
             out = res.to_dict()

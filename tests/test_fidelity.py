@@ -265,7 +265,8 @@ def test_parity_float32_matches_every_block_chain_and_tree(tiny, parity_store):
     with single_thread():
         res = run_parity(open_store(path), ParityOptions(
             target=str(tiny["target_dir"]), drafter=str(tiny["drafter_dir"]), prompts="builtin:reasoning",
-            num_prompts=2, max_new_tokens=32, tree_budgets=[4], backend="torch"), log=lambda m: None)
+            num_prompts=2, max_new_tokens=32, tree_budgets=[4], backend="torch", serving_features=True),
+            log=lambda m: None)
     d = res.to_dict()
     assert d["ok"] and d["exact_required"] and d["completions_equal"] == 2
     assert [(m["method"], m["blocks"] == m["matched"]) for m in d["methods"]] == [("chain", True), ("tree-4", True)]
@@ -278,6 +279,9 @@ def test_parity_float32_matches_every_block_chain_and_tree(tiny, parity_store):
     assert a["drafts"]["roots"] == a["drafts"]["equal"] == d["blocks"]
     assert a["features"]["rel_l2_max"] < 1e-5
     assert d["interval"]["difference_interval"] == [0.0, 0.0]
+    # features from the verify forwards over each accepted block: the same walk in float32
+    sf = d["serving_features"]
+    assert sf["blocks"] == sf["matched"] == d["blocks"] and sf["interval"]["difference"] == 0.0
 
 
 def test_parity_cli_json_reuses_the_store(tiny, parity_store, capsys):
@@ -348,7 +352,7 @@ def test_parity_bfloat16_interval_decides_the_exit_code(tiny, tmp_path, capsys):
             rc = main(["--store", str(tmp_path / "store"), "parity", "--target", str(tiny["target_dir"]),
                        "--drafter", str(tiny["drafter_dir"]), "--prompts", "builtin:reasoning", "--num-prompts", "3",
                        "--max-new-tokens", "24", "--dtype", "bfloat16", "--backend", "torch", "--tree-budget", "4",
-                       "--trace", str(trace), "--json"])
+                       "--trace", str(trace), "--serving-features", "--json"])
     finally:
         for f in dataclasses.fields(state):
             setattr(state, f.name, getattr(saved, f.name))
@@ -360,7 +364,9 @@ def test_parity_bfloat16_interval_decides_the_exit_code(tiny, tmp_path, capsys):
         lo, hi = iv["difference_interval"]
         assert lo <= iv["difference"] <= hi and iv["agrees"] == (lo <= 1e-9 and hi >= -1e-9)
         assert iv["online_interval"][0] <= iv["online"] <= iv["online_interval"][1]
-    assert out["ok"] == all(m["interval"]["agrees"] for m in out["methods"])
+    assert out["ok"] == all(m["interval"]["agrees"] for m in out["methods"])  # serving features: not judged
+    sf = out["serving_features"]
+    assert sf["interval"]["prompts"] == 3 and sf["blocks"] >= sf["matched"] >= 1
     assert rc == (0 if out["ok"] else 6) and (out["ok"] or out["exit_code"] == 6)
     a = out["alignment"]
     assert a["before"]["blocks"] + a["at"]["blocks"] + a["after"]["blocks"] == out["blocks"]
