@@ -710,6 +710,12 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
                         # the offline side runs where the online loop does: float32 parity is exact
                         # only on one device's numerics
                         eval_device=opts.device).validate()
+    if opts.trace:
+        try:  # before any work: a path that cannot be written must not cost the decoding
+            open(opts.trace, "w", encoding="utf-8").close()
+        except OSError as e:
+            raise UsageError(f"--trace {opts.trace}: cannot write it ({e.strerror}); pass a path in a "
+                             "writable directory.") from None
     if opts.example:
         _example_models(store, opts)
         eopts.target, eopts.drafters = opts.target, [opts.drafter]

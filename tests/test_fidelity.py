@@ -245,9 +245,13 @@ def test_parity_options_are_the_eval_options_checks(tmp_path):
 
     store = open_store(tmp_path / "store")
     for bad, says in (({"tree_budgets": [4, 0]}, "--tree-budget 0"), ({"num_prompts": 0}, "--num-prompts 0"),
-                      ({"dtype": "fp8"}, "--dtype 'fp8'"), ({"device": "auto"}, "--device 'auto'")):
+                      ({"dtype": "fp8"}, "--dtype 'fp8'"), ({"device": "auto"}, "--device 'auto'"),
+                      ({"online_loop": "paged"}, "--online-loop 'paged'"),
+                      ({"trace": str(tmp_path / "no-such-dir" / "t.jsonl")}, "--trace .*writable directory")):
         with pytest.raises(UsageError, match=says):
             run_parity(store, ParityOptions(target=str(tmp_path / "absent"), drafter=str(tmp_path / "absent"), **bad))
+    with pytest.raises(UsageError, match="--target M and --drafter D, or --example"):
+        run_parity(store, ParityOptions())
     assert store.keys() == []
 
 
