@@ -133,9 +133,10 @@ LOOPS = ("cache", "recompute")
 
 @dataclass
 class Rows:
-    """What one target forward gives the loop for its new positions: the greedy token after each
-    (``post``), the gap between its two largest logits (``margin``, 0.0 is an exact tie: argmax
-    then takes the lower id), and the context features [n, n_ids*H]."""
+    """What one target forward gives the loop for its new positions: the context features
+    [n, n_ids*H], and for the last rows asked for (all of a verify, the last of a prefill) the
+    greedy token after each (``post``) and the gap between its two largest logits (``margin``,
+    0.0 is an exact tie: argmax then takes the lower id)."""
 
     post: list[int]
     margin: list[float]
@@ -159,9 +160,19 @@ class _Verifier:
         self.layers = _decoder_layers(model)
         self.device = next(model.parameters()).device
 
-    def _forward(self, ids: list[int], start: int, **kw) -> Rows:
-        """Rows ``start:`` of one forward over ``ids`` (hooks on the decoder layers, as capture_features)."""
+    def _forward(self, ids: list[int], start: int, logits_rows: int | None = None, **kw) -> Rows:
+        """Rows ``start:`` of one forward over ``ids`` (hooks on the decoder layers, as capture_features);
+        ``logits_rows``: only the last that many rows need logits (``post``, ``margin``), which keeps
+        a long prompt's [T, V] logits out of memory."""
         import torch
+
+        if logits_rows is not None:
+            if not hasattr(self, "_keeps"):
+                import inspect
+
+                self._keeps = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+            if self._keeps:
+                kw["logits_to_keep"] = logits_rows
 
         captured: dict[int, object] = {}
         hooks = []
@@ -173,7 +184,8 @@ class _Verifier:
             self.rebind()
         try:
             with torch.no_grad():
-                logits = self.model(input_ids=torch.tensor([ids], device=self.device), **kw).logits[0, start:].float()
+                logits = self.model(input_ids=torch.tensor([ids], device=self.device), **kw).logits[0]
+            logits = (logits[start:] if logits_rows is None else logits[-logits_rows:]).float()
         finally:
             for h in hooks:
                 h.remove()
@@ -191,10 +203,10 @@ class RecomputeVerifier(_Verifier):
 
     def prefill(self, prompt: list[int]) -> Rows:
         self.seq = list(prompt)
-        return self._forward(self.seq, 0)
+        return self._forward(self.seq, 0, logits_rows=1)
 
     def verify(self, tokens: list[int]) -> Rows:
-        return self._forward(self.seq + list(tokens), len(self.seq))
+        return self._forward(self.seq + list(tokens), len(self.seq), logits_rows=len(tokens))
 
     def accept(self, tokens: list[int]) -> None:
         self.seq += list(tokens)
@@ -232,7 +244,7 @@ class CachedVerifier(_Verifier):
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=self.model.config)
-        rows = self._forward(list(prompt), 0, **self._kw(self.cache))
+        rows = self._forward(list(prompt), 0, logits_rows=1, **self._kw(self.cache))
         # after the prefill, as transformers' assisted decoding does: recording during a long
         # prefill would keep every token's state
         self.recorded = self.use_recording and hasattr(self.cache, "activate_past_recording")
