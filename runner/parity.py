@@ -754,6 +754,7 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
     from .models.resolve import eos_token_ids
     from .models.target import KernelSpec
     from .stages.drafter_eval import read_context, score_response
+    from .stages.drafter_eval.metrics import candidate_roots
     from .stages.hidden_states import get_target
     from .stages.tokens import read_tokens
 
@@ -800,14 +801,16 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
             # (recomputed from the stored states as the eval scores them) and the features.
             seq = prompt + stored
             n_aligned = len(seq) if parted is None else parted
-            aligned_roots = [p for (p, _), k in zip(on, kinds) if k != "after" and p < len(seq) - 1]
+            aligned_roots = [p for (p, _), k in zip(on, kinds) if k != "after"]
             offline_drafts: dict[int, list[int]] = {}
-            if aligned_roots:
+            # every candidate root, in the eval's passes (they group the attention), so these are the
+            # drafts the eval computed
+            roots = candidate_roots(P, resp["completion_len"], ended_by_stop=resp["ended_by_stop"])
+            if aligned_roots and roots:
                 states = [SampleSet(store, ln.partition.key, [ln.sample_keys[i]]) for ln in ev.payload["layers"]]
-                stop = max(max(aligned_roots), n_aligned)
-                stop = min(stop, len(seq))
+                stop = min(max(max(roots), n_aligned), len(seq))
                 stored_feats = read_context(states, 0, stop, head.hidden_size).to(device=dev)
-                scores = score_response(drafter, head, stored_feats.to(dtype), seq, aligned_roots, k=0)
+                scores = score_response(drafter, head, stored_feats.to(dtype), seq, roots, k=0)
                 offline_drafts = {p: scores.argmax[q].tolist() for q, p in enumerate(scores.roots)}
                 # completion positions both sides computed over the same tokens
                 m = min(n_aligned, record["context"].shape[0], stored_feats.shape[0])
