@@ -72,17 +72,21 @@ def register(app: typer.Typer) -> None:
             print(format_explain(res, top=top))
 
     @app.command("parity")
-    def parity(target: str = typer.Option(..., "--target", help="Target model directory or cached Hugging Face id."),
-               drafter: str = typer.Option(..., "--drafter", help="DFlash drafter checkpoint directory."),
+    def parity(target: Optional[str] = typer.Option(None, "--target", help="Target model directory or cached Hugging Face id."),
+               drafter: Optional[str] = typer.Option(None, "--drafter", help="DFlash drafter checkpoint directory."),
+               example: bool = typer.Option(False, "--example", help="The embedded tiny example's target and trained drafter (built once next to the store)."),
                prompts: str = typer.Option("builtin:coding", "--prompts", help="A JSONL file or builtin:NAME."),
                num_prompts: int = typer.Option(4, "--num-prompts", help="Prompts to decode online."),
                max_new_tokens: int = typer.Option(64, "--max-new-tokens"),
-               dtype: str = typer.Option("float32", "--dtype", help="float32 (must match every block) or bfloat16 (agreement rate)."),
+               dtype: str = typer.Option("float32", "--dtype", help="float32 (must match every block) or bfloat16 (τ must agree within the 95% interval)."),
                device: str = typer.Option("cpu", "--device", help="cpu|cuda"),
                backend: str = typer.Option("auto", "--backend", help="auto|fla|torch, for both sides."),
                attn_implementation: str = typer.Option("sdpa", "--attn-implementation", help="sdpa|eager|flash_attention_2"),
                tree_budget: Optional[List[int]] = typer.Option(None, "--tree-budget", help="Also check DDTree with this budget (repeatable)."),
                enable_thinking: bool = typer.Option(False, "--enable-thinking/--no-enable-thinking"),
+               online_loop: str = typer.Option("cache", "--online-loop", help="cache: the target as a serving engine runs it (KV cache, one verify forward a block); recompute: the whole prefix re-run each round."),
+               trace: Optional[str] = typer.Option(None, "--trace", help="Write one JSON line per online chain block to this file."),
+               serving_features: bool = typer.Option(False, "--serving-features", help="Also walk the cached completions with the drafter's context from verify forwards, as a serving engine computes it (reported, not judged)."),
                max_mismatches: int = typer.Option(5, "--show-mismatches", help="How many first mismatches to list."),
                json_out: bool = typer.Option(False, "--json")) -> None:
         """Real greedy speculative decoding vs the offline eval from the store, block by block."""
@@ -92,12 +96,18 @@ def register(app: typer.Typer) -> None:
                               max_new_tokens=max_new_tokens, dtype=dtype, device=device, backend=backend,
                               attn_implementation=attn_implementation, tree_budgets=list(tree_budget or []),
                               enable_thinking=enable_thinking, show_mismatches=max_mismatches,
-                              progress=_bars(json_out))
+                              progress=_bars(json_out), online_loop=online_loop,
+                              example=example, trace=trace, serving_features=serving_features)
         # transformers' own "Loading weights" bars and notices follow ours (--no-progress, no terminal)
         quiet_libraries(bars=popts.progress, notices=popts.progress or not state.no_progress)
         res = run_parity(get_store(), popts)
         if _json(json_out):
-            emit_json(res.to_dict())
+            out = res.to_dict()
+            if not res.ok:
+                out.update(error=("offline differs from online on some block (float32)" if res.exact_required else
+                                  "τ online and offline differ beyond the interval of their paired difference"),
+                           exit_code=EXIT_BAD_INPUT)
+            emit_json(out)
         else:
             print(format_parity(res))
         if not res.ok:

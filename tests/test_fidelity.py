@@ -9,10 +9,12 @@ accept the matching prefix plus the bonus token, append the accepted positions' 
 to the context, repeat. The offline side instead takes one full target forward over prompt +
 completion and scores every candidate root with ``score_roots``; ``runner.stages.drafter_eval.metrics`` walks them.
 
-The target here has gated-DeltaNet layers whose recurrent state cannot be cropped back after a
-rejected draft, so the loop re-runs the target over the whole prefix each round instead of
-keeping a KV cache; the tokens it verifies and the features it appends are the same.
-Everything runs in float32: in bf16 the reference itself drifts from plain greedy decoding.
+The target here has gated-DeltaNet layers. The loop runs it as a serving engine does (a KV cache,
+one verify forward over each drafted block, the linear-attention state rolled back to the
+accepted token: ``runner.parity.CachedVerifier``); ``loop="recompute"`` re-runs the whole prefix
+each round instead, and in float32 both verify the same tokens and append the same features.
+Exactness runs in float32; in bf16 `dfcache parity` judges τ by an interval over prompts (the
+tests at the end).
 """
 
 from __future__ import annotations
@@ -86,6 +88,51 @@ def test_capture_features_are_pre_norm_layer_outputs(tiny):
     assert not torch.allclose(last, hs[n_layers][0])
     with torch.no_grad():
         torch.testing.assert_close(model.model.norm(last), hs[n_layers][0])
+
+
+def test_loops_agree_in_float32(tiny, monkeypatch):
+    """The cached loop (recorded linear-attention states, or a copy of the cache and a replay of the
+    accepted tokens) and the whole-prefix loop decode the same blocks in float32."""
+    from runner.parity import CachedVerifier
+
+    for run in tiny["runs"][:2]:
+        args = (tiny["model"], tiny["drafter"], tiny["head"], run["prompt"], MAX_NEW_TOKENS, tiny["stop_ids"])
+        completion, blocks, _ = online_dflash(*args, loop="recompute")
+        assert (completion, blocks) == (run["completion"], run["blocks"]), run["id"]
+    monkeypatch.setattr(CachedVerifier, "use_recording", False)
+    run = tiny["runs"][0]
+    completion, blocks, _ = online_dflash(tiny["model"], tiny["drafter"], tiny["head"], run["prompt"],
+                                          MAX_NEW_TOKENS, tiny["stop_ids"])
+    assert (completion, blocks) == (run["completion"], run["blocks"])
+
+
+def test_verify_row_does_not_see_the_token_drafted_after_it(tiny):
+    """bf16, cached loop: the verify row that chooses x[t] has the same logits, bit for bit, whatever
+    token is drafted for x[t] (it enters one slot later), so a draft cannot win a target tie."""
+    from transformers import AutoModelForCausalLM
+
+    from runner.parity import parting_row_check
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny["target_dir"]), dtype=torch.bfloat16).eval()
+    drafter = DFlashDrafter.from_pretrained(tiny["drafter_dir"], dtype=torch.bfloat16)
+    head = load_target_head(tiny["target_dir"], dtype=torch.bfloat16)
+    run = tiny["runs"][0]
+    record: dict = {}
+    with single_thread():
+        completion, _, _ = online_dflash(model, drafter, head, run["prompt"], 32, tiny["stop_ids"], record=record)
+        blocks = record["blocks"]
+        k = next(i for i, b in enumerate(blocks) if b.value >= 3)
+        b = blocks[k]
+        t = b.root + 2  # chosen by row 1 of that block; the draft for it sits in slot 2
+        others = [x for x in ((b.drafts[1] + 1) % head.vocab_size, 0) if x != b.drafts[1]]
+        assert parting_row_check(model, drafter, run["prompt"], completion, blocks, t, others) is True
+        # the same check through the whole-prefix loop
+        record2: dict = {}
+        completion2, _, _ = online_dflash(model, drafter, head, run["prompt"], 32, tiny["stop_ids"],
+                                          loop="recompute", record=record2)
+        b2 = next(x for x in record2["blocks"] if x.value >= 3)
+        assert parting_row_check(model, drafter, run["prompt"], completion2, record2["blocks"], b2.root + 2,
+                                 [(b2.drafts[1] + 1) % head.vocab_size], loop="recompute") is True
 
 
 def test_online_loop_is_lossless(tiny):
@@ -198,9 +245,13 @@ def test_parity_options_are_the_eval_options_checks(tmp_path):
 
     store = open_store(tmp_path / "store")
     for bad, says in (({"tree_budgets": [4, 0]}, "--tree-budget 0"), ({"num_prompts": 0}, "--num-prompts 0"),
-                      ({"dtype": "fp8"}, "--dtype 'fp8'"), ({"device": "auto"}, "--device 'auto'")):
+                      ({"dtype": "fp8"}, "--dtype 'fp8'"), ({"device": "auto"}, "--device 'auto'"),
+                      ({"online_loop": "paged"}, "--online-loop 'paged'"),
+                      ({"trace": str(tmp_path / "no-such-dir" / "t.jsonl")}, "--trace .*writable directory")):
         with pytest.raises(UsageError, match=says):
             run_parity(store, ParityOptions(target=str(tmp_path / "absent"), drafter=str(tmp_path / "absent"), **bad))
+    with pytest.raises(UsageError, match="--target M and --drafter D, or --example"):
+        run_parity(store, ParityOptions())
     assert store.keys() == []
 
 
@@ -243,12 +294,23 @@ def test_parity_float32_matches_every_block_chain_and_tree(tiny, parity_store):
     with single_thread():
         res = run_parity(open_store(path), ParityOptions(
             target=str(tiny["target_dir"]), drafter=str(tiny["drafter_dir"]), prompts="builtin:reasoning",
-            num_prompts=2, max_new_tokens=32, tree_budgets=[4], backend="torch"), log=lambda m: None)
+            num_prompts=2, max_new_tokens=32, tree_budgets=[4], backend="torch", serving_features=True),
+            log=lambda m: None)
     d = res.to_dict()
     assert d["ok"] and d["exact_required"] and d["completions_equal"] == 2
     assert [(m["method"], m["blocks"] == m["matched"]) for m in d["methods"]] == [("chain", True), ("tree-4", True)]
     assert d["blocks"] >= 8 and d["mismatches"] == []
     assert res.tau_online == res.tau_offline and res.tau_online["chain"] > 1.5
+    # the eval's own drafts (recomputed from the stored states) are the online ones at every root, and the
+    # cached loop's features are the stored full-forward ones to float32 rounding
+    a = d["alignment"]
+    assert a["before"] == {"blocks": d["blocks"], "equal": d["blocks"]} and d["partings"] == []
+    assert a["drafts"]["roots"] == a["drafts"]["equal"] == d["blocks"]
+    assert a["features"]["rel_l2_max"] < 1e-5
+    assert d["interval"]["difference_interval"] == [0.0, 0.0]
+    # features from the verify forwards over each accepted block: the same walk in float32
+    sf = d["serving_features"]
+    assert sf["blocks"] == sf["matched"] == d["blocks"] and sf["interval"]["difference"] == 0.0
 
 
 def test_parity_cli_json_reuses_the_store(tiny, parity_store, capsys):
@@ -275,15 +337,128 @@ def test_parity_cli_json_reuses_the_store(tiny, parity_store, capsys):
     assert "0 of 8 stages to produce" in cap.err  # the offline side came from the store
 
 
-def test_parity_bfloat16_reports_agreement(tiny, tmp_path):
-    from dfcache import open_store
-    from runner.parity import ParityOptions, format_parity, run_parity
+def test_parity_verdict_follows_the_interval():
+    """bf16: the paired bootstrap interval of τ online − τ offline over prompts must hold 0."""
+    from runner.parity import MethodParity, ParityResult, bootstrap_mean
 
-    with single_thread():
-        res = run_parity(open_store(tmp_path / "store"), ParityOptions(
-            target=str(tiny["target_dir"]), drafter=str(tiny["drafter_dir"]), prompts="builtin:reasoning",
-            num_prompts=1, max_new_tokens=12, dtype="bfloat16", backend="torch"), log=lambda m: None)
-    chain = res.methods[0]
-    assert res.ok and not res.exact_required and chain.blocks >= 1
-    assert 0.0 <= chain.rate <= 1.0 and chain.matched + chain.mismatch_count == chain.blocks
-    assert "agreement is reported, not required" in format_parity(res)
+    def result(*methods):
+        return ParityResult(dtype="bfloat16", device="cpu", eval_key="k" * 32, responses=12, completions_equal=9,
+                            completion_mismatches=[], methods=list(methods), tau_online={}, tau_offline={})
+
+    equal = MethodParity("chain", pairs=[(f"p{i}", 2.0 + i / 10, 2.0 + i / 10) for i in range(12)])
+    iv = equal.interval()
+    assert iv["difference_interval"] == [0.0, 0.0] and iv["agrees"] and iv["prompts_differing"] == 0
+    # three prompts parted, two one way and one the other: noise, the interval holds 0
+    noise = MethodParity("chain", pairs=[(f"p{i}", 3.0 + d, 3.0) for i, d in enumerate([0.8, -1.1, 0.5] + [0.0] * 9)])
+    iv = noise.interval()
+    assert iv["difference_interval"][0] < 0 < iv["difference_interval"][1] and iv["agrees"]
+    assert iv["difference"] == pytest.approx(0.2 / 12) and iv["prompts_differing"] == 3
+    assert result(equal, noise).ok
+    # every prompt lower offline: a bias, whatever the interval's exact bounds
+    biased = MethodParity("tree-4", pairs=[(f"p{i}", 3.0 + 0.3 + (i % 3) / 10, 3.0) for i in range(12)])
+    iv = biased.interval()
+    assert iv["difference_interval"][0] > 0 and not iv["agrees"]
+    assert not result(equal, biased).ok
+    # the interval brackets the mean, is the same on every call (fixed seed), and each side has its own
+    assert iv["difference_interval"][0] <= iv["difference"] <= iv["difference_interval"][1]
+    assert biased.interval() == iv and iv["online_interval"][0] > iv["offline_interval"][1]
+    lo, hi = bootstrap_mean([1.0, 2.0, 3.0, 4.0])
+    assert 1.0 <= lo < 2.5 < hi <= 4.0
+
+
+def test_parity_bfloat16_interval_decides_the_exit_code(tiny, tmp_path, capsys):
+    """A real bf16 run on the CPU: both τ with their intervals and the paired difference's, and the
+    exit code is 6 exactly when that interval leaves out 0."""
+    import dataclasses
+
+    from dfcache.cli import main
+    from dfcache.cli.common import state
+
+    trace = tmp_path / "trace.jsonl"
+    saved = dataclasses.replace(state)
+    try:
+        with single_thread():
+            rc = main(["--store", str(tmp_path / "store"), "parity", "--target", str(tiny["target_dir"]),
+                       "--drafter", str(tiny["drafter_dir"]), "--prompts", "builtin:reasoning", "--num-prompts", "3",
+                       "--max-new-tokens", "24", "--dtype", "bfloat16", "--backend", "torch", "--tree-budget", "4",
+                       "--trace", str(trace), "--serving-features", "--json"])
+    finally:
+        for f in dataclasses.fields(state):
+            setattr(state, f.name, getattr(saved, f.name))
+    out = json.loads(capsys.readouterr().out)
+    assert not out["exact_required"] and out["online_loop"] == "cache" and out["level"] == 0.95
+    for m in out["methods"]:
+        iv = m["interval"]
+        assert iv["prompts"] == 3 and len(m["responses"]) == 3
+        lo, hi = iv["difference_interval"]
+        assert lo <= iv["difference"] <= hi and iv["agrees"] == (lo <= 1e-9 and hi >= -1e-9)
+        assert iv["online_interval"][0] <= iv["online"] <= iv["online_interval"][1]
+    assert out["ok"] == all(m["interval"]["agrees"] for m in out["methods"])  # serving features: not judged
+    sf = out["serving_features"]
+    assert sf["interval"]["prompts"] == 3 and sf["blocks"] >= sf["matched"] >= 1
+    assert rc == (0 if out["ok"] else 6) and (out["ok"] or out["exit_code"] == 6)
+    a = out["alignment"]
+    assert a["before"]["blocks"] + a["at"]["blocks"] + a["after"]["blocks"] == out["blocks"]
+    assert a["drafts"]["roots"] >= 1 and 0 < a["features"]["rel_l2_mean"] < 0.05  # bf16 rounding, not another layer
+    lines = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert len(lines) == out["blocks"] and {"drafts", "target", "margin", "offline_drafts"} <= set(lines[0])
+    assert all(len(b["target"]) == len(b["drafts"]) + 1 for b in lines)
+
+
+def test_parity_cli_fails_with_exit_6_and_says_why(monkeypatch, tmp_path, capsys):
+    """The command's side of the verdict: a bf16 result whose difference interval leaves out 0."""
+    import dataclasses
+
+    import runner.parity as parity
+    from dfcache.cli import main
+    from dfcache.cli.common import state
+
+    biased = parity.MethodParity("chain", blocks=24, matched=20,
+                                 pairs=[(f"p{i}", 3.5 + i / 20, 3.0) for i in range(8)])
+    res = parity.ParityResult(dtype="bfloat16", device="cpu", eval_key="e" * 32, responses=8, completions_equal=8,
+                              completion_mismatches=[], methods=[biased], tau_online={"chain": 3.675},
+                              tau_offline={"chain": 3.0})
+    monkeypatch.setattr(parity, "run_parity", lambda store, opts: res)
+    saved = dataclasses.replace(state)
+    try:
+        rc_text = main(["--store", str(tmp_path / "s"), "parity", "--target", "t", "--drafter", "d", "--dtype", "bfloat16"])
+        text = capsys.readouterr().out
+        rc_json = main(["--store", str(tmp_path / "s"), "parity", "--target", "t", "--drafter", "d", "--dtype",
+                        "bfloat16", "--json"])
+        out = json.loads(capsys.readouterr().out)
+    finally:
+        for f in dataclasses.fields(state):
+            setattr(state, f.name, getattr(saved, f.name))
+    assert rc_text == rc_json == 6
+    assert "FAIL" in text and "+0.675 [" in text and "--num-prompts" in text
+    assert out["exit_code"] == 6 and "interval" in out["error"] and not out["interval"]["agrees"]
+
+
+def test_parity_example_uses_the_example_models(tiny, tmp_path, capsys):
+    """`parity --example` takes the example's target and trained drafter from beside the store."""
+    import dataclasses
+    import shutil
+
+    from dfcache.cli import main
+    from dfcache.cli.common import state
+    from runner.example import DONE
+
+    from dfcache import open_store
+
+    store = tmp_path / "store"
+    where = open_store(store).local_dir("example")
+    for name, src in (("target", tiny["target_dir"]), ("drafter-trained", tiny["drafter_dir"]),
+                      ("drafter-untrained", tiny["drafter_dir"])):  # the untrained one is not used here
+        shutil.copytree(src, where / name)
+        (where / name / DONE).write_text("ok\n")
+    saved = dataclasses.replace(state)
+    try:
+        with single_thread():
+            rc = main(["--store", str(store), "parity", "--example", "--prompts", "builtin:reasoning",
+                       "--num-prompts", "1", "--max-new-tokens", "16", "--backend", "torch", "--json"])
+    finally:
+        for f in dataclasses.fields(state):
+            setattr(state, f.name, getattr(saved, f.name))
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0, out
+    assert out["ok"] and out["exact_required"] and out["blocks"] == out["matched"] >= 1

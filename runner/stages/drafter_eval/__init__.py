@@ -234,7 +234,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
     from dfcache.samples import SampleSet, SampleSink
 
     from .metrics import RootScores, candidate_roots, effective_completion_len, evaluate_response
-    from ...models.dflash import DFlashDrafter, iter_score_roots, load_target_head
+    from ...models.dflash import DFlashDrafter, load_target_head
     from ...models.resolve import eos_token_ids
     from ..tokens import read_tokens
 
@@ -271,19 +271,8 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
                 if limit is not None:
                     roots = [p for p in roots if p < limit]
                 if roots:
-                    feats_stop = max(roots)
-                    layers = [_as_tensor(ss, j, feats_stop) for ss in states]
-                    width = {t.shape[-1] for t in layers}
-                    if width != {head.hidden_size}:
-                        raise BadInputError(f"hidden states are {sorted(width)} wide but the target's embedding is "
-                                            f"{head.hidden_size}; the drafter, target and states must belong together.")
-                    feats = torch.cat(layers, dim=-1).to(device=device, dtype=dtype)
-                    ids = torch.as_tensor(seq.astype("int64"))
-                    # Reduce each chunk of roots to argmax/top-k at once: [R, B-1, V] logits of a
-                    # long response would not fit in memory with a 150k vocabulary.
-                    parts = [RootScores.from_logits([roots[q] for q in idx], logits, k=max(budgets, default=0))
-                             for idx, logits in iter_score_roots(drafter, head, feats, ids, roots)]
-                    scores = RootScores.concat(parts)
+                    feats = read_context(states, j, max(roots), head.hidden_size).to(device=device, dtype=dtype)
+                    scores = score_response(drafter, head, feats, seq, roots, k=max(budgets, default=0))
                 else:
                     scores = RootScores.from_logits([], torch.zeros(0, ref.block_size - 1, head.vocab_size),
                                                     k=max(budgets, default=0))
@@ -296,6 +285,36 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
                     "chain": ev.chain.values, "tree": {str(b): w.values for b, w in ev.trees.items()}})
                 bar.update(1)
         bar.close()
+
+
+def read_context(states, j: int, stop: int, width: int):
+    """Context features [stop, n_ids*H] of sample j: its rows [0, stop) of each layer's
+    ``SampleSet`` in ``states`` (the drafter's target_layer_ids order), concatenated, in the stored
+    dtype; every layer must be ``width`` (the target's hidden size) wide."""
+    import torch
+
+    layers = [_as_tensor(ss, j, stop) for ss in states]
+    got = {t.shape[-1] for t in layers}
+    if got != {width}:
+        raise BadInputError(f"hidden states are {sorted(got)} wide but the target's embedding is "
+                            f"{width}; the drafter, target and states must belong together.")
+    return torch.cat(layers, dim=-1)
+
+
+def score_response(drafter, head, feats, seq, roots: list[int], k: int):
+    """``RootScores`` of one response's candidate ``roots`` (argmax and top-k per draft slot), in
+    the passes the eval runs them (``iter_score_roots``), so a caller sees the eval's drafts."""
+    import torch
+
+    from .metrics import RootScores
+    from ...models.dflash import iter_score_roots
+
+    ids = torch.as_tensor(seq.astype("int64") if hasattr(seq, "astype") else list(seq), dtype=torch.long)
+    # Reduce each chunk of roots to argmax/top-k at once: [R, B-1, V] logits of a long response
+    # would not fit in memory with a 150k vocabulary.
+    parts = [RootScores.from_logits([roots[q] for q in idx], logits, k=k)
+             for idx, logits in iter_score_roots(drafter, head, feats, ids, roots)]
+    return RootScores.concat(parts)
 
 
 def _as_tensor(samples, j: int, stop: int):
