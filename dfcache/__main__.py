@@ -68,11 +68,13 @@ def _fast_ls(argv: list[str]) -> int | None:
         import stat
 
         # Bounded and never blocking (a FIFO in its place hung `ls`); anything odd: the full CLI.
-        fd = os.open(os.path.join(root, "dfcache-store.json"), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        from .store.layout import MARKER_KIND, MAX_MARKER_BYTES, STORE_MARKER
+
+        fd = os.open(os.path.join(root, STORE_MARKER), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return None
-            marker = json.loads(os.read(fd, 1 << 16))
+            marker = json.loads(os.read(fd, MAX_MARKER_BYTES))
         finally:
             os.close(fd)
         from .listing import ls_output
@@ -82,7 +84,7 @@ def _fast_ls(argv: list[str]) -> int | None:
         # code), so the store format module (and its crc32c) is never imported here.
         listed = listing(root)
         if (listed is None or not isinstance(marker, dict) or marker.get("format_version") != listed.format_version
-                or marker.get("kind", "dfcache-store") != "dfcache-store"):
+                or marker.get("kind", MARKER_KIND) != MARKER_KIND):
             return None
         entries = listed.artifacts
         stage = opts.get("--stage")

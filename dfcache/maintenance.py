@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from .listing import LS_HEADER, human_bytes, ls_footer, ls_output  # noqa: F401  (the ls text; re-exported)
 from .manifest import Manifest
+from .store.layout import GRAVE_SUFFIX
 
 
 def backend_summary(m: Manifest) -> str:
@@ -156,7 +157,7 @@ def gc_plan(store, *, tmp: bool = True, stage: str | None = None, older_than_day
     plan = GcPlan()
     if tmp:
         for t in store.backend.list_temporaries():
-            if t.in_use or (t.age_s < grace_s and not t.name.endswith(".deleted")):
+            if t.in_use or (t.age_s < grace_s and not t.name.endswith(GRAVE_SUFFIX)):
                 continue
             reason = "resumable progress of an interrupted run" if t.resumable else "left by a crashed writer"
             plan.items.append(GcItem("temporary", t.name, t.size_bytes, reason))

@@ -406,7 +406,9 @@ def _write_sample_index(path, partition: str, segs: dict[str, tuple[str, bytes]]
     head = json.dumps({"dfcache_sample_index": SAMPLE_INDEX_VERSION, "stamp": sample_index_stamp(),
                        "partition": partition, "body": xxhash.xxh3_128_hexdigest(body), "unique": len(unique) // 16,
                        "segments": [[k, segs[k][0], len(segs[k][1]) // 16] for k in order]}, separators=(",", ":"))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
+    from .store.layout import index_tmp_name
+
+    tmp = path.with_name(index_tmp_name(path.name))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:

@@ -19,7 +19,9 @@ from ..keys import KEY_PATTERN
 from ._backend import Backend
 from ._files import kind_of, read_fd
 from ._local import LocalBackend
-from .format import MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, STORE_MARKER, check_relpath, damaged_marker
+from .format import check_relpath, damaged_marker
+from .layout import (ARTIFACTS, INDEX, LOCKS, MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, STAGING, STORE_MARKER,
+                     artifact_parts, shard)
 
 
 class FileRemoteBackend(LocalBackend):
@@ -79,15 +81,15 @@ class FileRemoteBackend(LocalBackend):
 
     def open_staging(self, key: str, resumable: bool = False):
         self._check_own_dirs()
-        self._own_dir("staging")
-        self._own_dir("locks")
-        self._own_dir("artifacts", key[:2])
+        self._own_dir(STAGING)
+        self._own_dir(LOCKS)
+        self._own_dir(ARTIFACTS, shard(key))
         return super().open_staging(key, resumable)
 
     def _before_publish(self, key: str) -> None:
         self._check_own_dirs()
-        self._own_dir("artifacts", key[:2])
-        self._own_dir("index")
+        self._own_dir(ARTIFACTS, shard(key))
+        self._own_dir(INDEX)
 
     def listing(self):
         return None  # someone else's directory: its manifests are read, never an index of theirs
@@ -160,7 +162,7 @@ class FileRemoteBackend(LocalBackend):
 
     def _parts(self, key: str, relpath: str) -> list[str]:
         check_relpath(relpath)
-        return ["artifacts", key[:2], key] + relpath.split("/")
+        return [*artifact_parts(key), *relpath.split("/")]
 
     def read_manifest(self, key: str) -> bytes | None:
         if not KEY_PATTERN.match(key):
@@ -171,7 +173,7 @@ class FileRemoteBackend(LocalBackend):
             return None
 
     def iter_manifests(self) -> Iterator[tuple[str, bytes]]:
-        base = self.root / "artifacts"
+        base = self.root / ARTIFACTS
         try:
             shards = sorted(e.name for e in os.scandir(base) if e.is_dir(follow_symlinks=False))
         except FileNotFoundError:

@@ -34,12 +34,13 @@ from pathlib import Path
 from ..errors import IntegrityError, StoreWriteError, UntrustedManifestError, UsageError
 from ._backend import Backend, Staging, Temporary, UnreadableManifest, too_large
 from ._files import NotRegularFile, kind_of, read_regular
-from .format import (FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, RESERVED_DIRS, STORE_MARKER,
-                     check_store_marker, damaged_marker, store_marker_bytes)
+from .format import FORMAT_VERSION, check_store_marker, damaged_marker, store_marker_bytes
+from .layout import (ARTIFACTS, GRAVE_SUFFIX, INDEX, LOCKS, MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES,
+                     RESERVED_DIRS, RESUME_SUFFIX, SAMPLE_INDEX, STAGING, STORE_MARKER, TMP_SUFFIX, artifact_parts,
+                     lock_relpath, marker_tmp_name, staging_relpath)
 
-# A listing or sample index being replaced: ".<name>.<pid>.<12 hex>.tmp", renamed over the index
-# file within milliseconds; one still there after the grace period was left by a killed process.
-_INDEX_TMP = re.compile(r"\.[^/]+\.[0-9]+\.[0-9a-f]{12}\.tmp")
+# What layout.index_tmp_name and layout.marker_tmp_name make.
+_INDEX_TMP = re.compile(r"\.[^/]+\.[0-9]+\.[0-9a-f]{12}" + re.escape(TMP_SUFFIX))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -128,7 +129,7 @@ def _fsync_path(path: Path) -> None:
 
 
 _NOT_FOREIGN = {"README.md", ".gitignore", ".gitkeep"}
-_MARKER_TMP = re.compile(re.escape(STORE_MARKER) + r"\.[0-9a-f]{32}\.tmp")
+_MARKER_TMP = re.compile(re.escape(STORE_MARKER) + r"\.[0-9a-f]{32}" + re.escape(TMP_SUFFIX))
 
 
 def foreign_entries(root: Path) -> list[str]:
@@ -176,7 +177,7 @@ class _LocalStaging(Staging):
         self.key = key
         self.resumable = resumable
         self._lock_fd: int | None = None
-        staging_root = backend.root / "staging"
+        staging_root = backend.root / STAGING
         if resumable:
             self._lock_fd = backend._acquire_key_lock(key)
         # `gc` removes a staging directory that no live process holds. Between our mkdir and our
@@ -184,10 +185,10 @@ class _LocalStaging(Staging):
         # the path is still the directory we locked, else make a new one.
         while True:
             if resumable:
-                self.path = staging_root / f"{key}.resume"
+                self.path = staging_root / f"{key}{RESUME_SUFFIX}"
                 self.path.mkdir(parents=True, exist_ok=True)
             else:
-                self.path = staging_root / f"{key}.{os.urandom(6).hex()}.tmp"
+                self.path = staging_root / f"{key}.{os.urandom(6).hex()}{TMP_SUFFIX}"
                 self.path.mkdir(parents=True)
             try:
                 fd = os.open(self.path, os.O_RDONLY)
@@ -279,7 +280,7 @@ class _LocalStaging(Staging):
                 if os.path.isfile(final / MANIFEST):
                     break  # another writer published this key first: keep theirs
                 # A directory without a manifest is a leftover, not an artifact: move it aside.
-                grave = self.backend.root / "staging" / f"{self.key}.{os.urandom(6).hex()}.deleted"
+                grave = self.backend._grave(self.key)
                 try:
                     os.rename(final, grave)
                 except OSError:
@@ -388,10 +389,10 @@ class LocalBackend(Backend):
             # (torchrun ranks) then never see a store's directories without its marker, which would
             # pass for someone else's directory.
             self.root.mkdir(parents=True, exist_ok=True)
-            tmp = marker.with_name(f"{STORE_MARKER}.{os.urandom(16).hex()}.tmp")
+            tmp = marker.with_name(marker_tmp_name())
             tmp.write_bytes(store_marker_bytes())
             os.replace(tmp, marker)
-            for sub in ("artifacts", "staging", "locks"):
+            for sub in (ARTIFACTS, STAGING, LOCKS):
                 (self.root / sub).mkdir(exist_ok=True)
         except OSError as e:
             raise UsageError(f"cannot create a store at {self.root}: {e.strerror}; pass a "
@@ -414,7 +415,11 @@ class LocalBackend(Backend):
         """Checks a backend makes before it moves a staged artifact in (a file:// remote: no links)."""
 
     def _artifact_dir(self, key: str) -> Path:
-        return self.root / "artifacts" / key[:2] / key
+        return self.root.joinpath(*artifact_parts(key))
+
+    def _grave(self, name: str) -> Path:
+        """A new name under which a directory is renamed out of sight before it is removed."""
+        return self.root / STAGING / f"{name}.{os.urandom(6).hex()}{GRAVE_SUFFIX}"
 
     def _manifest_bytes(self, key: str, path) -> bytes | None:
         """A manifest's bytes (None: no manifest, no artifact); one that is not a regular file or
@@ -431,7 +436,7 @@ class LocalBackend(Backend):
         return self._manifest_bytes(key, self._artifact_dir(key) / MANIFEST)
 
     def iter_manifests(self) -> Iterator[tuple[str, bytes]]:
-        base = self.root / "artifacts"
+        base = self.root / ARTIFACTS
         try:
             shards = sorted(os.scandir(base), key=lambda e: e.name)
         except (FileNotFoundError, NotADirectoryError):
@@ -454,7 +459,7 @@ class LocalBackend(Backend):
         """Entries of the artifact directories that are no artifact: a directory without a
         manifest, or anything that is not a directory (cleaned by gc)."""
         out = []
-        base = self.root / "artifacts"
+        base = self.root / ARTIFACTS
         try:
             shards = list(os.scandir(base))
         except (FileNotFoundError, NotADirectoryError):
@@ -490,7 +495,7 @@ class LocalBackend(Backend):
         return listing(self.root, FORMAT_VERSION)
 
     def sample_index_dir(self) -> Path | None:
-        return self.root / "index" / "samples"
+        return self.root / SAMPLE_INDEX
 
     def for_untrusted_reads(self) -> Backend:
         from ._file_remote import FileRemoteBackend
@@ -509,7 +514,7 @@ class LocalBackend(Backend):
     def delete(self, key: str) -> bool:
         src = self._artifact_dir(key)
         # Rename first so that no reader ever sees a half-deleted artifact.
-        grave = self.root / "staging" / f"{key}.{os.urandom(6).hex()}.deleted"
+        grave = self._grave(key)
         with _removing(self.root, f"artifact {key}"):
             try:
                 os.rename(src, grave)
@@ -524,7 +529,7 @@ class LocalBackend(Backend):
 
     def _acquire_key_lock(self, key: str) -> int:
         """Blocking exclusive lock for a key's resumable staging; robust to gc unlinking it."""
-        path = self.root / "locks" / f"{key}.lock"
+        path = self.root / lock_relpath(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -538,7 +543,7 @@ class LocalBackend(Backend):
 
     def list_temporaries(self) -> list[Temporary]:
         out = []
-        staging = self.root / "staging"
+        staging = self.root / STAGING
         now = time.time()
         try:
             entries = list(os.scandir(staging))
@@ -552,7 +557,7 @@ class LocalBackend(Backend):
             if not stat.S_ISDIR(st.st_mode):
                 # Writers make only directories here (a FIFO once hung gc's open): anything else
                 # is a stray nobody holds, stale once its grace period has passed.
-                out.append(Temporary(name=f"staging/{entry.name}", size_bytes=st.st_size, age_s=now - st.st_mtime,
+                out.append(Temporary(name=staging_relpath(entry.name), size_bytes=st.st_size, age_s=now - st.st_mtime,
                                      in_use=False, resumable=False, note=f"stray: {kind_of(st.st_mode)}"))
                 continue
             try:
@@ -564,8 +569,8 @@ class LocalBackend(Backend):
                 age = now - os.fstat(fd).st_mtime
             finally:
                 os.close(fd)
-            out.append(Temporary(name=f"staging/{entry.name}", size_bytes=_dir_size(Path(entry.path)),
-                                 age_s=age, in_use=held, resumable=entry.name.endswith(".resume")))
+            out.append(Temporary(name=staging_relpath(entry.name), size_bytes=_dir_size(Path(entry.path)),
+                                 age_s=age, in_use=held, resumable=entry.name.endswith(RESUME_SUFFIX)))
         for orphan in self.orphan_dirs():
             try:
                 st = os.lstat(orphan)
@@ -576,7 +581,7 @@ class LocalBackend(Backend):
                                  size_bytes=_dir_size(orphan) if is_dir else st.st_size,
                                  age_s=now - st.st_mtime, in_use=False, resumable=False,
                                  note="" if is_dir else f"stray: {kind_of(st.st_mode)}"))
-        for rel in ("index", "index/samples"):
+        for rel in (INDEX, SAMPLE_INDEX):
             try:
                 entries = list(os.scandir(self.root / rel))
             except OSError:
@@ -595,7 +600,7 @@ class LocalBackend(Backend):
     def remove_temporary(self, name: str, grace_s: float = 60.0) -> bool:
         path = self.root / name
         head, _, base = name.rpartition("/")
-        if head in ("index", "index/samples") and _INDEX_TMP.fullmatch(base):
+        if head in (INDEX, SAMPLE_INDEX) and _INDEX_TMP.fullmatch(base):
             try:  # a plain file: no writer holds it for longer than a rename takes
                 if time.time() - os.lstat(path).st_mtime < grace_s:
                     return False
@@ -603,7 +608,7 @@ class LocalBackend(Backend):
                 return True
             except OSError:
                 return False
-        if not (name.startswith("staging/") or name.startswith("artifacts/")) or ".." in name.split("/"):
+        if not (name.startswith(STAGING + "/") or name.startswith(ARTIFACTS + "/")) or ".." in name.split("/"):
             return False
         try:
             st = os.lstat(path)
@@ -612,9 +617,9 @@ class LocalBackend(Backend):
         if not stat.S_ISDIR(st.st_mode):
             # A stray (a file, a FIFO, a link): no writer ever holds one, so once older than the
             # grace period (or a grave) it goes; a link is removed, never followed.
-            if time.time() - st.st_mtime < grace_s and not name.endswith(".deleted"):
+            if time.time() - st.st_mtime < grace_s and not name.endswith(GRAVE_SUFFIX):
                 return False
-            if name.startswith("artifacts/") and os.path.exists(path / MANIFEST):
+            if name.startswith(ARTIFACTS + "/") and os.path.exists(path / MANIFEST):
                 return False
             try:
                 with _removing(self.root, name):
@@ -631,14 +636,14 @@ class LocalBackend(Backend):
         try:
             if not _try_lock(fd):
                 return False  # a live writer holds it
-            if time.time() - os.fstat(fd).st_mtime < grace_s and not name.endswith(".deleted"):
+            if time.time() - os.fstat(fd).st_mtime < grace_s and not name.endswith(GRAVE_SUFFIX):
                 return False  # may be a writer between mkdir and flock
-            if name.startswith("artifacts/") and (path / MANIFEST).exists():
+            if name.startswith(ARTIFACTS + "/") and (path / MANIFEST).exists():
                 return False  # became an artifact meanwhile
-            if not name.endswith(".deleted"):
+            if not name.endswith(GRAVE_SUFFIX):
                 # Out of sight in one step, then removed: a gc killed half-way must not leave a
                 # resumable staging area whose progress names files that are gone.
-                grave = self.root / "staging" / f"{path.name}.{os.urandom(6).hex()}.deleted"
+                grave = self._grave(path.name)
                 try:
                     with _removing(self.root, name):
                         os.rename(path, grave)

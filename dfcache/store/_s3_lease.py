@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING
 
 from ..errors import DfcacheError, NetworkError
+from .layout import LEASE_SUFFIX, lock_relpath
 
 if TYPE_CHECKING:
     from ._s3 import ObjectStoreBackend
@@ -87,7 +88,7 @@ class _Lease:
     def __init__(self, backend: "ObjectStoreBackend", key: str, writer: str) -> None:
         self.backend = backend
         self.key = key
-        self.path = f"locks/{key}.lease"
+        self.path = lock_relpath(key, LEASE_SUFFIX)
         self.writer = writer
         self.n = 0
         self.body = self._make_body()

@@ -28,7 +28,8 @@ from . import _pagecache
 from . import format as fmt
 from ._backend import Backend, Staging, UnreadableManifest
 from ._files import OPEN_FLAGS, NotRegularFile, read_regular
-from .format import PROGRESS, default_chunk_rows  # noqa: F401  (default_chunk_rows: public via dfcache.store)
+from .format import default_chunk_rows  # noqa: F401  (default_chunk_rows: public via dfcache.store)
+from .layout import BLOBS, CHUNKS, PROGRESS, TAILS, chunk_prefix, tail_relpath
 
 np = LazyModule("numpy")  # imported by the first array read or write: opening a store and its manifests needs none
 
@@ -416,7 +417,7 @@ class ArtifactWriter(CommitOnExit):
     def _intact(self, files: dict) -> bool:
         """Every file the progress lists is still staged at its size (a removal that was cut
         short, e.g. a killed `rm -r` or gc, must not pass for progress: start over instead)."""
-        return all(self._staging.size(rel) == n for rel, n in files.items() if not rel.startswith("tails/"))
+        return all(self._staging.size(rel) == n for rel, n in files.items() if not rel.startswith(TAILS + "/"))
 
     def _identity(self) -> dict:
         return {"key": self.key, "stage": self.stage, "stage_version": self.stage_version}
@@ -435,7 +436,7 @@ class ArtifactWriter(CommitOnExit):
                      unknown_rows: bool = False) -> ArrayWriter:
         """Start an array whose rows are then appended. On a resumed writer the rows already
         checkpointed are kept (``rows_written`` says how many)."""
-        if not NAME_PATTERN.match(name) or ".." in name or name in ("blobs", "c"):
+        if not NAME_PATTERN.match(name) or ".." in name or name in (BLOBS, CHUNKS):
             raise UsageError(f"array name {name!r} is not allowed; use letters, digits, _ . -.")
         if name in self._arrays:
             raise UsageError(f"array {name} was already created in this artifact.")
@@ -460,7 +461,7 @@ class ArtifactWriter(CommitOnExit):
                 and prev["total_rows"] == aw.total_rows:
             aw.chunk_digests = list(prev["chunk_digests"])
             if prev["tail_rows"]:
-                raw = self._staging.get(f"tails/{name}.bin")
+                raw = self._staging.get(tail_relpath(name))
                 if raw is not None:
                     tail = np.frombuffer(raw, dtype=aw.storage_dtype).reshape((-1,) + aw.row_shape)
                     if len(tail) == prev["tail_rows"] and prev.get("tail_digest") == fmt.chunk_digest(tail):
@@ -498,7 +499,7 @@ class ArtifactWriter(CommitOnExit):
             aw.drain()  # the chunks the progress names are staged
         for name, aw in self._arrays.items():
             if len(aw._tail):
-                self._put(f"tails/{name}.bin", memoryview(np.ascontiguousarray(aw._tail).view(np.uint8).reshape(-1)))
+                self._put(tail_relpath(name), memoryview(np.ascontiguousarray(aw._tail).view(np.uint8).reshape(-1)))
         progress = {"identity": self._identity(), "user_state": self.state,
                     "arrays": {n: aw.state() for n, aw in self._arrays.items()},
                     "blobs": {k: asdict(v) for k, v in self._blobs.items()},
@@ -514,7 +515,7 @@ class ArtifactWriter(CommitOnExit):
         for name, aw in self._arrays.items():
             arrays[name] = aw.finish()
         self._put(fmt.GROUP_META, fmt.group_zarr_json(self.key, self.stage))
-        files = {k: v for k, v in self._files.items() if not k.startswith("tails/")}
+        files = {k: v for k, v in self._files.items() if not k.startswith(TAILS + "/")}
         import socket  # here: opening a store and reading manifests need no host name
 
         provenance = {"host": socket.gethostname(), "dfcache": __version__, **self.provenance}
@@ -848,7 +849,7 @@ class ArrayReader:
         set loading at once, so a cold read has every chunk in flight instead of one file's
         readahead at a time: each on a loader thread in large folios where the system allows
         (see _pagecache; returned as futures by chunk), else by POSIX_FADV_WILLNEED."""
-        prefix, suffix = f"{self.name}/c/", "/0" * (self._ndim - 1)
+        prefix, suffix = chunk_prefix(self.name), "/0" * (self._ndim - 1)
         fds: dict[int, int] = {}
         for i in chunks:
             fd = self.artifact._open_local(f"{prefix}{i}{suffix}")
