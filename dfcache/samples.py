@@ -53,7 +53,8 @@ import xxhash
 
 from ._lazy import LazyModule
 from .errors import ArtifactNotFoundError, IntegrityError, SamplesMissingError, UsageError
-from .keys import compute_key, segment_key  # noqa: F401  (segment_key: public here, defined with the other keys)
+from .keys import record_digest, sample_key, sample_keys, segment_key  # noqa: F401  (public here too)
+from .keys import compute_key
 from .manifest import STORAGE_DTYPE, Manifest, key_problem
 from .store import CommitOnExit
 
@@ -76,20 +77,6 @@ def partition_key(stage: str, version: int, inputs: dict, upstream: dict | None 
     return compute_key(stage, version, inputs, upstream or {})
 
 
-def sample_key(partition: str, upstream: str) -> str:
-    # Exactly canonical_encode({"partition": partition, "sample": upstream}): both are hex.
-    return xxhash.xxh3_128_hexdigest(('{"partition":"%s","sample":"%s"}' % (partition, upstream)).encode())
-
-
-def record_digest(record: Any) -> str:
-    """Content digest of a JSON record (the upstream key of a root sample, e.g. a prompt).
-
-    Plain sorted compact JSON, not key material: a prompt may well contain text that looks like
-    an absolute path."""
-    return xxhash.xxh3_128_hexdigest(json.dumps(record, sort_keys=True, separators=(",", ":"),
-                                                ensure_ascii=False, allow_nan=False).encode())
-
-
 @dataclass(eq=False)
 class Partition:
     """One per-sample stage's inputs without the samples; ``key`` is derived from the rest."""
@@ -107,9 +94,7 @@ class Partition:
         return sample_key(self.key, upstream)
 
     def sample_keys(self, upstream: Iterable[str]) -> list[str]:
-        # sample_key inlined: a plan computes one per sample and stage.
-        head, h = '{"partition":"%s","sample":"' % self.key, xxhash.xxh3_128_hexdigest
-        return [h((head + u + '"}').encode()) for u in upstream]
+        return sample_keys(self.key, upstream)
 
     @classmethod
     def of_segment(cls, m: Manifest) -> "Partition":
@@ -819,7 +804,7 @@ def index_problem(m: Manifest, index: Any) -> str | None:
         return f"its samples document lists {len(up) if isinstance(up, list) else 'no'} upstream keys for {n} samples"
     if any(a >= b for a, b in zip(up, up[1:])):
         return "its samples are not in ascending upstream order"
-    if sample_keys_of(m.samples["partition"], up) != keys:
+    if sample_keys(m.samples["partition"], up) != keys:
         return "its sample keys do not derive from the partition and the upstream keys"
     if not (isinstance(digests, list) and len(digests) == n and all(isinstance(d, str) and len(d) == 32 for d in digests)):
         return "its samples document has no digest for every sample"
@@ -832,10 +817,6 @@ def index_problem(m: Manifest, index: Any) -> str | None:
                 or any(a > b for a, b in zip(off, off[1:]))):
             return f"the row offsets of array {name} do not cover its {m.arrays[name].shape[0]} rows"
     return None
-
-
-def sample_keys_of(partition: str, upstream: list[str]) -> list[str]:
-    return [sample_key(partition, u) for u in upstream]
 
 
 def segment_problems(store, key: str) -> list[str]:
