@@ -105,7 +105,7 @@ def test_transfer_and_reads_share_the_format_checks():
     src = (REPO / "dfcache/transfer.py").read_text()
     assert "check_file" in src and "expected_files" in src and "file_limit" in src
     assert not re.search(r"\b(xxhash|google_crc32c|_decode_chunk|_chunk_digest|_array_digest)\b", src)
-    store_src = (REPO / "dfcache/store/_store.py").read_text()
+    store_src = (REPO / "dfcache/store/_reader.py").read_text()
     assert "fmt.check_file" in store_src and "xxhash" not in store_src and "google_crc32c" not in store_src
 
 
