@@ -121,7 +121,7 @@ def compute_key(stage: str, stage_version: int, inputs: dict, upstream: dict[str
 
 # ------------------------------------------------------------------------- keys of samples
 #
-# The keys of samples, sets and segments (dfcache/samples.py) are canonical encodings of two hex
+# The keys of samples, sets and segments (dfcache/samples/) are canonical encodings of two hex
 # keys: exactly canonical_encode's bytes, spelled out here (a hex key needs no escaping and is no
 # path), because a plan derives one per sample and stage and the general encoder costs most of
 # that (tests/test_keys.py checks each against canonical_encode). Only here: callers never
@@ -141,7 +141,7 @@ def sample_keys(partition: str, upstream: Iterable[str]) -> list[str]:
 
 
 def segment_key(partition: str, keys) -> str:
-    """The key of a segment holding samples ``keys`` of ``partition`` (dfcache/samples.py):
+    """The key of a segment holding samples ``keys`` of ``partition`` (dfcache/samples/):
     ``xxh3_128(canonical({"partition": partition, "segment": xxh3_128(",".join(sorted(keys)))}))``."""
     inner = xxhash.xxh3_128_hexdigest(",".join(sorted(keys)).encode())
     return xxhash.xxh3_128_hexdigest(('{"partition":"%s","segment":"%s"}' % (partition, inner)).encode())

@@ -221,7 +221,7 @@ def upstream_chain(store, m: Manifest) -> list[dict]:
     """What ``m`` was made from, depth first, as `dfcache show` prints it.
 
     Artifacts named by upstream keys are entries ``{"key", "stage", "depth", "present", "summary"}``
-    as before. Samples are followed through their partitions (dfcache/samples.py): an artifact
+    as before. Samples are followed through their partitions (dfcache/samples/): an artifact
     made from samples (``sample_refs``: a report's upstream keys name *sets* of samples, not
     artifacts) or a segment leads to each partition its samples come from, and from there, through
     the upstream keys in each segment's samples document, to the exact samples they were made

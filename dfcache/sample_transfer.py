@@ -27,8 +27,9 @@ import numpy as np
 
 from .errors import IntegrityError
 from .manifest import Manifest
-from .samples import (DOC, INDEX, Partition, SampleArray, SampleSink, _digest_rows, index_of, index_problem,
-                      sample_digest, sample_key)
+from .samples import (DOC, INDEX, Partition, SampleArray, SampleSink, index_of, index_problem, sample_digest,
+                      sample_key)
+from .store.format import chunk_digest
 from .store import Store
 from .store import format as fmt
 from .transfer import damage_fix, pull_keys, push_keys, read_bounded
@@ -169,7 +170,7 @@ def _copy(direction: str, src, dst, wanted: dict[str, list[str]], *, progress: b
                                                    provenance={**m.provenance, "copied_from": seg})
                 for j, p in enumerate(positions):
                     got = {n: rows[n][j] for n in names}
-                    if sample_digest({n: _digest_rows(r) for n, r in got.items()}) != index["digests"][p]:
+                    if sample_digest({n: chunk_digest(r) for n, r in got.items()}) != index["digests"][p]:
                         raise IntegrityError(f"sample {m.samples['keys'][p]} of segment {seg} in {src.url} does not "
                                              f"match its digest. {damage_fix(direction, seg, src.url)}", key=seg)
                     sink.add(index["upstream"][p], got)

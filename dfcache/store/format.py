@@ -12,7 +12,7 @@ prefix)::
     dfcache-store.json                     {"format_version": 2, "kind": "dfcache-store"}
     artifacts/<key[:2]>/<key>/             one committed artifact, see artifact_prefix()
 
-Format 2 adds segments of samples (a manifest's ``samples``/``sample_refs``, dfcache/samples.py)
+Format 2 adds segments of samples (a manifest's ``samples``/``sample_refs``, dfcache/samples/)
 to format 1's artifacts, which are unchanged: ``dfcache migrate`` upgrades a format-1 store in
 place (see ``MIGRATABLE`` and dfcache/store/_migrate.py). A dfcache that reads format 1 only
 refuses a format-2 store rather than misread its segments (its gc would drop referenced ones).
