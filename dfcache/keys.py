@@ -70,12 +70,8 @@ def _encode(v: Any, where: str) -> str:
         # repr gives the shortest string that round-trips; a trailing 'f' marks the type so that
         # 1 and 1.0 never collide.
         return repr(v) + "f"
-    if isinstance(v, str):
-        if _ABS_PATH.match(v):
-            raise KeyMaterialError(
-                f"key material {where or 'value'} is an absolute path ({v!r}); paths differ between "
-                "machines. Pass a fingerprint of the file or directory instead (dfcache.fingerprint_path).")
-        return _str_json(v)
+    if isinstance(v, str):  # a str subclass: as the str it is
+        return _encode(str.__str__(v), where)
     if isinstance(v, os.PathLike):
         raise KeyMaterialError(
             f"key material {where or 'value'} is a path object ({v!s}); pass a fingerprint instead.")

@@ -32,14 +32,16 @@ from .samples import (DOC, INDEX, Partition, SampleArray, SampleSink, index_of, 
 from .store.format import chunk_digest
 from .store import Store
 from .store import format as fmt
-from .transfer import damage_fix, pull_keys, push_keys, read_bounded
+from .transfer import BaseTransferResult, damage_fix, pull_keys, push_keys, read_bounded
 
 __all__ = ["SampleTransferResult", "compare_samples", "pull_samples", "push_samples", "split_selection",
            "with_sample_upstream"]
 
 
 @dataclass
-class SampleTransferResult:
+class SampleTransferResult(BaseTransferResult):
+    """What one push or pull of samples did."""
+
     direction: str
     source: str
     destination: str
@@ -53,17 +55,10 @@ class SampleTransferResult:
     seconds: float = 0.0
 
     def summary(self) -> str:
-        verb = "pushed" if self.direction == "push" else "pulled"
-        where = f"to {self.destination}" if self.direction == "push" else f"from {self.source}"
+        verb, where = self._verb_where()
         miss = f"; {len(self.missing)} in neither store" if self.missing else ""
         return (f"{verb} {self.copied} sample(s) {where} ({len(self.whole_segments)} whole segment(s), "
                 f"{len(self.new_segments)} new); {self.present} already there{miss}; {self.seconds:.1f} s")
-
-    def to_dict(self) -> dict:
-        return {"direction": self.direction, "source": self.source, "destination": self.destination,
-                "requested": self.requested, "present": self.present, "copied": self.copied,
-                "missing": self.missing, "whole_segments": self.whole_segments,
-                "new_segments": self.new_segments, "bytes": self.bytes, "seconds": round(self.seconds, 3)}
 
 
 def _rows_of(src, m: Manifest, name: str, ranges: list[tuple[int, int]], direction: str) -> list[np.ndarray]:

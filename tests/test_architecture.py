@@ -54,6 +54,14 @@ def test_with_fix_keeps_the_class_and_fields_and_composes_the_message():
     assert isinstance(errors.KeyMaterialError("x"), errors.UsageError)
 
 
+def test_every_error_prints_its_message():
+    """str(err) is the message for every class: DfcacheError.__str__ comes first in each one's MRO
+    (a KeyError would quote it, an OSError would prefix an errno)."""
+    classes = [c for _, c in inspect.getmembers(errors, inspect.isclass) if issubclass(c, errors.DfcacheError)]
+    for cls in classes:
+        assert str(cls("the key 'x' is bad.")) == "the key 'x' is bad.", cls.__name__
+
+
 def test_the_environment_is_read_only_in_config():
     readers = []
     for path in PRODUCT:

@@ -81,26 +81,14 @@ def _read_sample_index(path, partition: str) -> tuple[dict[str, tuple[str, bytes
 def _write_sample_index(path, partition: str, segs: dict[str, tuple[str, bytes]], unique: bytes) -> None:
     """Replace the index file atomically; best effort (a store that cannot hold it is read
     from its manifests), no fsync (a torn file fails its checksum and is rebuilt)."""
-    import os
-
     order = sorted(segs)
     body = b"".join(segs[k][1] for k in order) + unique
     head = json.dumps({"dfcache_sample_index": SAMPLE_INDEX_VERSION, "stamp": sample_index_stamp(),
                        "partition": partition, "body": xxhash.xxh3_128_hexdigest(body), "unique": len(unique) // 16,
                        "segments": [[k, segs[k][0], len(segs[k][1]) // 16] for k in order]}, separators=(",", ":"))
-    from ..store.layout import index_tmp_name
+    from ..store import replace_derived
 
-    tmp = path.with_name(index_tmp_name(path.name))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(head.encode() + b"\n" + body)
-        os.replace(tmp, path)
-    except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+    replace_derived(path, head.encode() + b"\n" + body)
 
 
 def keys_as_bytes(keys: list[str]) -> bytes | None:

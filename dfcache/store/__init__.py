@@ -14,7 +14,8 @@ scheme. ``dfcache.testing.store_conformance`` is the suite every backend passes.
 ``listing(root)`` is what ``dfcache ls`` lists of a local store, from its listing index
 (``_index.py``, docs/format.md). ``recycled_empty`` is ``np.empty`` in a buffer reused once
 nothing refers to it (large read results). ``read_regular(path, limit)`` reads a file kept in a
-store (never blocking on a FIFO, regular files only, bounded; ``_files.py``).
+store (never blocking on a FIFO, regular files only, bounded; ``_files.py``), and
+``replace_derived(path, data)`` replaces a derived file (an index) in one rename.
 """
 
 from importlib import import_module
@@ -27,11 +28,11 @@ _WHERE = {"ArrayReader": "._reader", "Artifact": "._reader",
           "default_chunk_rows": ".format", "recycled_empty": "._pools", "layout": ".layout",
           "Backend": "._backend", "Staging": "._backend", "Temporary": "._backend", "format": ".format",
           "listing": "._index", "MigrateResult": "._migrate", "migrate_store": "._migrate",
-          "read_regular": "._files"}
+          "read_regular": "._files", "replace_derived": "._files"}
 
 __all__ = ["ArrayReader", "ArrayWriter", "Artifact", "ArtifactWriter", "Backend", "CommitOnExit", "MigrateResult",
            "Staging", "Store", "Temporary", "default_chunk_rows", "format", "layout", "listing", "migrate_store",
-           "open_store", "read_regular", "recycled_empty"]
+           "open_store", "read_regular", "recycled_empty", "replace_derived"]
 
 
 def __getattr__(name: str):

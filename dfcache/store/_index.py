@@ -37,8 +37,8 @@ import time
 
 import xxhash
 
-from ._files import NotRegularFile, kind_of, read_regular
-from .layout import ARTIFACTS, INDEX, LISTING, LISTING_LOG, MANIFEST, MAX_MANIFEST_BYTES, index_tmp_name, shard
+from ._files import NotRegularFile, kind_of, read_regular, replace_derived
+from .layout import ARTIFACTS, INDEX, LISTING, LISTING_LOG, MANIFEST, MAX_MANIFEST_BYTES, shard
 
 INDEX_VERSION = 1
 RACY_NS = 3 * 10**9  # above the coarsest timestamp granularity in use (2 s on FAT, 1 s on ext3)
@@ -237,19 +237,12 @@ def listing(root: str | os.PathLike, format_version: int | None = None, *, write
 def _write_snapshot(idx: str, st_: str, format_version: int, lines: list[str], *, drop_log: bool) -> None:
     """Replace the snapshot atomically; no fsync (after a crash a torn snapshot is rebuilt)."""
     header = json.dumps({"dfcache_index": INDEX_VERSION, "stamp": st_, "format_version": format_version})
-    tmp = os.path.join(idx, index_tmp_name(LISTING))
-    try:
-        os.makedirs(idx, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write("\n".join([header, *lines]).encode("utf-8", "surrogateescape"))
-        os.replace(tmp, os.path.join(idx, LISTING))
-        if drop_log:
-            # Lines appended since this listing read the log go with it: the next listing reads
-            # those few manifests again.
-            os.unlink(os.path.join(idx, LISTING_LOG))
-    except OSError:
+    data = "\n".join([header, *lines]).encode("utf-8", "surrogateescape")
+    if replace_derived(os.path.join(idx, LISTING), data) and drop_log:
+        # Lines appended since this listing read the log go with it: the next listing reads
+        # those few manifests again.
         try:
-            os.unlink(tmp)
+            os.unlink(os.path.join(idx, LISTING_LOG))
         except OSError:
             pass
 
