@@ -1,12 +1,11 @@
 """The `dfcache` command line: a thin layer over the Python API.
 
-Commands live in modules that each define ``register(app)``: this package's own, the runner's
-``runner.cli`` (``plan``/``run``, registered here by module, so a plain checkout has them without
-an installed entry point; this package still knows nothing about DFlash), and any plugin in the
-``dfcache.commands`` entry point group. A command module that fails to import is never dropped
-silently: a bundled one is an error, a plugin is a warning on stderr (its traceback under
-``--debug``), and asking for a command it would have provided is an error naming why it is not
-there. Errors print one line (no traceback unless ``--debug``) and exit with the code the design
+Commands live in modules that each define ``register(app)``: this package's own, and every
+plugin of the ``dfcache.commands`` entry point group (:mod:`dfcache.plugins`), the runner's
+``plan``/``run`` among them: dfcache imports nothing of the runner and knows nothing about
+DFlash. A command module that fails to import is never dropped silently: one of this package's
+is an error, a plugin's is a warning on stderr (its traceback under ``--debug``), and asking for
+a command it would have provided is an error naming why it is not there. Errors print one line (no traceback unless ``--debug``) and exit with the code the design
 assigns (see ``dfcache.errors``).
 """
 
@@ -52,26 +51,15 @@ def _register_all() -> None:
 
     for module in (_cache_cmds, _diff_cmd, _transfer_cmds, _migrate_cmd):
         module.register(app)
-    registered = {"runner.cli"}
-    try:
-        from runner import cli as runner_cli
-    except ModuleNotFoundError as e:
-        if e.name != "runner":  # the runner is there but broken: that is a bug to show, not hide
-            raise
-        registered = set()  # only dfcache is installed: no run/plan
-    else:
-        runner_cli.register(app)
-    from importlib.metadata import entry_points
+    from ..plugins import COMMANDS, entry_points, load
 
-    for ep in entry_points(group="dfcache.commands"):
-        if ep.value.split(":")[0] in registered:
-            continue  # an older install's entry point for a bundled module
+    for _name, value in entry_points(COMMANDS):
         try:
-            ep.load()(app)
+            load(value)(app)
         except Exception as e:  # a broken plugin must not take `ls`/`verify` down with it
             if state.debug:
                 raise
-            _plugin_errors.append(f"command plugin {ep.value} failed to load: {type(e).__name__}: {e}")
+            _plugin_errors.append(f"command plugin {value} failed to load: {type(e).__name__}: {e}")
     # Global options work after any command name too (docs/cli.md), plugins' commands included.
     for info in app.registered_commands:
         info.callback = with_global_options(info.callback)
