@@ -32,10 +32,10 @@ from .samples import (DOC, INDEX, Partition, SampleArray, SampleSink, index_of, 
 from .store.format import chunk_digest
 from .store import Store
 from .store import format as fmt
-from .transfer import BaseTransferResult, damage_fix, pull_keys, push_keys, read_bounded
+from .transfer import BaseTransferResult, TransferResult, damage_fix, pull_keys, push_keys, read_bounded
 
 __all__ = ["SampleTransferResult", "compare_samples", "pull_samples", "push_samples", "split_selection",
-           "with_sample_upstream"]
+           "transfer_selection", "with_sample_upstream"]
 
 
 @dataclass
@@ -258,6 +258,31 @@ def with_sample_upstream(store, wanted: dict[str, list[str]]) -> dict[str, list[
                             out.setdefault(qp, []).append(need)
                             todo.append((qp, need))
     return out
+
+
+def transfer_selection(direction: str, src, dst, chosen: list[str], *, with_upstream: bool = True, jobs: int = 8,
+                       progress: bool = False, offline: bool | None = None,
+                       ) -> tuple[TransferResult, SampleTransferResult | None]:
+    """What `dfcache push` and `pull` do with the artifacts ``chosen`` in ``src``: artifacts as
+    they are (:func:`dfcache.transfer.push_keys`/``pull_keys``), segments by sample: only the
+    samples ``dst`` lacks move (a source segment whole when all of its samples are wanted), so two
+    stores that hold the same samples in other segments exchange nothing. ``direction`` is
+    "push" or "pull" (``src`` is then read as untrusted by the caller)."""
+    wanted, plain, referring = split_selection(src, chosen)
+    if with_upstream and wanted:
+        wanted = with_sample_upstream(src, wanted)
+    copy = push_keys if direction == "push" else pull_keys
+    copy_samples = push_samples if direction == "push" else pull_samples
+    result = copy(src, dst, plain, with_upstream=with_upstream, progress=progress, jobs=jobs, offline=offline)
+    if referring:  # made from samples: their upstream keys name sets of samples, moved below
+        more = copy(src, dst, referring, with_upstream=False, progress=progress, jobs=jobs, offline=offline)
+        result.transferred += more.transferred
+        result.skipped += more.skipped
+        result.files += more.files
+        result.bytes += more.bytes
+        result.seconds += more.seconds
+    samples = copy_samples(src, dst, wanted, progress=progress, jobs=jobs, offline=offline) if wanted else None
+    return result, samples
 
 
 def compare_samples(local, remote, *, offline: bool | None = None) -> list[dict]:

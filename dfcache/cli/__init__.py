@@ -15,16 +15,21 @@ import sys
 from typing import Optional
 
 import typer
+from typer.core import TyperArgument
 
 from .. import __version__, interrupts
 from ..console import INTERRUPTED
 from ..errors import EXIT_INTERNAL, EXIT_USAGE, DfcacheError
-from .common import GLOBAL_OPTIONS, GlobalState, apply_global, emit_json, err, state, with_global_options
+from .common import (GLOBAL_OPTIONS, GlobalState, apply_global, emit_json, err, examples, state,
+                     with_global_options)
 
 app = typer.Typer(name="dfcache", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]},  # every command's, plugins' too
                   help="Content-addressed artifact cache and offline-first eval runner for "
-                       "speculative-decoding drafters.")
+                       "speculative-decoding drafters.",
+                  epilog=examples("dfcache run eval --example", "dfcache ls --stage hidden-states",
+                                  "dfcache --store s3://bucket/cache --json verify", "dfcache COMMAND -h"))
 
 
 def _version(value: bool) -> None:
@@ -47,9 +52,9 @@ def _global(store: Optional[str] = GLOBAL_OPTIONS["store"][1](),
 
 
 def _register_all() -> None:
-    from . import _cache_cmds, _diff_cmd, _migrate_cmd, _transfer_cmds
+    from . import _diff, _gc, _ls, _migrate, _show, _transfer, _verify
 
-    for module in (_cache_cmds, _diff_cmd, _transfer_cmds, _migrate_cmd):
+    for module in (_ls, _show, _verify, _gc, _diff, _transfer, _migrate):  # (the order `dfcache -h` lists)
         module.register(app)
     from ..plugins import COMMANDS, entry_points, load
 
@@ -63,6 +68,25 @@ def _register_all() -> None:
     # Global options work after any command name too (docs/cli.md), plugins' commands included.
     for info in app.registered_commands:
         info.callback = with_global_options(info.callback)
+
+
+class _MetavarArgument(TyperArgument):
+    """An argument shown by its metavar alone, as click and `hf` show them (``KEY``,
+    ``[KEY]...``, ``URL``): typer 0.29 writes it ``{key}`` in the usage line and adds its Python
+    type in the list of arguments (``key <str>``, ``keys... <list[str]>``)."""
+
+    def get_usage_pieces(self, ctx) -> list[str]:
+        return [self.metavar]
+
+    def display_type_rich(self, ctx):
+        return None
+
+
+def _arguments_by_metavar(group) -> None:
+    for cmd in group.commands.values():
+        for param in cmd.params:
+            if type(param) is TyperArgument and param.metavar:
+                param.__class__ = _MetavarArgument  # the same object, shown differently
 
 
 def _known_commands() -> set[str]:
@@ -94,7 +118,9 @@ def main(argv: list[str] | None = None) -> int:
                 err(f"{'error' if unknown else 'warning'}: {line}")
             if unknown:
                 return _json_error(" ".join(_plugin_errors), EXIT_INTERNAL, "PluginError")
-        rv = app(args=argv, prog_name="dfcache", standalone_mode=False)
+        command = typer.main.get_command(app)
+        _arguments_by_metavar(command)
+        rv = command(args=argv, prog_name="dfcache", standalone_mode=False)
         if isinstance(rv, int) and not isinstance(rv, bool):
             # typer turns Ctrl-C (KeyboardInterrupt) into Exit(130) and, outside standalone mode,
             # returns the code instead of raising: without this a Ctrl-C'ed run exited 0, silently.
