@@ -10,7 +10,9 @@ import datetime as _dt
 import json
 import re
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
+from .errors import UsageError
 from .listing import LS_HEADER, human_bytes, ls_footer, ls_output  # noqa: F401  (the ls text; re-exported)
 from .manifest import Manifest
 from .store.layout import GRAVE_SUFFIX
@@ -76,8 +78,6 @@ def stage_name(stage: str | None, manifests_of, known: set | frozenset = frozens
     ``hidden_states``. A stage that no command plugin defines (``known``) and no artifact has can
     never match: that is a usage error listing the valid names. ``manifests_of()`` gives the
     store's manifests (called only when the name is not a known stage)."""
-    from .errors import UsageError
-
     if stage is None:
         return None
     name = stage.strip().replace("-", "_")
@@ -93,8 +93,6 @@ def stage_name(stage: str | None, manifests_of, known: set | frozenset = frozens
 def kernel_name(kernel: str | None, manifests, known: set | frozenset = frozenset()) -> str | None:
     """``ls --backend``: a kernel family (the first part of the BACKEND column) that a plugin
     defines (``known``) or an artifact has; else a usage error listing them."""
-    from .errors import UsageError
-
     if kernel is None:
         return None
     present = {str(m.backend.get("kernel")) for m in manifests if m.backend}
@@ -113,8 +111,6 @@ def ls_entries(store, *, stage: str | None = None, kernel: str | None = None, wh
     From the store's listing index where it has one (a local store) and ``where`` is not given
     (``--where`` reads whole manifests; the index holds only what ``ls`` prints), else from its
     manifests."""
-    from types import SimpleNamespace
-
     listed = None if where else store.backend.listing()
     if listed is None:
         errors: list = []

@@ -257,6 +257,18 @@ def test_backends_are_private_to_the_store_package():
     assert reaching == [], "outside dfcache/store/, use dfcache.store and dfcache.store.format"
 
 
+def test_public_names_of_the_split_packages_resolve():
+    """dfcache.store and dfcache.samples load their modules on first use: every public name
+    resolves, to what its module defines."""
+    import importlib
+
+    for pkg in ("dfcache.store", "dfcache.samples"):
+        mod = importlib.import_module(pkg)
+        assert sorted(mod.__all__) == sorted(set(mod.__all__))
+        for name in mod.__all__:
+            assert getattr(mod, name) is not None, f"{pkg}.{name}"
+
+
 def test_capabilities_are_declared_not_probed():
     probes = []
     for path in PRODUCT:

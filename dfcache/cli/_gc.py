@@ -8,6 +8,7 @@ from typing import Annotated, List, Optional
 import typer
 
 from ..errors import DependentsError, UsageError
+from ..maintenance import gc_plan, where_scope
 from .common import StageOpt, WhereOpt, check_stage, emit_json, err, examples, get_store, human_bytes, state
 
 EPILOG = examples("dfcache gc --dry-run", "dfcache gc --stage hidden-states --older-than 30 --dry-run",
@@ -43,8 +44,6 @@ def gc(dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would 
     """
     if dry_run == yes:
         raise UsageError("gc needs exactly one of --dry-run (show what would go) or --yes (remove it).")
-    from ..maintenance import gc_plan, where_scope
-
     store = get_store(create=False)
     stage = check_stage(stage, store.list_manifests)
     keys = [store.resolve(k) for k in (key or [])]

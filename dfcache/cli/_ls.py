@@ -10,6 +10,8 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import UsageError
+from ..listing import ls_output, selection_output
+from ..maintenance import ls_entries
 from .common import EndpointOpt, StageOpt, WhereOpt, examples, get_store, state
 
 EPILOG = examples("dfcache ls", "dfcache ls --stage hidden-states --backend fla",
@@ -32,8 +34,6 @@ def ls(stage: StageOpt = None,
     """List artifacts: key, stage, size, created, backend, inputs."""
     if by not in ("artifact", "selection"):
         raise UsageError(f"--by {by!r} is not one of artifact, selection.")
-    from ..maintenance import ls_entries
-
     if remote:
         from ..transfer import open_remote
 
@@ -42,10 +42,7 @@ def ls(stage: StageOpt = None,
         store = get_store(create=False)
     entries, n_errors, stage = ls_entries(store, stage=stage, kernel=backend, where=where,
                                           known_stages=state.known_stages, known_kernels=state.known_kernels)
-    if by == "selection":
-        from ..listing import selection_output as output
-    else:
-        from ..listing import ls_output as output
+    output = selection_output if by == "selection" else ls_output
     sys.stdout.write(output(entries, json_out=state.json, url=store.url, stage=stage, errors=n_errors))
     sys.stdout.flush()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import typer
 
+from ..maintenance import backend_summary, upstream_chain
 from .common import KeyArg, emit_json, examples, get_store, human_bytes, state
 
 EPILOG = examples("dfcache show 3f2a9c1e", "dfcache --json show 3f2a9c1e | jq .upstream_chain")
@@ -12,8 +13,6 @@ EPILOG = examples("dfcache show 3f2a9c1e", "dfcache --json show 3f2a9c1e | jq .u
 
 def show(key: KeyArg) -> None:
     """Show one artifact's manifest and its upstream chain."""
-    from ..maintenance import backend_summary, upstream_chain
-
     store = get_store(create=False)
     m = store.manifest(store.resolve(key))
     chain = upstream_chain(store, m)

@@ -10,6 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import IntegrityError, UsageError
+from ..maintenance import verify_artifacts
 from .common import KeysArg, emit_json, err, examples, get_store, progress_enabled, state
 
 EPILOG = examples("dfcache verify", "dfcache verify 3f2a9c1e 77b0d4e2",
@@ -31,8 +32,6 @@ def verify(keys: KeysArg = None,
         raise UsageError(f"--recompute {recompute}: give a positive number of samples.")
     if target is not None and recompute is None:
         raise UsageError("--target is for --recompute N; add --recompute (or drop --target).")
-    from ..maintenance import verify_artifacts
-
     store = get_store(create=False)
     res = verify_artifacts(store, [store.resolve(k) for k in keys or []], progress=_bar)
     recomputed = _recompute(store, res.good, recompute, target, explicit=bool(keys)) if recompute else None

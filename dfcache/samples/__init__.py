@@ -42,16 +42,34 @@ the sample index, in memory and on disk (``_index.py``), and an ordered set of s
 whichever segments hold them (``_set.py``). The keys themselves are :mod:`dfcache.keys`'s.
 """
 
-from ..errors import SamplesMissingError
-from ..keys import record_digest, sample_key, sample_keys, segment_key
-from ._index import PartitionSamples, SampleIndex, index_of, keys_as_bytes, keys_from_bytes
-from ._partition import Partition, partition_key
-from ._segment import (DOC, INDEX, SampleArray, Segment, SegmentWriter, index_problem, read_side_by_side,
-                       sample_digest, segment_problems)
-from ._set import SampleSet
-from ._sink import SampleSink
+from importlib import import_module
+
+# Loaded on first use, as dfcache.store's names are: a plan or a fully cached run finds its
+# samples with Partition and index_of only, and never imports the writers and readers of segments
+# (3 modules, their share of a cached run's 2% in python -m bench's noop-eval row).
+_WHERE = {"SamplesMissingError": "..errors", "record_digest": "..keys", "sample_key": "..keys",
+          "sample_keys": "..keys", "segment_key": "..keys",
+          "PartitionSamples": "._index", "SampleIndex": "._index", "index_of": "._index", "keys_as_bytes": "._index",
+          "keys_from_bytes": "._index", "Partition": "._partition", "partition_key": "._partition",
+          "DOC": "._segment", "INDEX": "._segment", "SampleArray": "._segment", "Segment": "._segment",
+          "SegmentWriter": "._segment", "index_problem": "._segment", "read_side_by_side": "._segment",
+          "sample_digest": "._segment", "segment_problems": "._segment", "SampleSet": "._set",
+          "SampleSink": "._sink"}
 
 __all__ = ["DOC", "INDEX", "Partition", "PartitionSamples", "SampleArray", "SampleIndex", "SampleSet", "SampleSink",
            "SamplesMissingError", "Segment", "SegmentWriter", "index_of", "index_problem", "keys_as_bytes",
            "keys_from_bytes", "partition_key", "read_side_by_side", "record_digest", "sample_digest", "sample_key",
            "sample_keys", "segment_key", "segment_problems"]
+
+
+def __getattr__(name: str):
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(where, __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..errors import AmbiguousKeyError, ArtifactNotFoundError, IntegrityError, UntrustedManifestError, UsageError
 from ..keys import KEY_PATTERN
@@ -15,7 +16,9 @@ from ..manifest import Manifest, key_problem
 from . import format as fmt
 from ._backend import Backend, UnreadableManifest
 from ._reader import Artifact, repair_hint
-from ._writer import ArtifactWriter
+
+if TYPE_CHECKING:
+    from ._writer import ArtifactWriter
 
 
 class Store:
@@ -58,7 +61,9 @@ class Store:
     def writer(self, key: str, *, stage: str, stage_version: int, inputs: dict,
                upstream: dict | None = None, provenance: dict | None = None, summary: str = "",
                resumable: bool = False, samples: dict | None = None,
-               sample_refs: list | None = None) -> ArtifactWriter:
+               sample_refs: list | None = None) -> "ArtifactWriter":
+        from ._writer import ArtifactWriter  # here: reading a store (a cached run) needs no writer
+
         return ArtifactWriter(self, key, stage=stage, stage_version=stage_version, inputs=inputs,
                               upstream=upstream, provenance=provenance, summary=summary,
                               resumable=resumable, samples=samples, sample_refs=sample_refs)
