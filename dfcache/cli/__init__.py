@@ -5,8 +5,9 @@ plugin of the ``dfcache.commands`` entry point group (:mod:`dfcache.plugins`), t
 ``plan``/``run`` among them: dfcache imports nothing of the runner and knows nothing about
 DFlash. A command module that fails to import is never dropped silently: one of this package's
 is an error, a plugin's is a warning on stderr (its traceback under ``--debug``), and asking for
-a command it would have provided is an error naming why it is not there. Errors print one line (no traceback unless ``--debug``) and exit with the code the design
-assigns (see ``dfcache.errors``).
+a command it would have provided is an error naming why it is not there. Errors print one line
+(no traceback unless ``--debug``) and exit with the code the design assigns (see
+``dfcache.errors``).
 """
 
 from __future__ import annotations

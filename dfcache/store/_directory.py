@@ -20,7 +20,6 @@ import re
 import shutil
 import stat
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ from pathlib import Path
 from ..errors import IntegrityError, StoreWriteError, UntrustedManifestError, UsageError
 from ._backend import Backend, Staging, Temporary, UnreadableManifest, too_large
 from ._files import NotRegularFile, kind_of, read_regular
+from ._pools import thread_pool
 from .format import check_store_marker, damaged_marker, store_marker_bytes
 from .layout import (ARTIFACTS, GRAVE_SUFFIX, INDEX, LOCKS, MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES,
                      RESERVED_DIRS, RESUME_SUFFIX, SAMPLE_INDEX, STAGING, STORE_MARKER, TMP_SUFFIX, artifact_parts,
@@ -98,20 +98,6 @@ _DIR_OPEN = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | getatt
 def _open_dir(path) -> int:
     """A descriptor of the directory ``path`` itself (never a link, a FIFO or a file: OSError)."""
     return os.open(path, _DIR_OPEN)
-
-
-_pool = None
-_pool_lock = threading.Lock()
-
-
-def _fsync_pool():
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            _pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="dfcache-fsync")
-        return _pool
 
 
 def _fsync_path(path: Path) -> None:
@@ -232,7 +218,7 @@ class _DirectoryStaging(Staging):
             os.replace(tmp, p)
         # fsync in the background while the writer produces the next chunk: one at a time at
         # commit cost 80% of a write (bench/write_variants.py); flush() waits for them.
-        self._pending.append(_fsync_pool().submit(_fsync_path, p))
+        self._pending.append(thread_pool("fsync", 8).submit(_fsync_path, p))
         return n
 
     def flush(self) -> None:

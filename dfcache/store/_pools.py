@@ -1,5 +1,7 @@
-"""What the reads and writes of one process share: thread pools (made again in a forked
-child) and buffers reused across reads (large results, partial chunks).
+"""What the reads and writes of one process share: thread pools (reader threads, page-cache
+loaders, chunk encoders, a local store's background fsyncs; each made again in a forked child,
+whose copy of a pool has no threads) and buffers reused across reads (large results, partial
+chunks).
 
 numpy is imported on first use (``np = LazyModule("numpy")``): opening a store needs none.
 """
@@ -17,7 +19,7 @@ _pools: dict[str, tuple[int, object]] = {}
 _pools_lock = threading.Lock()
 
 
-def _pool(name: str, workers: int):
+def thread_pool(name: str, workers: int):
     """A process's thread pool ``name``, made again in a forked child (whose copy of the
     parent's pool has no threads: work handed to it would never run)."""
     pid = os.getpid()
@@ -93,7 +95,7 @@ def recycled_empty(shape: tuple, dtype) -> np.ndarray:
 _scratch_local = threading.local()
 
 
-def _scratch(nbytes: int) -> np.ndarray:
+def scratch(nbytes: int) -> np.ndarray:
     """A per-thread buffer for partial chunk reads, reused: a fresh one costs its page faults."""
     buf = getattr(_scratch_local, "buf", None)
     if buf is None or buf.nbytes < nbytes:

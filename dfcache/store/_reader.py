@@ -19,7 +19,7 @@ from ..manifest import STORAGE_DTYPE, ArraySpec, Manifest
 from . import _pagecache
 from . import format as fmt
 from ._files import OPEN_FLAGS, NotRegularFile, read_regular
-from ._pools import _pool, _scratch, recycled_empty
+from ._pools import recycled_empty, scratch, thread_pool
 from .layout import chunk_prefix
 
 if TYPE_CHECKING:
@@ -193,7 +193,7 @@ class ArrayReader:
             groups = min(groups, len(todo))
             if groups > 1:  # contiguous runs of chunks, the caller's thread reading the first
                 cut = [len(todo) * g // groups for g in range(groups + 1)]
-                pool = _pool("read", groups - 1)
+                pool = thread_pool("read", groups - 1)
                 futures = [pool.submit(self._read_run, todo[cut[g]:cut[g + 1]], start, stop, out)
                            for g in range(1, groups)]
                 done = [self._read_run(todo[cut[0]:cut[1]], start, stop, out)]
@@ -266,7 +266,7 @@ class ArrayReader:
             except OSError:
                 continue  # the read reports it
             if large and _pagecache.missing_pages(fd, self._file_bytes):
-                _pool("load", LOAD_THREADS).submit(_load_and_close, fd, self._file_bytes)
+                thread_pool("load", LOAD_THREADS).submit(_load_and_close, fd, self._file_bytes)
                 continue
             try:
                 if not large:
@@ -386,7 +386,7 @@ class ArrayReader:
         if _pagecache.available():
             for i, fd in fds.items():
                 if _pagecache.missing_pages(fd, self._file_bytes):
-                    loads[i] = _pool("load", LOAD_THREADS).submit(_pagecache.load_large, fd, self._file_bytes)
+                    loads[i] = thread_pool("load", LOAD_THREADS).submit(_pagecache.load_large, fd, self._file_bytes)
             return fds, loads
         for fd in fds.values():
             try:
@@ -413,14 +413,14 @@ class ArrayReader:
         contiguous = dest.flags.c_contiguous
         if store._verified.get(ck) == sig:
             want = (b - a) * row_bytes
-            buf = dest.reshape(-1).view(np.uint8) if contiguous else _scratch(want)
+            buf = dest.reshape(-1).view(np.uint8) if contiguous else scratch(want)
             if _pread_full(fd, buf, (a - lo) * row_bytes) != want:
                 return False
             if not contiguous:
                 dest[...] = buf.view(self._storage.newbyteorder("<")).reshape(dest.shape)
             return True
         whole = contiguous and a == lo and b - lo == self.chunk_rows
-        buf = dest.reshape(-1).view(np.uint8) if whole else _scratch(body)
+        buf = dest.reshape(-1).view(np.uint8) if whole else scratch(body)
         # The body and the crc32c after it in one system call (the fifth byte asked for must not
         # come: the file ends there); a short read (rare) is finished one call at a time.
         trailer = bytearray(5)

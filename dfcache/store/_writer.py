@@ -22,7 +22,7 @@ from ..keys import KEY_PATTERN
 from ..manifest import CODECS, NAME_PATTERN, STORAGE_DTYPE, ArraySpec, BlobSpec, Manifest, validate_manifest
 from . import format as fmt
 from ._backend import Staging
-from ._pools import _pool
+from ._pools import thread_pool
 from .format import default_chunk_rows
 from .layout import BLOBS, CHUNKS, PROGRESS, TAILS, tail_relpath
 
@@ -38,7 +38,7 @@ def _encode_pool():
     """Threads that compress chunks: numcodecs releases the GIL, so the producer, the hashing
     and the compression of the next chunks run on different cores (and blosc off the main
     thread takes its single-threaded context, which is the faster one for one block)."""
-    return _pool("encode", max(2, min(8, os.cpu_count() or 2)))
+    return thread_pool("encode", max(2, min(8, os.cpu_count() or 2)))
 
 
 class ArrayWriter:
