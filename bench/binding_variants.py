@@ -46,11 +46,11 @@ def main(argv=None) -> int:
     from dfcache.keys import compute_key
     from dfcache.store import format as fmt
     from dfcache.store import open_store
-    from dfcache.store import _store
-    from dfcache.store._store import RACY_NS
+    from dfcache.store import _reader
+    from dfcache.store._reader import RACY_NS
 
     if args.one_thread:
-        _store._read_workers = lambda: 0
+        _reader._read_workers = lambda: 0
 
     h = make_hidden(int(args.mb * 1e6), lengths=(1024, 3072), seed=1)
     root = OUT_DIR / f"tmp-binding-{os.getpid()}"
@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     n = len(h.lengths)
     print(f"{h.nbytes / 1e6:.0f} MB bf16 x {h.states.shape[1]}, chunk_rows {arr.chunk_rows}, {args.picks} random "
           f"samples of 1024-3072 tokens per round, warm page cache, every chunk checked in the timed read"
-          + (", no reader threads" if args.one_thread else f", {_store._read_workers()} reader thread(s)"))
+          + (", no reader threads" if args.one_thread else f", {_reader._read_workers()} reader thread(s)"))
     clocks = ("wall", "cpu") if args.one_thread else ("wall",)  # with reader threads, CPU time is theirs too
     print(f"{'round':<6} {'path':<16} " + " ".join(f"{k:>14}" for k in names))
     for r in range(args.rounds):

@@ -30,8 +30,8 @@ NAME = "ls"
 WORKERS = 4
 STAGES = ("prompts", "completions", "tokens", "hidden_states", "eval")
 SOURCES = ("dfcache/__init__.py", "dfcache/keys.py", "dfcache/manifest.py", "dfcache/store/_store.py",
-           "dfcache/store/format.py", "dfcache/store/_open.py",
-           "dfcache/store/_local.py", "dfcache/store/_backend.py")
+           "dfcache/store/_writer.py", "dfcache/store/format.py", "dfcache/store/layout.py", "dfcache/store/_open.py",
+           "dfcache/store/_directory.py", "dfcache/store/_local.py", "dfcache/store/_backend.py")
 
 
 def counts(factor: float) -> tuple[int, int]:

@@ -46,7 +46,7 @@ def run(ctx: Ctx) -> Result:
     # (docs/format.md, racy files); a reader of a cache comes later: the picks start once settled.
     import time
 
-    from dfcache.store._store import RACY_NS
+    from dfcache.store._reader import RACY_NS
 
     time.sleep(RACY_NS / 1e9 + 0.2)
     open_s = med([clock(lambda: store.open(key)) for _ in range(5)])

@@ -176,7 +176,7 @@ def run(ctx: Ctx) -> Result:
     # (docs/format.md, racy files); a trainer reads a cache later: start once the files settle.
     import time
 
-    from dfcache.store._store import RACY_NS
+    from dfcache.store._reader import RACY_NS
 
     time.sleep(RACY_NS / 1e9 + 0.2)
     contenders = {"dfcache concatenated": make_ours(concatenated=True), "dfcache": make_ours(),

@@ -10,10 +10,11 @@ is missing, damaged or of another format, any error) goes to :mod:`dfcache.cli` 
 says what is wrong exactly as it always did. Both paths print through
 :func:`dfcache.maintenance.ls_output`, so their output is the same bytes.
 
-A fully cached ``dfcache run`` is answered the same way, by the runner's :mod:`runner.fast_cli`
-(the runner knows its own options; this module only hands it the command line): it prints
-through the functions ``dfcache run`` prints with, and leaves anything that needs work, or that
-it does not understand completely, to :mod:`dfcache.cli`.
+A fully cached ``dfcache run`` is answered the same way, by the fast path the runner declares
+for ``run`` (the ``dfcache.fast_paths`` entry points, :mod:`dfcache.plugins`; dfcache imports
+nothing of the runner, and the runner knows its own options): it prints through the functions
+``dfcache run`` prints with, and leaves anything that needs work, or that it does not understand
+completely, to :mod:`dfcache.cli`.
 """
 
 from __future__ import annotations
@@ -68,11 +69,13 @@ def _fast_ls(argv: list[str]) -> int | None:
         import stat
 
         # Bounded and never blocking (a FIFO in its place hung `ls`); anything odd: the full CLI.
-        fd = os.open(os.path.join(root, "dfcache-store.json"), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        from .store.layout import MARKER_KIND, MAX_MARKER_BYTES, STORE_MARKER
+
+        fd = os.open(os.path.join(root, STORE_MARKER), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 return None
-            marker = json.loads(os.read(fd, 1 << 16))
+            marker = json.loads(os.read(fd, MAX_MARKER_BYTES))
         finally:
             os.close(fd)
         from .listing import ls_output
@@ -82,7 +85,7 @@ def _fast_ls(argv: list[str]) -> int | None:
         # code), so the store format module (and its crc32c) is never imported here.
         listed = listing(root)
         if (listed is None or not isinstance(marker, dict) or marker.get("format_version") != listed.format_version
-                or marker.get("kind", "dfcache-store") != "dfcache-store"):
+                or marker.get("kind", MARKER_KIND) != MARKER_KIND):
             return None
         entries = listed.artifacts
         stage = opts.get("--stage")
@@ -108,18 +111,17 @@ def _fast_ls(argv: list[str]) -> int | None:
     return 0
 
 
-def _fast_run(argv: list[str]) -> int | None:
-    """A fully cached ``run``, answered by the runner's own fast path (runner.fast_cli) when the
-    runner is installed; None when dfcache.cli must answer."""
-    if "run" not in argv:
-        return None
-    try:
-        from runner.fast_cli import main as fast_main
-    except ModuleNotFoundError as e:
-        if e.name != "runner":
-            raise
-        return None  # only dfcache is installed: no run
-    return fast_main(argv)
+def _fast_plugin(argv: list[str]) -> int | None:
+    """A command answered by the fast path declared for it (``dfcache.fast_paths``: a fully
+    cached ``run``); None when dfcache.cli must answer."""
+    from .plugins import FAST_PATHS, load, own_entry_points
+
+    for command, value in own_entry_points().get(FAST_PATHS, {}).items():
+        if command in argv:
+            rc = load(value)(argv)
+            if rc is not None:
+                return rc
+    return None
 
 
 def exit_process(rc) -> None:
@@ -153,7 +155,7 @@ def main() -> None:
     try:
         rc = _fast_ls(argv)
         if rc is None:
-            rc = _fast_run(argv)
+            rc = _fast_plugin(argv)
         if rc is None:
             from dfcache.cli import main as cli_main
 

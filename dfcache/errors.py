@@ -77,7 +77,7 @@ class DfcacheError(Exception):
         new.__traceback__ = None
         return new
 
-    def __str__(self) -> str:
+    def __str__(self) -> str:  # first in every subclass's MRO: OSError, KeyError would print otherwise
         return self.message
 
 
@@ -164,9 +164,6 @@ class StoreWriteError(DfcacheError, OSError):
         DfcacheError.__init__(self, message, fix=fix)
         self.path = path
 
-    def __str__(self) -> str:
-        return self.message
-
 
 class IntegrityError(DfcacheError, OSError):
     """An artifact's bytes do not match its manifest, or the artifact is incomplete."""
@@ -176,9 +173,6 @@ class IntegrityError(DfcacheError, OSError):
     def __init__(self, message: str, key: str | None = None, *, fix: str | None = None) -> None:
         DfcacheError.__init__(self, message, fix=fix)
         self.key = key
-
-    def __str__(self) -> str:
-        return self.message
 
 
 class UntrustedManifestError(IntegrityError):
@@ -199,17 +193,11 @@ class BadInputError(DfcacheError, ValueError):
 class ModelNotFoundError(BadInputError, FileNotFoundError):
     """A model or checkpoint was not found where dfcache looked."""
 
-    def __str__(self) -> str:
-        return self.message
-
 
 class ArtifactNotFoundError(DfcacheError, KeyError):
     """No artifact with that key (or key prefix) is in the store."""
 
     exit_code = EXIT_USAGE
-
-    def __str__(self) -> str:  # KeyError would quote the message
-        return self.message
 
 
 class AmbiguousKeyError(ArtifactNotFoundError):

@@ -10,9 +10,12 @@ import datetime as _dt
 import json
 import re
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
+from .errors import UsageError
 from .listing import LS_HEADER, human_bytes, ls_footer, ls_output  # noqa: F401  (the ls text; re-exported)
 from .manifest import Manifest
+from .store.layout import GRAVE_SUFFIX
 
 
 def backend_summary(m: Manifest) -> str:
@@ -68,6 +71,114 @@ def manifest_row(m: Manifest) -> dict:
             # a segment's partition and how many samples it holds (`ls --by selection` groups by them)
             "samples": ({"partition": m.samples["partition"], "count": len(m.samples["keys"])}
                         if m.samples else None)}
+
+
+def stage_name(stage: str | None, manifests_of, known: set | frozenset = frozenset()) -> str | None:
+    """``--stage`` as the store spells it: ``hidden-states`` (as `run` spells its targets) is
+    ``hidden_states``. A stage that no command plugin defines (``known``) and no artifact has can
+    never match: that is a usage error listing the valid names. ``manifests_of()`` gives the
+    store's manifests (called only when the name is not a known stage)."""
+    if stage is None:
+        return None
+    name = stage.strip().replace("-", "_")
+    if name in known:
+        return name
+    present = {m.stage for m in manifests_of()}
+    if name in present:
+        return name
+    choices = ", ".join(sorted(set(known) | present)) or "none (the store is empty)"
+    raise UsageError(f"--stage {stage!r} is not a stage; choose one of {choices}.")
+
+
+def kernel_name(kernel: str | None, manifests, known: set | frozenset = frozenset()) -> str | None:
+    """``ls --backend``: a kernel family (the first part of the BACKEND column) that a plugin
+    defines (``known``) or an artifact has; else a usage error listing them."""
+    if kernel is None:
+        return None
+    present = {str(m.backend.get("kernel")) for m in manifests if m.backend}
+    if kernel in set(known) | present:
+        return kernel
+    choices = ", ".join(sorted(set(known) | present)) or "none (no artifact has a backend)"
+    raise UsageError(f"--backend {kernel!r} is not a kernel family; choose one of {choices} (the device "
+                     "and dtype follow it in the BACKEND column of `dfcache ls`).")
+
+
+def ls_entries(store, *, stage: str | None = None, kernel: str | None = None, where: list[str] | None = None,
+               known_stages=frozenset(), known_kernels=frozenset()) -> tuple[list[tuple], int, str | None]:
+    """What `dfcache ls` lists: (the :func:`ls_entry` of each artifact selected, in (created,
+    key) order; how many manifests failed validation; ``stage`` as the store spells it).
+
+    From the store's listing index where it has one (a local store) and ``where`` is not given
+    (``--where`` reads whole manifests; the index holds only what ``ls`` prints), else from its
+    manifests."""
+    listed = None if where else store.backend.listing()
+    if listed is None:
+        errors: list = []
+        everything = store.list_manifests(errors=errors)
+        stage = stage_name(stage, lambda: everything, known_stages)
+        kernel = kernel_name(kernel, everything, known_kernels)
+        manifests = [m for m in everything if stage is None or m.stage == stage]
+        if kernel:
+            manifests = [m for m in manifests if (m.backend or {}).get("kernel") == kernel]
+        if where:
+            from .query import filter_manifests
+
+            manifests = filter_manifests(manifests, where)
+        entries = [ls_entry(m) for m in manifests]
+        n_errors = len(errors)
+    else:
+        entries, n_errors = listed.artifacts, len(listed.errors)
+        stage = stage_name(stage, lambda: [SimpleNamespace(stage=e[2]) for e in entries], known_stages)
+        if kernel:
+            kernels = [(e, json.loads(e[5])["backend"]) for e in entries]
+            kernel = kernel_name(kernel, [SimpleNamespace(backend=b) for _, b in kernels], known_kernels)
+            entries = [e for e, b in kernels if (b or {}).get("kernel") == kernel]
+        entries = [e for e in entries if stage is None or e[2] == stage]
+    entries.sort(key=lambda e: (e[0], e[1]))  # (created, key); stable, so directory order between equals
+    return entries, n_errors, stage
+
+
+@dataclass
+class VerifyResult:
+    """What :func:`verify_artifacts` found: ``checked`` artifacts (invalid manifests included),
+    ``bad`` (key -> its problems), ``broken`` ((artifact, what it lacks) of each upstream
+    artifact or sample missing from the store: a warning, not corrupt data)."""
+
+    checked: int
+    bad: dict[str, list[str]]
+    broken: list[tuple[Manifest, str]]
+    keys: list[str] = field(default_factory=list)  # the artifacts checked, in order
+
+    @property
+    def good(self) -> list[str]:
+        return [k for k in self.keys if k not in self.bad]
+
+
+def verify_artifacts(store, keys: list[str] | None = None, *, progress=None) -> VerifyResult:
+    """Re-hash ``keys`` (full keys; default: every artifact) against their manifests, as
+    `dfcache verify` does. ``progress(total)``, if given, returns a bar (``update(n)``,
+    ``close()``; tqdm's) or None."""
+    errors: list = []
+    everything = store.list_manifests(errors=errors)
+    targets = list(keys) if keys else [m.key for m in everything]
+    bad = {k: [msg] for k, msg in errors}
+    # A missing upstream artifact is a broken chain, not corrupt data: the dependent's own
+    # bytes are fine, and a store may hold an artifact without its inputs on purpose (pulled
+    # with --no-upstream, or a run that pulled only the eval it needed).
+    wanted = set(targets)
+    broken = [(m, u) for m, u in missing_upstream(store, everything) if m.key in wanted]
+    bar = progress(len(targets)) if progress is not None else None
+    try:
+        for k in targets:
+            problems = store.verify(k)
+            if problems:
+                bad[k] = problems
+            if bar is not None:
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+    return VerifyResult(checked=len(targets) + len(errors), bad=bad, broken=broken, keys=targets)
 
 
 def missing_upstream(store, manifests) -> list[tuple[Manifest, str]]:
@@ -156,7 +267,7 @@ def gc_plan(store, *, tmp: bool = True, stage: str | None = None, older_than_day
     plan = GcPlan()
     if tmp:
         for t in store.backend.list_temporaries():
-            if t.in_use or (t.age_s < grace_s and not t.name.endswith(".deleted")):
+            if t.in_use or (t.age_s < grace_s and not t.name.endswith(GRAVE_SUFFIX)):
                 continue
             reason = "resumable progress of an interrupted run" if t.resumable else "left by a crashed writer"
             plan.items.append(GcItem("temporary", t.name, t.size_bytes, reason))
@@ -220,7 +331,7 @@ def upstream_chain(store, m: Manifest) -> list[dict]:
     """What ``m`` was made from, depth first, as `dfcache show` prints it.
 
     Artifacts named by upstream keys are entries ``{"key", "stage", "depth", "present", "summary"}``
-    as before. Samples are followed through their partitions (dfcache/samples.py): an artifact
+    as before. Samples are followed through their partitions (dfcache/samples/): an artifact
     made from samples (``sample_refs``: a report's upstream keys name *sets* of samples, not
     artifacts) or a segment leads to each partition its samples come from, and from there, through
     the upstream keys in each segment's samples document, to the exact samples they were made

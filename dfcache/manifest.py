@@ -80,7 +80,7 @@ class Manifest:
     dfcache_version: str
     format_version: int = FORMAT_VERSION
     summary: str = ""
-    # A segment (many samples of one partition, see dfcache/samples.py): {"partition": key,
+    # A segment (many samples of one partition, see dfcache/samples/): {"partition": key,
     # "partition_upstream": {role: partition key}, "keys": [sample keys, in segment order]}.
     samples: dict[str, Any] | None = None
     # Samples this artifact was made from: [{"partition": key, "keys": [sample keys]}] (gc keeps them).

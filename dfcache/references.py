@@ -6,7 +6,7 @@ Three kinds of reference, all read from manifests (and, for segments, their samp
 * an artifact's ``sample_refs``: the samples it was made from, by partition;
 * a sample's upstream: a sample of a partition whose upstream role ``"sample"`` is partition Q
   needs its upstream sample in Q; for every other role Q' it needs the sample of Q' made from
-  the same upstream key (see dfcache/samples.py).
+  the same upstream key (see dfcache/samples/).
 
 Removing segments loses only the samples no other (kept) segment holds. A segment all of whose
 samples are read from other segments (a duplicate left by overlapping writers) loses nothing.

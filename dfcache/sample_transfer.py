@@ -27,18 +27,21 @@ import numpy as np
 
 from .errors import IntegrityError
 from .manifest import Manifest
-from .samples import (DOC, INDEX, Partition, SampleArray, SampleSink, _digest_rows, index_of, index_problem,
-                      sample_digest, sample_key)
+from .samples import (DOC, INDEX, Partition, SampleArray, SampleSink, index_of, index_problem, sample_digest,
+                      sample_key)
+from .store.format import chunk_digest
 from .store import Store
 from .store import format as fmt
-from .transfer import damage_fix, pull_keys, push_keys, read_bounded
+from .transfer import BaseTransferResult, TransferResult, damage_fix, pull_keys, push_keys, read_bounded
 
 __all__ = ["SampleTransferResult", "compare_samples", "pull_samples", "push_samples", "split_selection",
-           "with_sample_upstream"]
+           "transfer_selection", "with_sample_upstream"]
 
 
 @dataclass
-class SampleTransferResult:
+class SampleTransferResult(BaseTransferResult):
+    """What one push or pull of samples did."""
+
     direction: str
     source: str
     destination: str
@@ -52,17 +55,10 @@ class SampleTransferResult:
     seconds: float = 0.0
 
     def summary(self) -> str:
-        verb = "pushed" if self.direction == "push" else "pulled"
-        where = f"to {self.destination}" if self.direction == "push" else f"from {self.source}"
+        verb, where = self._verb_where()
         miss = f"; {len(self.missing)} in neither store" if self.missing else ""
         return (f"{verb} {self.copied} sample(s) {where} ({len(self.whole_segments)} whole segment(s), "
                 f"{len(self.new_segments)} new); {self.present} already there{miss}; {self.seconds:.1f} s")
-
-    def to_dict(self) -> dict:
-        return {"direction": self.direction, "source": self.source, "destination": self.destination,
-                "requested": self.requested, "present": self.present, "copied": self.copied,
-                "missing": self.missing, "whole_segments": self.whole_segments,
-                "new_segments": self.new_segments, "bytes": self.bytes, "seconds": round(self.seconds, 3)}
 
 
 def _rows_of(src, m: Manifest, name: str, ranges: list[tuple[int, int]], direction: str) -> list[np.ndarray]:
@@ -169,7 +165,7 @@ def _copy(direction: str, src, dst, wanted: dict[str, list[str]], *, progress: b
                                                    provenance={**m.provenance, "copied_from": seg})
                 for j, p in enumerate(positions):
                     got = {n: rows[n][j] for n in names}
-                    if sample_digest({n: _digest_rows(r) for n, r in got.items()}) != index["digests"][p]:
+                    if sample_digest({n: chunk_digest(r) for n, r in got.items()}) != index["digests"][p]:
                         raise IntegrityError(f"sample {m.samples['keys'][p]} of segment {seg} in {src.url} does not "
                                              f"match its digest. {damage_fix(direction, seg, src.url)}", key=seg)
                     sink.add(index["upstream"][p], got)
@@ -262,6 +258,31 @@ def with_sample_upstream(store, wanted: dict[str, list[str]]) -> dict[str, list[
                             out.setdefault(qp, []).append(need)
                             todo.append((qp, need))
     return out
+
+
+def transfer_selection(direction: str, src, dst, chosen: list[str], *, with_upstream: bool = True, jobs: int = 8,
+                       progress: bool = False, offline: bool | None = None,
+                       ) -> tuple[TransferResult, SampleTransferResult | None]:
+    """What `dfcache push` and `pull` do with the artifacts ``chosen`` in ``src``: artifacts as
+    they are (:func:`dfcache.transfer.push_keys`/``pull_keys``), segments by sample: only the
+    samples ``dst`` lacks move (a source segment whole when all of its samples are wanted), so two
+    stores that hold the same samples in other segments exchange nothing. ``direction`` is
+    "push" or "pull" (``src`` is then read as untrusted by the caller)."""
+    wanted, plain, referring = split_selection(src, chosen)
+    if with_upstream and wanted:
+        wanted = with_sample_upstream(src, wanted)
+    copy = push_keys if direction == "push" else pull_keys
+    copy_samples = push_samples if direction == "push" else pull_samples
+    result = copy(src, dst, plain, with_upstream=with_upstream, progress=progress, jobs=jobs, offline=offline)
+    if referring:  # made from samples: their upstream keys name sets of samples, moved below
+        more = copy(src, dst, referring, with_upstream=False, progress=progress, jobs=jobs, offline=offline)
+        result.transferred += more.transferred
+        result.skipped += more.skipped
+        result.files += more.files
+        result.bytes += more.bytes
+        result.seconds += more.seconds
+    samples = copy_samples(src, dst, wanted, progress=progress, jobs=jobs, offline=offline) if wanted else None
+    return result, samples
 
 
 def compare_samples(local, remote, *, offline: bool | None = None) -> list[dict]:

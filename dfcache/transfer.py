@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, as_completed, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from .config import load_config
 from .errors import ArtifactNotFoundError, IntegrityError, UntrustedManifestError, UsageError
@@ -39,15 +39,38 @@ from .manifest import Manifest
 from .store import Store, open_store
 from .store import format as fmt
 
-__all__ = ["Comparison", "TransferResult", "compare", "damage_fix", "list_remote", "open_remote", "pull_keys",
+__all__ = ["BaseTransferResult", "Comparison", "TransferResult", "compare", "damage_fix", "list_remote", "open_remote", "pull_keys",
            "push_keys", "read_bounded", "select_keys", "source_manifest"]
 
 # ------------------------------------------------------------------------------ results
 
 
+class BaseTransferResult:
+    """What a push or pull result is, of artifacts (:class:`TransferResult`) or of samples
+    (:class:`dfcache.sample_transfer.SampleTransferResult`): its direction and two stores, its
+    JSON form, and how its one-line summary starts."""
+
+    direction: str  # "push" | "pull"
+    source: str
+    destination: str
+    seconds: float
+
+    def _verb_where(self) -> tuple[str, str]:
+        """("pushed", "to DESTINATION") or ("pulled", "from SOURCE")."""
+        if self.direction == "push":
+            return "pushed", f"to {self.destination}"
+        return "pulled", f"from {self.source}"
+
+    def to_dict(self) -> dict:
+        """Every field in declaration order (the ``--json`` object), seconds to the millisecond."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["seconds"] = round(self.seconds, 3)
+        return out
+
+
 @dataclass
-class TransferResult:
-    """What one push or pull did."""
+class TransferResult(BaseTransferResult):
+    """What one push or pull of artifacts did."""
 
     direction: str  # "push" | "pull"
     source: str
@@ -60,17 +83,10 @@ class TransferResult:
     seconds: float = 0.0
 
     def summary(self) -> str:
-        verb = "pushed" if self.direction == "push" else "pulled"
-        where = f"to {self.destination}" if self.direction == "push" else f"from {self.source}"
+        verb, where = self._verb_where()
         rate = f", {human_bytes(self.bytes / self.seconds)}/s" if self.seconds > 0 and self.bytes else ""
         return (f"{verb} {len(self.transferred)} artifact(s), {human_bytes(self.bytes)} in {self.files} file(s) "
                 f"{where} in {self.seconds:.1f} s{rate}; {len(self.skipped)} already there (skipped)")
-
-    def to_dict(self) -> dict:
-        return {"direction": self.direction, "source": self.source, "destination": self.destination,
-                "transferred": self.transferred, "skipped": self.skipped,
-                "missing_upstream": self.missing_upstream, "files": self.files, "bytes": self.bytes,
-                "seconds": round(self.seconds, 3)}
 
 
 @dataclass

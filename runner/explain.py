@@ -15,7 +15,7 @@ What it says:
   only in B;
 * for the shared prompts, whether completions, tokens and hidden states differ: the sample keys
   of both sides derive from each prompt's record digest and the partitions the reports name
-  (dfcache/samples.py), and the same key is the same bytes; where keys differ, the per-sample
+  (dfcache/samples/), and the same key is the same bytes; where keys differ, the per-sample
   digests stored with the segments say whether the bytes still agree;
 * per row pair, τ chain on both sides and the per-prompt τ deltas on the shared prompts, largest
   first.

@@ -198,11 +198,12 @@ def _resolve(p: dict, loc: str, stderr):
     import os
 
     from dfcache import config
+    from dfcache.store.layout import STORE_MARKER
 
     from .options import EvalOptions
 
     root = os.path.abspath(os.path.expanduser(loc))
-    if not os.path.isfile(os.path.join(root, "dfcache-store.json")):
+    if not os.path.isfile(os.path.join(root, STORE_MARKER)):
         raise _NotMine  # a store that is not there yet is made by the full CLI
     if config.load_config().default_remotes:
         raise _NotMine

@@ -14,15 +14,10 @@ from __future__ import annotations
 import xxhash
 
 from dfcache.errors import IntegrityError
+from dfcache.keys import set_key  # noqa: F401  (the key of an ordered set of samples; public here too)
 from dfcache.samples import Partition, index_of, keys_as_bytes, keys_from_bytes
 
 __all__ = ["assign_demand", "locate", "sample_counts", "sample_keys", "set_key"]
-
-
-def set_key(partition: str, keys: list[str]) -> str:
-    """The key of an ordered set of samples of one partition (order matters: reports)."""
-    inner = xxhash.xxh3_128_hexdigest(",".join(keys).encode())
-    return xxhash.xxh3_128_hexdigest(('{"partition":"%s","set":"%s"}' % (partition, inner)).encode())
 
 
 # The sample keys of a large prompt set are kept in $DFCACHE_HOME/sample-keys/, as the prompt-set

@@ -169,3 +169,49 @@ def test_ls_summary_is_cut_between_words(tmp_path):
     short = input_summary(s.manifest("ef" * 16), width=60)
     assert short.endswith("…") and len(short) <= 60
     assert text.startswith(short[:-1]) and text[len(short) - 1] in " ,"  # ends at a word's end
+
+
+DFCACHE_COMMANDS = ("ls", "show", "verify", "gc", "diff", "push", "pull", "status", "migrate")
+
+
+@pytest.mark.parametrize("command", DFCACHE_COMMANDS)
+def test_help_is_what_users_of_hf_and_dvc_expect(command, capsys):
+    """`-h` as well as `--help`; arguments and values named by what they are (KEY, URL, N, DAYS,
+    SECONDS, PATH), never by their Python type or in braces; help text on every option; examples."""
+    import re
+
+    import typer
+
+    from dfcache.cli import _register_all, app, main
+
+    assert main([command, "-h"]) == 0
+    short = capsys.readouterr().out
+    assert main([command, "--help"]) == 0
+    assert capsys.readouterr().out == short
+    usage = short.splitlines()[0]
+    assert usage.startswith(f"Usage: dfcache {command} [OPTIONS]") and "{" not in usage, usage
+    assert not re.search(r"<(str|int|float|list\[str\]|int range|float range)>", short), short
+    examples = short[short.index("Examples:"):].splitlines()[1:]
+    assert len([line for line in examples if line.strip().startswith(f"$ dfcache")]) >= 2, short
+    _register_all()
+    cmd = typer.main.get_command(app).commands[command]
+    for param in cmd.params:
+        assert (param.help or "").strip(), f"{command}: {param.name} has no help"
+        if param.param_type_name == "argument":
+            assert param.metavar and param.metavar.strip("[].").isupper(), f"{command}: {param.name}"
+        elif not param.is_flag:
+            assert param.metavar and re.fullmatch(r"[A-Z_]+|[a-z]+(\|[a-z]+)+", param.metavar), \
+                f"{command}: {param.opts} has metavar {param.metavar!r}"
+
+
+def test_units_are_in_the_metavars(capsys):
+    from dfcache.cli import main
+
+    assert main(["gc", "-h"]) == 0
+    out = capsys.readouterr().out
+    assert "--older-than DAYS" in out and "--grace SECONDS" in out and "--key KEY" in out
+    assert main(["push", "-h"]) == 0
+    out = capsys.readouterr().out
+    assert "Usage: dfcache push [OPTIONS] URL [KEY]..." in out and "-j, --jobs N" in out
+    assert main(["-h"]) == 0
+    assert "--store PATH" in capsys.readouterr().out

@@ -106,3 +106,38 @@ def test_fingerprint_memoized(tmp_path, monkeypatch):
     # a changed file (new mtime/size) is re-hashed
     (d / "model.safetensors").write_bytes(os.urandom(4 << 20))
     assert fingerprint_path(d) != first and hashed[0] >= 4 << 20
+
+
+def test_fast_encoders_give_exactly_the_canonical_bytes():
+    """keys.py spells the encodings of sample, segment and set keys out for speed: each must be
+    the xxh3-128 of canonical_encode of the same material, or every stored sample would miss."""
+    import json
+
+    import xxhash
+
+    from dfcache.keys import messages_digest, record_digest, sample_key, sample_keys, segment_key, set_key
+
+    def h(material) -> str:
+        return xxhash.xxh3_128_hexdigest(canonical_encode(material))
+
+    import enum
+
+    class Kind(str, enum.Enum):  # a str subclass is keyed as the str it is, whatever its __str__ says
+        FLA = "fla/x"
+
+    assert canonical_encode({"k": Kind.FLA}) == canonical_encode({"k": "fla/x"}) == b'{"k":"fla/x"}'
+    part, ups = "0f" * 16, [f"{i:032x}" for i in (7, 3, 11)]
+    assert sample_key(part, ups[0]) == h({"partition": part, "sample": ups[0]})
+    assert sample_keys(part, ups) == [h({"partition": part, "sample": u}) for u in ups]
+    inner = xxhash.xxh3_128_hexdigest(",".join(sorted(ups)).encode())
+    assert segment_key(part, ups) == h({"partition": part, "segment": inner})
+    ordered = xxhash.xxh3_128_hexdigest(",".join(ups).encode())
+    assert set_key(part, ups) == h({"partition": part, "set": ordered}) != set_key(part, sorted(ups))
+    # Records are plain sorted JSON (a prompt may hold what looks like a path), not key material.
+    for messages in ([{"role": "user", "content": 'ünï "q" \\ \n\t\x00 /etc/passwd'}],
+                     [{"content": "a", "role": "system"}, {"role": "user", "content": "b"}],
+                     [{"role": "user", "content": "x", "name": "n"}],  # another key: the general encoder
+                     [{"role": "user", "content": ["a", {"type": "text"}]}], [{"role": "user"}], []):
+        want = xxhash.xxh3_128_hexdigest(json.dumps({"messages": messages}, sort_keys=True, separators=(",", ":"),
+                                                    ensure_ascii=False, allow_nan=False).encode())
+        assert record_digest({"messages": messages}) == messages_digest(messages) == want

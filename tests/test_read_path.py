@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dfcache.errors import IntegrityError
-from dfcache.store import _store, open_store
+from dfcache.store import _pools, _reader, open_store
 
 ROWS, WIDTH, CHUNK_ROWS = 1000, 512, 64  # uint16: 1 KiB rows, 64 KiB chunks, ~1 MB in all
 
@@ -32,14 +32,14 @@ def _chunk_file(store, key: str, i: int):
 def split(monkeypatch):
     """Every read of more than one chunk split over 2 reader threads besides the caller, and
     every result recycled, whatever this machine's cores and the crc32c library."""
-    monkeypatch.setattr(_store, "READ_SPLIT_BYTES", 0)
-    monkeypatch.setattr(_store, "_read_workers", lambda: 2)
-    monkeypatch.setattr(_store, "recycled_empty", _recycle_all)
+    monkeypatch.setattr(_reader, "READ_SPLIT_BYTES", 0)
+    monkeypatch.setattr(_reader, "_read_workers", lambda: 2)
+    monkeypatch.setattr(_reader, "recycled_empty", _recycle_all)
 
 
 def _recycle_all(shape, dtype):
     dtype = np.dtype(dtype)
-    buf = _store._recycler.take(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    buf = _pools._recycler.take(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
     return buf.view(dtype).reshape(shape)
 
 
@@ -64,7 +64,7 @@ def test_split_reads_return_the_rows_and_recycle_only_dropped_results(tmp_path, 
 def test_a_chunk_changed_on_disk_is_checked_again_in_the_same_process(tmp_path, split, monkeypatch, mapped, change):
     store, key, data = _array(tmp_path)
     if change != "in place, just committed":  # checks remembered at once (the file counts as settled)
-        monkeypatch.setattr(_store, "RACY_NS", -(1 << 62))
+        monkeypatch.setattr(_reader, "RACY_NS", -(1 << 62))
     arr = store.open(key).array("x")
     assert np.array_equal(arr.read_raw(0, ROWS, mapped=mapped), data)  # checked (and maybe remembered)
     path = _chunk_file(store, key, 9)  # read by a reader thread in a split read
@@ -129,8 +129,8 @@ def test_a_cold_read_loads_the_missing_files_and_returns_the_rows(tmp_path, cold
 
     store, key, data = _array(tmp_path)
     if how == "split":
-        monkeypatch.setattr(_store, "READ_SPLIT_BYTES", 0)
-        monkeypatch.setattr(_store, "_read_workers", lambda: 2)
+        monkeypatch.setattr(_reader, "READ_SPLIT_BYTES", 0)
+        monkeypatch.setattr(_reader, "_read_workers", lambda: 2)
     arr = store.open(key).array("x")
     n_chunks = -(-ROWS // CHUNK_ROWS)
     files = [_chunk_file(store, key, i) for i in range(n_chunks)]

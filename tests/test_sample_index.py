@@ -13,7 +13,7 @@ import pytest
 
 from cli_util import run_side_by_side
 
-import dfcache.samples as samples_mod
+import dfcache.samples._index as samples_mod
 from dfcache.maintenance import gc_plan
 from dfcache.manifest import Manifest
 from dfcache.sample_transfer import pull_samples
@@ -72,7 +72,7 @@ def test_index_is_written_used_and_follows_commits(tmp_path):
 CHILD = r"""
 import sys
 sys.path.insert(0, sys.argv[1])
-import dfcache.samples as s
+import dfcache.samples._index as s
 s.SAMPLE_INDEX_MIN = 0
 from tests.test_samples import part, ups, write
 from dfcache.store import open_store
@@ -185,7 +185,7 @@ def test_membership_is_exact_when_keys_share_their_high_half():
 def test_lacking_agrees_with_contains_many_below_and_above_the_index_size(monkeypatch):
     # Small partitions answer from their key set (a cached plan of a few samples imports no
     # numpy), large ones by the binary search: the same positions either way.
-    import dfcache.samples as samples
+    import dfcache.samples._index as samples
     from dfcache.samples import PartitionSamples
 
     hi = "0123456789abcdef"

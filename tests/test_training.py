@@ -689,11 +689,11 @@ def test_a_chunk_changed_after_the_parent_read_it_is_refused_in_a_forked_worker(
     import shutil
 
     from dfcache.errors import IntegrityError
-    from dfcache.store import _store
+    from dfcache.store import _reader
 
     if "fork" not in multiprocessing.get_all_start_methods():
         pytest.skip("no fork start method here")
-    monkeypatch.setattr(_store, "RACY_NS", -(1 << 62))  # the parent's checks are remembered at once
+    monkeypatch.setattr(_reader, "RACY_NS", -(1 << 62))  # the parent's checks are remembered at once
     store_dir = tmp_path / "copy"
     shutil.copytree(cached["store"], store_dir)
     ds = api.hidden_state_dataset(store=store_dir, layers=[1], **cached["sel"])
@@ -737,9 +737,9 @@ def _mapped_file_of(ptr: int) -> str | None:
 
 
 def test_concatenated_items_are_the_same_items_as_maps_of_their_rows(cached, tmp_path, monkeypatch):
-    from dfcache.store import _store
+    from dfcache.store import _reader
 
-    monkeypatch.setattr(_store, "RACY_NS", -(1 << 62))  # checks remembered at once (no 2 s wait)
+    monkeypatch.setattr(_reader, "RACY_NS", -(1 << 62))  # checks remembered at once (no 2 s wait)
     store_dir = _store_copy(cached, tmp_path)
     plain = api.hidden_state_dataset(store=store_dir, drafters=[str(cached["drafter"])], **cached["sel"])
     ds = api.hidden_state_dataset(store=store_dir, drafters=[str(cached["drafter"])], concatenated=True, **cached["sel"])
@@ -804,9 +804,9 @@ def test_concat_writes_only_what_is_missing_and_resumes_after_an_interrupt(cache
 
 def test_a_corrupt_concatenated_chunk_is_refused(cached, tmp_path, monkeypatch):
     from dfcache.errors import IntegrityError
-    from dfcache.store import _store
+    from dfcache.store import _reader
 
-    monkeypatch.setattr(_store, "RACY_NS", -(1 << 62))
+    monkeypatch.setattr(_reader, "RACY_NS", -(1 << 62))
     store_dir = _store_copy(cached, tmp_path)
     ds = api.hidden_state_dataset(store=store_dir, layers=[1], concatenated=True, **cached["sel"])
     seg = ds.source._open()["concatenated"].segment(0)[0].key

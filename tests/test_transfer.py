@@ -304,10 +304,10 @@ def test_server_stopped_mid_pull_is_network_error_and_leaves_nothing(tmp_path, m
 
         # Kill the server once the pull has staged a file, not before, and before it goes on:
         # the pull waits at its first staged file until the server is dead.
-        from dfcache.store import _local
+        from dfcache.store import _directory
 
         staged, killed = threading.Event(), threading.Event()
-        real_put = _local._LocalStaging.put
+        real_put = _directory._DirectoryStaging.put
 
         def put(self, relpath, data):
             n = real_put(self, relpath, data)
@@ -316,7 +316,7 @@ def test_server_stopped_mid_pull_is_network_error_and_leaves_nothing(tmp_path, m
                 assert killed.wait(120), "the server was never killed"
             return n
 
-        monkeypatch.setattr(_local._LocalStaging, "put", put)
+        monkeypatch.setattr(_directory._DirectoryStaging, "put", put)
         t = threading.Thread(target=pull)
         t.start()
         assert staged.wait(120), outcome

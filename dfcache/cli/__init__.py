@@ -1,13 +1,13 @@
 """The `dfcache` command line: a thin layer over the Python API.
 
-Commands live in modules that each define ``register(app)``: this package's own, the runner's
-``runner.cli`` (``plan``/``run``, registered here by module, so a plain checkout has them without
-an installed entry point; this package still knows nothing about DFlash), and any plugin in the
-``dfcache.commands`` entry point group. A command module that fails to import is never dropped
-silently: a bundled one is an error, a plugin is a warning on stderr (its traceback under
-``--debug``), and asking for a command it would have provided is an error naming why it is not
-there. Errors print one line (no traceback unless ``--debug``) and exit with the code the design
-assigns (see ``dfcache.errors``).
+Commands live in modules that each define ``register(app)``: this package's own, and every
+plugin of the ``dfcache.commands`` entry point group (:mod:`dfcache.plugins`), the runner's
+``plan``/``run`` among them: dfcache imports nothing of the runner and knows nothing about
+DFlash. A command module that fails to import is never dropped silently: one of this package's
+is an error, a plugin's is a warning on stderr (its traceback under ``--debug``), and asking for
+a command it would have provided is an error naming why it is not there. Errors print one line
+(no traceback unless ``--debug``) and exit with the code the design assigns (see
+``dfcache.errors``).
 """
 
 from __future__ import annotations
@@ -16,16 +16,21 @@ import sys
 from typing import Optional
 
 import typer
+from typer.core import TyperArgument
 
 from .. import __version__, interrupts
 from ..console import INTERRUPTED
 from ..errors import EXIT_INTERNAL, EXIT_USAGE, DfcacheError
-from .common import GLOBAL_OPTIONS, GlobalState, apply_global, emit_json, err, state, with_global_options
+from .common import (GLOBAL_OPTIONS, GlobalState, apply_global, emit_json, err, examples, state,
+                     with_global_options)
 
 app = typer.Typer(name="dfcache", no_args_is_help=True, add_completion=False,
                   pretty_exceptions_enable=False, rich_markup_mode=None,
+                  context_settings={"help_option_names": ["-h", "--help"]},  # every command's, plugins' too
                   help="Content-addressed artifact cache and offline-first eval runner for "
-                       "speculative-decoding drafters.")
+                       "speculative-decoding drafters.",
+                  epilog=examples("dfcache run eval --example", "dfcache ls --stage hidden-states",
+                                  "dfcache --store s3://bucket/cache --json verify", "dfcache COMMAND -h"))
 
 
 def _version(value: bool) -> None:
@@ -48,33 +53,41 @@ def _global(store: Optional[str] = GLOBAL_OPTIONS["store"][1](),
 
 
 def _register_all() -> None:
-    from . import _cache_cmds, _diff_cmd, _migrate_cmd, _transfer_cmds
+    from . import _diff, _gc, _ls, _migrate, _show, _transfer, _verify
 
-    for module in (_cache_cmds, _diff_cmd, _transfer_cmds, _migrate_cmd):
+    for module in (_ls, _show, _verify, _gc, _diff, _transfer, _migrate):  # (the order `dfcache -h` lists)
         module.register(app)
-    registered = {"runner.cli"}
-    try:
-        from runner import cli as runner_cli
-    except ModuleNotFoundError as e:
-        if e.name != "runner":  # the runner is there but broken: that is a bug to show, not hide
-            raise
-        registered = set()  # only dfcache is installed: no run/plan
-    else:
-        runner_cli.register(app)
-    from importlib.metadata import entry_points
+    from ..plugins import COMMANDS, entry_points, load
 
-    for ep in entry_points(group="dfcache.commands"):
-        if ep.value.split(":")[0] in registered:
-            continue  # an older install's entry point for a bundled module
+    for _name, value in entry_points(COMMANDS):
         try:
-            ep.load()(app)
+            load(value)(app)
         except Exception as e:  # a broken plugin must not take `ls`/`verify` down with it
             if state.debug:
                 raise
-            _plugin_errors.append(f"command plugin {ep.value} failed to load: {type(e).__name__}: {e}")
+            _plugin_errors.append(f"command plugin {value} failed to load: {type(e).__name__}: {e}")
     # Global options work after any command name too (docs/cli.md), plugins' commands included.
     for info in app.registered_commands:
         info.callback = with_global_options(info.callback)
+
+
+class _MetavarArgument(TyperArgument):
+    """An argument shown by its metavar alone, as click and `hf` show them (``KEY``,
+    ``[KEY]...``, ``URL``): typer 0.29 writes it ``{key}`` in the usage line and adds its Python
+    type in the list of arguments (``key <str>``, ``keys... <list[str]>``)."""
+
+    def get_usage_pieces(self, ctx) -> list[str]:
+        return [self.metavar]
+
+    def display_type_rich(self, ctx):
+        return None
+
+
+def _arguments_by_metavar(group) -> None:
+    for cmd in group.commands.values():
+        for param in cmd.params:
+            if type(param) is TyperArgument and param.metavar:
+                param.__class__ = _MetavarArgument  # the same object, shown differently
 
 
 def _known_commands() -> set[str]:
@@ -106,7 +119,9 @@ def main(argv: list[str] | None = None) -> int:
                 err(f"{'error' if unknown else 'warning'}: {line}")
             if unknown:
                 return _json_error(" ".join(_plugin_errors), EXIT_INTERNAL, "PluginError")
-        rv = app(args=argv, prog_name="dfcache", standalone_mode=False)
+        command = typer.main.get_command(app)
+        _arguments_by_metavar(command)
+        rv = command(args=argv, prog_name="dfcache", standalone_mode=False)
         if isinstance(rv, int) and not isinstance(rv, bool):
             # typer turns Ctrl-C (KeyboardInterrupt) into Exit(130) and, outside standalone mode,
             # returns the code instead of raising: without this a Ctrl-C'ed run exited 0, silently.

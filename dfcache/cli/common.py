@@ -1,5 +1,6 @@
 """What every command of the `dfcache` command line shares: the global options, the store they
-name, and output helpers.
+name, the options and arguments several commands take (typed aliases, declared once), their
+examples, and output helpers.
 
 Public: command modules outside this package (the runner's ``run``/``plan``) use it too, so that
 ``--store``, ``--json``, ``--debug`` and ``--offline`` mean the same everywhere and JSON output
@@ -12,7 +13,7 @@ import functools
 import inspect
 import sys
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Annotated, List, Optional
 
 import typer
 
@@ -46,7 +47,7 @@ state = GlobalState()
 # (`dfcache ls --store S`), on every command. Declared once here; the app callback and
 # :func:`with_global_options` both use this table.
 GLOBAL_OPTIONS = {
-    "store": (Optional[str], lambda: typer.Option(None, "--store", help="Store path or URL (else $DFCACHE_STORE, else ./store).")),
+    "store": (Optional[str], lambda: typer.Option(None, "--store", metavar="PATH", help="The store: a directory, file:///path or s3://bucket/prefix (else $DFCACHE_STORE, else ./store).")),
     "json": (bool, lambda: typer.Option(False, "--json", help="Machine-readable output on stdout (errors too).")),
     "debug": (bool, lambda: typer.Option(False, "--debug", help="Show tracebacks.")),
     "offline": (bool, lambda: typer.Option(False, "--offline", help="Never touch the network (--offline or DFCACHE_OFFLINE=1).")),
@@ -104,33 +105,32 @@ def get_store(create: bool = True):
 
 
 def check_stage(stage: str | None, manifests_of) -> str | None:
-    """``--stage`` as the store spells it: ``hidden-states`` (as `run` spells its targets) is
-    ``hidden_states``. A stage that no command plugin defines and no artifact has can never match:
-    that is a usage error listing the valid names. ``manifests_of()`` gives the store's manifests
-    (called only when the name is not a known stage)."""
-    from ..errors import UsageError
+    """``--stage`` as the store spells it (:func:`dfcache.maintenance.stage_name`), the stages
+    command plugins define counting as known."""
+    from ..maintenance import stage_name
 
-    if stage is None:
-        return None
-    name = stage.strip().replace("-", "_")
-    if name in state.known_stages:
-        return name
-    present = {m.stage for m in manifests_of()}
-    if name in present:
-        return name
-    choices = ", ".join(sorted(state.known_stages | present)) or "none (the store is empty)"
-    raise UsageError(f"--stage {stage!r} is not a stage; choose one of {choices}.")
+    return stage_name(stage, manifests_of, state.known_stages)
 
 
-def check_kernel(kernel: str | None, manifests) -> str | None:
-    """``ls --backend``: a kernel family (the first part of the BACKEND column)."""
-    from ..errors import UsageError
+def examples(*lines: str) -> str:
+    """A command's epilog: a few command lines that show its use, as `hf` and DVC print them."""
+    return "Examples:\n\n\b\n" + "\n".join(f"  $ {line}" for line in lines)
 
-    if kernel is None:
-        return None
-    present = {str(m.backend.get("kernel")) for m in manifests if m.backend}
-    if kernel in state.known_kernels | present:
-        return kernel
-    choices = ", ".join(sorted(state.known_kernels | present)) or "none (no artifact has a backend)"
-    raise UsageError(f"--backend {kernel!r} is not a kernel family; choose one of {choices} (the device "
-                     "and dtype follow it in the BACKEND column of `dfcache ls`).")
+
+# Options and arguments that several commands take, declared once (as huggingface_hub's CLI
+# declares RepoIdArg, TokenOpt...): the same name, metavar and help wherever they appear.
+KeyArg = Annotated[str, typer.Argument(metavar="KEY", show_default=False,
+                                       help="An artifact's key, or a unique prefix of it (as git takes a commit).")]
+KeysArg = Annotated[Optional[List[str]], typer.Argument(metavar="[KEY]...", show_default=False,
+                                                        help="Artifacts' keys or unique key prefixes.")]
+RemoteArg = Annotated[str, typer.Argument(metavar="URL", show_default=False,
+                                          help="The remote store: s3://bucket/prefix, file:///path, or the name of a "
+                                               "[remote.NAME] in dfcache.toml.")]
+StageOpt = Annotated[Optional[str], typer.Option("--stage", metavar="STAGE", show_default=False,
+                                                 help="Artifacts of this stage (hidden-states and hidden_states alike).")]
+WhereOpt = Annotated[Optional[List[str]], typer.Option("--where", metavar="COND", show_default=False,
+                                                       help="A provenance condition, e.g. 'fla<0.7' or 'gpu~H100' "
+                                                            "(repeatable; all must hold).")]
+EndpointOpt = Annotated[Optional[str], typer.Option("--endpoint-url", metavar="URL", show_default=False,
+                                                    help="The S3 endpoint (else the remote's [remote.NAME] "
+                                                         "endpoint_url, else AWS_ENDPOINT_URL).")]

@@ -5,9 +5,9 @@ A backend moves bytes; it knows artifacts only as a key and relative file names 
 in ``format.py`` and ``_store.py``, so every backend shares it and passes the same conformance
 suite (:mod:`dfcache.testing.store_conformance`).
 
-Backends, one private module each: ``_local.py`` (a directory), ``_file_remote.py`` (a
-``file://`` directory read without following symlinks), ``_s3.py`` (``s3://``, with the write
-lease in ``_s3_lease.py``). ``_open.py`` picks one per URL scheme.
+Backends, one private module each: ``_local.py`` (this user's directory), ``_file_remote.py`` (a
+``file://`` directory read without following symlinks), both on ``_directory.py``, and ``_s3.py``
+(``s3://``, with the write lease in ``_s3_lease.py``). ``_open.py`` picks one per URL scheme.
 
 Capabilities are class attributes and methods here, never probed with ``getattr``:
 

@@ -2,8 +2,8 @@
 
 A remote is someone else's directory: a symlink in it could make a pull copy any file this user
 can read (``~/.ssh/id_rsa`` as a "chunk") into the store, so no path is ever followed through one.
-It is written like a local store (:class:`dfcache.store._local.LocalBackend`); a shared filesystem
-is a fine remote.
+It is written like a local store (:class:`dfcache.store._directory.DirectoryBackend`); a shared
+filesystem is a fine remote.
 """
 
 from __future__ import annotations
@@ -16,23 +16,28 @@ from pathlib import Path
 
 from ..errors import IntegrityError, UsageError
 from ..keys import KEY_PATTERN
-from ._backend import Backend
 from ._files import kind_of, read_fd
-from ._local import LocalBackend
-from .format import MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, STORE_MARKER, check_relpath, damaged_marker
+from ._directory import DirectoryBackend
+from .format import check_relpath, damaged_marker
+from .layout import (ARTIFACTS, INDEX, LOCKS, MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, STAGING, STORE_MARKER,
+                     artifact_parts, shard)
 
 
-class FileRemoteBackend(LocalBackend):
+class FileRemoteBackend(DirectoryBackend):
     """A store directory used as a remote: written like a local store, read without symlinks.
 
     Every read opens each path component below the root with ``O_NOFOLLOW`` relative to its
     parent's descriptor, so no symlink is followed at any depth and nothing can swap one in
     between a check and the open. The root itself is the user's choice and may be a link.
+
+    Someone else's directory: no index of theirs is used (its manifests are read), and no file
+    path is handed out for the fast reads (the Backend defaults: ``listing``,
+    ``sample_index_dir`` and ``local_file_path`` are None). Read as untrusted, it is itself.
     """
 
-    # Its own directories (artifacts/, staging/, locks/, index/) must be real directories: a
-    # link at R/staging made a push write its files outside the remote, then rename them in.
-    _follow_own_dirs = False
+    # Its own directories (artifacts/, staging/, locks/, index/) must be real directories
+    # (DirectoryBackend._follow_own_dirs): a link at R/staging made a push write its files outside
+    # the remote, then rename them in.
 
     def __init__(self, root: str | os.PathLike, create: bool = True) -> None:
         path = Path(root).expanduser().absolute()
@@ -79,21 +84,15 @@ class FileRemoteBackend(LocalBackend):
 
     def open_staging(self, key: str, resumable: bool = False):
         self._check_own_dirs()
-        self._own_dir("staging")
-        self._own_dir("locks")
-        self._own_dir("artifacts", key[:2])
+        self._own_dir(STAGING)
+        self._own_dir(LOCKS)
+        self._own_dir(ARTIFACTS, shard(key))
         return super().open_staging(key, resumable)
 
     def _before_publish(self, key: str) -> None:
         self._check_own_dirs()
-        self._own_dir("artifacts", key[:2])
-        self._own_dir("index")
-
-    def listing(self):
-        return None  # someone else's directory: its manifests are read, never an index of theirs
-
-    def sample_index_dir(self):
-        return None  # the same for its sample indexes
+        self._own_dir(ARTIFACTS, shard(key))
+        self._own_dir(INDEX)
 
     def _refuse_foreign(self) -> UsageError:
         return UsageError(f"file://{self.root} exists and is not a dfcache store; push to a new or empty "
@@ -160,7 +159,7 @@ class FileRemoteBackend(LocalBackend):
 
     def _parts(self, key: str, relpath: str) -> list[str]:
         check_relpath(relpath)
-        return ["artifacts", key[:2], key] + relpath.split("/")
+        return [*artifact_parts(key), *relpath.split("/")]
 
     def read_manifest(self, key: str) -> bytes | None:
         if not KEY_PATTERN.match(key):
@@ -171,7 +170,7 @@ class FileRemoteBackend(LocalBackend):
             return None
 
     def iter_manifests(self) -> Iterator[tuple[str, bytes]]:
-        base = self.root / "artifacts"
+        base = self.root / ARTIFACTS
         try:
             shards = sorted(e.name for e in os.scandir(base) if e.is_dir(follow_symlinks=False))
         except FileNotFoundError:
@@ -192,10 +191,4 @@ class FileRemoteBackend(LocalBackend):
 
     def read_file_limited(self, key: str, relpath: str, limit: int | None) -> bytes:
         return self._read_rel(self._parts(key, relpath), limit)
-
-    def local_file_path(self, key: str, relpath: str):
-        return None  # force reads through the no-follow path
-
-    def for_untrusted_reads(self) -> Backend:
-        return self
 

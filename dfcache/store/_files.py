@@ -13,6 +13,9 @@ of a store file goes through here:
 
 ``nofollow`` opens the last component with ``O_NOFOLLOW`` (a link there is refused); a ``file://``
 remote opens every component that way (``_file_remote.py``).
+
+:func:`replace_derived` is the one way a derived file (the listing index, a sample index) is
+written: under a temporary name beside it, then renamed over it.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import stat
 
 from ..errors import IntegrityError, NotRegularFile
+from .layout import index_tmp_name
 
 OPEN_FLAGS = os.O_RDONLY | os.O_CLOEXEC | getattr(os, "O_NONBLOCK", 0)
 
@@ -100,3 +104,25 @@ def read_regular(path, limit: int | None = None, *, what: str | None = None, nof
         return data
     finally:
         os.close(fd)
+
+
+def replace_derived(path: str | os.PathLike, data: bytes) -> bool:
+    """Replace the derived file ``path`` (an index kept beside a store's artifacts) with ``data``
+    in one rename, its directory made if needed. No fsync: after a crash a torn file fails its
+    own checksum or header and is rebuilt from the manifests. Best effort: False (nothing left
+    behind) where the store cannot take it, and readers go on without the file."""
+    path = os.fspath(path)
+    head, name = os.path.split(path)
+    tmp = os.path.join(head, index_tmp_name(name))
+    try:
+        os.makedirs(head, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return True
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        return False

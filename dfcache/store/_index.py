@@ -23,8 +23,9 @@ Files, in ``<store>/index/``:
 Both carry a stamp of the code that shapes an entry (this module, manifest validation, the rows
 and lines in ``dfcache.maintenance``, key patterns): entries made by other code are ignored.
 
-This module imports neither numpy nor the rest of ``dfcache.store``: ``dfcache ls`` starts in
-about the time of the interpreter itself (see ``dfcache/__main__.py``).
+This module imports neither numpy nor the rest of ``dfcache.store`` (the layout's names only,
+:mod:`dfcache.store.layout`): ``dfcache ls`` starts in about the time of the interpreter itself
+(see ``dfcache/__main__.py``).
 """
 
 from __future__ import annotations
@@ -36,15 +37,11 @@ import time
 
 import xxhash
 
-from ._files import NotRegularFile, kind_of, read_regular
+from ._files import NotRegularFile, kind_of, read_regular, replace_derived
+from .layout import ARTIFACTS, INDEX, LISTING, LISTING_LOG, MANIFEST, MAX_MANIFEST_BYTES, shard
 
-INDEX_DIR = "index"
-SNAPSHOT = "listing"
-LOG = "listing.log"
-MANIFEST = "manifest.json"
 INDEX_VERSION = 1
 RACY_NS = 3 * 10**9  # above the coarsest timestamp granularity in use (2 s on FAT, 1 s on ext3)
-MAX_MANIFEST_BYTES = 64 << 20  # format.MAX_MANIFEST_BYTES (not imported: it would import the format module)
 _stamp_cache: str | None = None
 
 
@@ -56,7 +53,7 @@ def stamp() -> str:
         from ..keys import source_stamp
 
         _stamp_cache = source_stamp(INDEX_VERSION, (
-            "store/_index.py", "store/format.py", "manifest.py", "maintenance.py", "listing.py", "keys.py",
+            "store/_index.py", "store/format.py", "store/layout.py", "manifest.py", "maintenance.py", "listing.py", "keys.py",
             "__init__.py"))
     return _stamp_cache
 
@@ -159,21 +156,21 @@ def listing(root: str | os.PathLike, format_version: int | None = None, *, write
     written by this same code (its stamp covers ``format.py``), and return None if there is no
     valid snapshot."""
     root = os.fspath(root)
-    idx = os.path.join(root, INDEX_DIR)
+    idx = os.path.join(root, INDEX)
     st_ = stamp()
-    known, fv = _read_lines(os.path.join(idx, SNAPSHOT), st_, checked=False)
+    known, fv = _read_lines(os.path.join(idx, LISTING), st_, checked=False)
     if format_version is None:
         if fv is None:
             return None
         format_version = fv
-    logged, _ = _read_lines(os.path.join(idx, LOG), st_, checked=True)
-    had_log = bool(logged) or os.path.exists(os.path.join(idx, LOG))
+    logged, _ = _read_lines(os.path.join(idx, LISTING_LOG), st_, checked=True)
+    had_log = bool(logged) or os.path.exists(os.path.join(idx, LISTING_LOG))
     dirty = had_log or fv != format_version
     known.update(logged)
     out = Listing(format_version)
     now_ns = time.time_ns()
     fresh: list[str] = []  # lines of the new snapshot, if one is needed
-    base = os.path.join(root, "artifacts")
+    base = os.path.join(root, ARTIFACTS)
     try:
         shards = sorted((e.name, e.path) for e in os.scandir(base) if e.is_dir(follow_symlinks=False))
     except FileNotFoundError:
@@ -240,19 +237,12 @@ def listing(root: str | os.PathLike, format_version: int | None = None, *, write
 def _write_snapshot(idx: str, st_: str, format_version: int, lines: list[str], *, drop_log: bool) -> None:
     """Replace the snapshot atomically; no fsync (after a crash a torn snapshot is rebuilt)."""
     header = json.dumps({"dfcache_index": INDEX_VERSION, "stamp": st_, "format_version": format_version})
-    tmp = os.path.join(idx, f".{SNAPSHOT}.{os.getpid()}.{os.urandom(6).hex()}.tmp")
-    try:
-        os.makedirs(idx, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write("\n".join([header, *lines]).encode("utf-8", "surrogateescape"))
-        os.replace(tmp, os.path.join(idx, SNAPSHOT))
-        if drop_log:
-            # Lines appended since this listing read the log go with it: the next listing reads
-            # those few manifests again.
-            os.unlink(os.path.join(idx, LOG))
-    except OSError:
+    data = "\n".join([header, *lines]).encode("utf-8", "surrogateescape")
+    if replace_derived(os.path.join(idx, LISTING), data) and drop_log:
+        # Lines appended since this listing read the log go with it: the next listing reads
+        # those few manifests again.
         try:
-            os.unlink(tmp)
+            os.unlink(os.path.join(idx, LISTING_LOG))
         except OSError:
             pass
 
@@ -262,14 +252,14 @@ def record_commit(root: str | os.PathLike, key: str, manifest_bytes: bytes) -> N
     fails because of its index; a missing line only costs the next listing a manifest read)."""
     try:
         root = os.fspath(root)
-        rel = f"{key[:2]}/{key}"
-        st = os.stat(os.path.join(root, "artifacts", rel, MANIFEST))
+        rel = f"{shard(key)}/{key}"
+        st = os.stat(os.path.join(root, ARTIFACTS, rel, MANIFEST))
         rest = f"{stamp()}\t{rel}\t{make_entry(rel, st, manifest_bytes, time.time_ns())}"
         data = rest.encode("utf-8", "surrogateescape")
         line = xxhash.xxh3_64_hexdigest(data).encode() + b" " + data + b"\n"
-        idx = os.path.join(root, INDEX_DIR)
+        idx = os.path.join(root, INDEX)
         os.makedirs(idx, exist_ok=True)
-        fd = os.open(os.path.join(idx, LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(os.path.join(idx, LISTING_LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             os.write(fd, line)
         finally:

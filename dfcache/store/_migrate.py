@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -23,8 +22,8 @@ from typing import Iterator
 from ..errors import IntegrityError, UntrustedManifestError, UsageError
 from ._backend import UnreadableManifest
 from ._files import NotRegularFile, read_regular
-from .format import (FORMAT_VERSION, MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, MIGRATABLE, STORE_MARKER,
-                     damaged_marker, format_refusal, marker_format, store_marker_bytes)
+from .format import FORMAT_VERSION, MIGRATABLE, damaged_marker, format_refusal, marker_format, store_marker_bytes
+from .layout import ARTIFACTS, MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, STORE_MARKER, marker_tmp_name
 
 
 @dataclass
@@ -57,7 +56,7 @@ def _local_marker(root: Path, url: str, nofollow: bool) -> bytes:
 
 
 def _local_manifests(root: Path) -> Iterator[tuple[str, bytes]]:
-    arts = root / "artifacts"
+    arts = root / ARTIFACTS
     if not arts.is_dir():
         return
     for shard in sorted(arts.iterdir()):
@@ -74,7 +73,7 @@ def _local_manifests(root: Path) -> Iterator[tuple[str, bytes]]:
 
 def _write_local_marker(root: Path) -> None:
     marker = root / STORE_MARKER
-    tmp = marker.with_name(f"{STORE_MARKER}.{uuid.uuid4().hex}.tmp")
+    tmp = marker.with_name(marker_tmp_name())
     try:
         with open(tmp, "wb") as f:
             f.write(store_marker_bytes())

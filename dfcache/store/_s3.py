@@ -74,8 +74,9 @@ from ..errors import (ConnectionRefused, DfcacheError, IntegrityError, NetworkEr
 from ..keys import KEY_PATTERN
 from ._backend import Backend, Staging, Temporary
 from ._s3_lease import LEASE_STALE_S, LEASE_WAIT_S, _Lease
-from .format import (MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, STORE_MARKER, check_relpath, check_store_marker,
-                     damaged_marker, store_marker_bytes)
+from .format import check_relpath, check_store_marker, damaged_marker, store_marker_bytes
+from .layout import (ARTIFACTS, LEASE_SUFFIX, LOCKS, MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES, STAGING,
+                     STORE_MARKER, artifact_prefix, lock_relpath, staging_relpath)
 
 IO_CONCURRENCY = 32
 
@@ -87,8 +88,9 @@ _RETRY = {"max_retries": 4,
           "retry_timeout": _dt.timedelta(seconds=30)}
 _CLIENT = {"connect_timeout": "10s", "timeout": "300s"}
 
-_TEMP_NAME = re.compile(r"^(staging/[0-9a-f]{32}\.[0-9a-f]{16}|artifacts/[0-9a-f]{2}/[0-9a-f]{32}|"
-                        r"locks/[0-9a-f]{32}\.lease)$")
+# What gc may remove: a writer's staging prefix, an artifact's prefix without a manifest, a lease.
+_TEMP_NAME = re.compile(rf"^({STAGING}/[0-9a-f]{{32}}\.[0-9a-f]{{16}}|{ARTIFACTS}/[0-9a-f]{{2}}/[0-9a-f]{{32}}|"
+                        rf"{LOCKS}/[0-9a-f]{{32}}{re.escape(LEASE_SUFFIX)})$")
 
 
 _used = False  # a client was made in this process (its tokio threads may still hold Python objects)
@@ -195,7 +197,7 @@ class _ObjectStaging(Staging):
             self.prefix = self.final
             self.lease.start_heartbeat()
         else:
-            self.prefix = f"staging/{key}.{self.writer}/"
+            self.prefix = staging_relpath(f"{key}.{self.writer}/")
 
     async def _open(self, lease: _Lease) -> bool:
         """Take the lease if free (or held by a dead process of this machine); clear a crashed
@@ -404,7 +406,7 @@ class ObjectStoreBackend(Backend):
 
     @staticmethod
     def _art(key: str, rel: str = "") -> str:
-        return f"artifacts/{key[:2]}/{key}/{rel}"
+        return artifact_prefix(key) + rel
 
     async def _set(self, path: str, data: bytes) -> None:
         await self.zstore.set(path, self._buf(data))
@@ -553,8 +555,8 @@ class ObjectStoreBackend(Backend):
     def iter_manifests(self) -> Iterator[tuple[str, bytes]]:
         async def go():
             await self._check_format()
-            shards = [s for s in await self._list_dir("artifacts") if re.fullmatch(r"[0-9a-f]{2}", s)]
-            per_shard = await self._gather(self._list_dir(f"artifacts/{s}") for s in shards)
+            shards = [s for s in await self._list_dir(ARTIFACTS) if re.fullmatch(r"[0-9a-f]{2}", s)]
+            per_shard = await self._gather(self._list_dir(f"{ARTIFACTS}/{s}") for s in shards)
             keys = sorted(k for names in per_shard for k in names if KEY_PATTERN.match(k))
             raws = await self._gather(self._get(self._art(k, MANIFEST), limit=MAX_MANIFEST_BYTES) for k in keys)
             return [(k, raw) for k, raw in zip(keys, raws) if raw is not None]
@@ -603,7 +605,7 @@ class ObjectStoreBackend(Backend):
 
     def list_temporaries(self) -> list[Temporary]:
         async def go():
-            return await asyncio.gather(self._list("staging"), self._list("artifacts"), self._list("locks"))
+            return await asyncio.gather(self._list(STAGING), self._list(ARTIFACTS), self._list(LOCKS))
 
         staging, artifacts, locks = self._run(go(), "listing temporaries in")
         now = _dt.datetime.now(_dt.timezone.utc)
@@ -616,7 +618,7 @@ class ObjectStoreBackend(Backend):
             parts = m["path"].split("/")
             if len(parts) >= 4:
                 by_key.setdefault("/".join(parts[:3]), []).append(m)
-        fresh_leases = {m["path"].split("/")[-1][: -len(".lease")] for m in locks
+        fresh_leases = {m["path"].split("/")[-1][: -len(LEASE_SUFFIX)] for m in locks
                         if (now - m["last_modified"]).total_seconds() < LEASE_STALE_S}
         for name, metas in by_key.items():
             if not any(m["path"].endswith("/" + MANIFEST) and m["path"].count("/") == 3 for m in metas):
@@ -627,7 +629,7 @@ class ObjectStoreBackend(Backend):
             key = name.split("/")[-1].split(".")[0]
             out.append(Temporary(name=name, size_bytes=sum(int(m["size"]) for m in metas),
                                  age_s=(now - newest).total_seconds(),
-                                 in_use=name.startswith("artifacts/") and key in fresh_leases, resumable=False))
+                                 in_use=name.startswith(ARTIFACTS + "/") and key in fresh_leases, resumable=False))
         for m in locks:
             age = (now - m["last_modified"]).total_seconds()
             out.append(Temporary(name=m["path"], size_bytes=int(m["size"]), age_s=age,
@@ -640,7 +642,7 @@ class ObjectStoreBackend(Backend):
 
         async def go():
             now = _dt.datetime.now(_dt.timezone.utc)
-            if name.startswith("locks/"):
+            if name.startswith(LOCKS + "/"):
                 head = await self._head(name)
                 metas = [head] if head else []
                 min_age = max(grace_s, LEASE_STALE_S)
@@ -653,11 +655,11 @@ class ObjectStoreBackend(Backend):
             # Ages come from the server's clock; the grace period absorbs modest skew.
             if (now - newest).total_seconds() < min_age:
                 return False
-            if name.startswith("artifacts/"):
+            if name.startswith(ARTIFACTS + "/"):
                 key = name.split("/")[-1]
                 if await self._exists(name + "/" + MANIFEST):
                     return False  # became an artifact meanwhile
-                lease = await self._head(f"locks/{key}.lease")
+                lease = await self._head(lock_relpath(key, LEASE_SUFFIX))
                 if lease and (now - lease["last_modified"]).total_seconds() < LEASE_STALE_S:
                     return False  # a live publisher is copying into it
             await self._delete_many([m["path"] for m in metas])

@@ -8,12 +8,10 @@ import os
 import socket
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from ..errors import DfcacheError, NetworkError
-
-if TYPE_CHECKING:
-    from ._s3 import ObjectStoreBackend
+from .layout import LEASE_SUFFIX, lock_relpath
 
 LEASE_STALE_S = 120.0
 LEASE_REFRESH_S = 20.0
@@ -74,6 +72,22 @@ def holder_gone(body: bytes | None) -> bool:
         return False
 
 
+class LeaseBackend(Protocol):
+    """What a lease needs of its store (``_s3.ObjectStoreBackend`` is one): its URL, a way to run
+    a request, and single-object reads, writes, creates-if-absent and deletes."""
+
+    url: str
+    zstore: Any  # zarr's ObjectStore over the bucket: ``await zstore.delete(path)``
+
+    def _run(self, coro, what: str): ...
+
+    async def _get(self, path: str, limit: int | None = None) -> bytes | None: ...
+
+    async def _set(self, path: str, data: bytes) -> None: ...
+
+    async def _create(self, path: str, data: bytes) -> bool: ...
+
+
 class _Lease:
     """``locks/<key>.lease``: the right to write under ``artifacts/<key[:2]>/<key>/``.
 
@@ -84,10 +98,10 @@ class _Lease:
     holder checks with a GET before writing again.
     """
 
-    def __init__(self, backend: "ObjectStoreBackend", key: str, writer: str) -> None:
+    def __init__(self, backend: LeaseBackend, key: str, writer: str) -> None:
         self.backend = backend
         self.key = key
-        self.path = f"locks/{key}.lease"
+        self.path = lock_relpath(key, LEASE_SUFFIX)
         self.writer = writer
         self.n = 0
         self.body = self._make_body()

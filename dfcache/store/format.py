@@ -4,12 +4,15 @@ Public: this is what a store *is* on disk, shared by every backend and by everyt
 or moves artifacts (``Store`` reads, ``verify``, ``push``/``pull``), so they cannot disagree.
 docs/format.md describes the same thing in prose.
 
-A store (a directory, a ``file://`` remote, an ``s3://`` prefix)::
+Where each file is (the names of the layout, and the bounds of the marker and of a manifest) is
+:mod:`dfcache.store.layout`, standard library only so that the executable's fast paths can use it;
+every name there is re-exported here. A store (a directory, a ``file://`` remote, an ``s3://``
+prefix)::
 
     dfcache-store.json                     {"format_version": 2, "kind": "dfcache-store"}
     artifacts/<key[:2]>/<key>/             one committed artifact, see artifact_prefix()
 
-Format 2 adds segments of samples (a manifest's ``samples``/``sample_refs``, dfcache/samples.py)
+Format 2 adds segments of samples (a manifest's ``samples``/``sample_refs``, dfcache/samples/)
 to format 1's artifacts, which are unchanged: ``dfcache migrate`` upgrades a format-1 store in
 place (see ``MIGRATABLE`` and dfcache/store/_migrate.py). A dfcache that reads format 1 only
 refuses a format-2 store rather than misread its segments (its gc would drop referenced ones).
@@ -50,6 +53,9 @@ import xxhash
 from .._lazy import LazyModule
 from ..errors import IntegrityError, UntrustedManifestError, UsageError
 from ..manifest import ITEMSIZE, STORAGE_DTYPE, ArraySpec, Manifest, key_problem
+from .layout import *  # noqa: F401,F403  (the layout's names are the format's: format.MANIFEST, ...)
+from .layout import (BLOBS, CHUNKS, GROUP_META, MANIFEST, MARKER_KIND, STORE_MARKER, array_meta_relpath,
+                     blob_relpath, chunk_relpath)
 
 np = LazyModule("numpy")  # imported by the first chunk encoded or decoded: manifests and names need none
 
@@ -89,10 +95,6 @@ def __getattr__(name: str):
 FORMAT_VERSION = 2
 # Store formats `dfcache migrate` upgrades in place, and what the store lacks until then.
 MIGRATABLE = {1: "written before per-sample segments"}
-STORE_MARKER = "dfcache-store.json"
-MANIFEST = "manifest.json"
-GROUP_META = "zarr.json"
-PROGRESS = "progress.json"  # a resumable writer's checkpoint, in its staging area only
 
 TARGET_CHUNK_BYTES = 1 << 20  # 128 tokens at 4096 x bf16: little over-read at sample edges
 ZSTD_LEVEL = 1
@@ -107,9 +109,7 @@ _BLOSC_SHUFFLE = {"shuffle": 1, "bitshuffle": 2}  # numcodecs.blosc.SHUFFLE, BIT
 BLOSC_HEADER = 16
 MAX_META_BYTES = 1 << 20  # a zarr.json is a few hundred bytes
 MAX_CHUNK_BYTES = 4 << 30  # dfcache writes ~1 MiB chunks; a manifest asking for more is refused
-MAX_MANIFEST_BYTES = 64 << 20  # a manifest beyond this is hostile or broken; never download more
-RESERVED_NAMES = ("blobs", "c", GROUP_META, MANIFEST)  # array names that would collide with the layout
-RESERVED_DIRS = ("artifacts", "staging", "locks", "index")  # a store's own directories below its root
+RESERVED_NAMES = (BLOBS, CHUNKS, GROUP_META, MANIFEST)  # array names that would collide with the layout
 
 
 def format_refusal(url: str, found: Any, *, endpoint_url: str | None = None) -> UsageError:
@@ -128,9 +128,6 @@ def format_refusal(url: str, found: Any, *, endpoint_url: str | None = None) -> 
     return UsageError(f"store {url} has format {found!r}; this dfcache reads format {FORMAT_VERSION}. Upgrade "
                       "dfcache or use another store.")
 
-
-MARKER_KIND = "dfcache-store"
-MAX_MARKER_BYTES = 64 << 10  # the marker is ~50 bytes; every backend reads at most this much of it
 
 
 def store_marker_bytes() -> bytes:
@@ -170,11 +167,6 @@ def check_store_marker(raw: bytes, url: str, *, where: str | None = None, endpoi
     found = marker_format(raw, url, where=where)
     if found != FORMAT_VERSION:
         raise format_refusal(url, found, endpoint_url=endpoint_url)
-
-
-def artifact_prefix(key: str) -> str:
-    """Where an artifact lives below a store's root, with a trailing slash."""
-    return f"artifacts/{key[:2]}/{key}/"
 
 
 def check_relpath(relpath: str) -> None:
@@ -218,19 +210,7 @@ def chunk_raw_bytes(spec: ArraySpec) -> int:
     return spec.chunk_rows * math.prod(spec.shape[1:]) * ITEMSIZE[spec.storage_dtype]
 
 
-# ------------------------------------------------------------------------------------ names
-
-
-def chunk_relpath(name: str, index: int, ndim: int) -> str:
-    return f"{name}/c/{index}" + "/0" * (ndim - 1)
-
-
-def array_meta_relpath(name: str) -> str:
-    return f"{name}/{GROUP_META}"
-
-
-def blob_relpath(name: str) -> str:
-    return f"blobs/{name}.json"
+# ------------------------------------------------------------------------------------ files
 
 
 @dataclass(frozen=True)
@@ -296,7 +276,7 @@ def array_zarr_json(shape: tuple, storage_dtype: str, chunk_rows: int, codec: st
                       chunks=(chunk_rows,) + tuple(shape[1:]) if shape else (1,),
                       compressors=compressors, filters=None, fill_value=0,
                       attributes={"dfcache_dtype": dtype})
-    buf = store._store_dict["a/zarr.json"]
+    buf = store._store_dict[array_meta_relpath("a")]
     return buf.to_bytes()
 
 

@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import os
 import stat
-from json.encoder import encode_basestring as _json_str
 from pathlib import Path
 
 import xxhash
 
 from dfcache.errors import BadInputError
+from dfcache.keys import messages_digest  # record_digest({"messages": ...}), spelled out for speed
 
 from ..graph import KeyRecipe, Node, RunContext
 
@@ -55,15 +55,6 @@ def _parse_line(line: str):
     except (StopIteration, ValueError):
         pass
     return json.loads(line)  # the exact error (or value) json.loads gives
-
-
-def messages_digest(messages: list[dict]) -> str:
-    """``record_digest({"messages": messages})`` for messages of str ``role`` and ``content`` (as
-    parse_records makes them), spelled out: the same bytes (sorted compact JSON, non-ASCII kept),
-    several times faster than the general encoder on a large prompt set."""
-    body = ",".join(['{"content":%s,"role":%s}' % (_json_str(m["content"]), _json_str(m["role"]))
-                     for m in messages])
-    return xxhash.xxh3_128_hexdigest(('{"messages":[' + body + "]}").encode())
 
 
 # The roles chat templates know (OpenAI's chat API and the Hugging Face templates): anything else

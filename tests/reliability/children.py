@@ -102,11 +102,11 @@ def install_pause(pause: dict | None, fd: int = 1) -> None:
         return real_inner(self)
 
     threading.Thread._bootstrap_inner = inner
-    from dfcache.store import _local
+    from dfcache.store import _directory
 
     _PAUSE.update(op=pause.get("op"), after=pause.get("after"), after_op=pause.get("after_op"), only=pause.get("only", ""),
                   list=bool(pause.get("list")), counting=pause.get("after") is None and pause.get("after_op") is None)
-    real_put, real_fsync_dir = _local._LocalStaging.put, _local._fsync_dir
+    real_put, real_fsync_dir = _directory._DirectoryStaging.put, _directory._fsync_dir
     real_rename, real_replace = os.rename, os.replace
 
     def op(what, real, *a, **kw):
@@ -135,8 +135,8 @@ def install_pause(pause: dict | None, fd: int = 1) -> None:
             return op(f"replace {os.path.basename(os.fspath(dst))}", real_replace, src, dst, *a, **kw)
         return real_replace(src, dst, *a, **kw)
 
-    _local._LocalStaging.put = put
-    _local._fsync_dir = fsync_dir
+    _directory._DirectoryStaging.put = put
+    _directory._fsync_dir = fsync_dir
     os.rename, os.replace = rename, replace
 
 
@@ -159,15 +159,15 @@ def slow_put(delay: float) -> None:
     chunk-write phase of a small artifact is long enough for a random kill to land in it)."""
     if delay <= 0:
         return
-    from dfcache.store import _local
+    from dfcache.store import _directory
 
-    real = _local._LocalStaging.put
+    real = _directory._DirectoryStaging.put
 
     def put(self, relpath, data):
         time.sleep(delay)
         return real(self, relpath, data)
 
-    _local._LocalStaging.put = put
+    _directory._DirectoryStaging.put = put
 
 
 # ------------------------------------------------------------------------------ artifact specs

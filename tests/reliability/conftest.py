@@ -30,7 +30,8 @@ from rel_helpers import MAX_NEW, NUM_PROMPTS, clean_env  # noqa: E402
 from zygote import Zygote  # noqa: E402
 
 # Preloaded by the light fork server: everything `dfcache` and the store writers import.
-LIGHT = ["dfcache.cli", "dfcache.cli._cache_cmds", "dfcache.cli._transfer_cmds", "dfcache.store",
+LIGHT = ["dfcache.cli", "dfcache.cli._ls", "dfcache.cli._show", "dfcache.cli._verify", "dfcache.cli._gc",
+         "dfcache.cli._transfer", "dfcache.store",
          "dfcache.maintenance", "dfcache.transfer", "runner.cli", "runner.graph", "runner.pipeline",
          "numpy", "ml_dtypes", "zarr", "numcodecs", "typer", "tqdm", "children",
          # what typer and the entry-point scan import lazily on every command

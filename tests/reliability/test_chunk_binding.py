@@ -69,14 +69,14 @@ def assert_moved(err: IntegrityError, key: str, where: str) -> None:
 
 @pytest.mark.parametrize("codec", ["none", "zstd"])
 def test_reads_refuse_a_chunk_moved_from_another_artifact(codec, tmp_path, monkeypatch):
-    from dfcache.store import _store
+    from dfcache.store import _reader
 
     root = tmp_path / "store"
     store = open_store(root)
     one, three = write_layer(store, 1, codec), write_layer(store, 3, codec)
     # Read once first, the checks remembered (as they are for files older than RACY_NS): a check
     # remembered from before the move must not let the moved file through.
-    monkeypatch.setattr(_store, "RACY_NS", 0)
+    monkeypatch.setattr(_reader, "RACY_NS", 0)
     assert store.open(one).array("hidden").read_raw(0, ROWS).tobytes() == rows_of(1).tobytes()
     assert store.open(one).array("hidden").read_raw(0, ROWS, mapped=True).tobytes() == rows_of(1).tobytes()
     if codec == "none":

@@ -265,7 +265,7 @@ def test_a_fifo_in_place_of_a_sample_index_or_resumable_progress_is_no_index(tmp
     """The per-partition sample index (used from 4096 samples, so not by the table's small store)
     and a resumable writer's staged progress are store files too: a FIFO there reads as absent
     (the index is rebuilt from the manifests, the writer starts over), never as a hang."""
-    from dfcache.samples import _read_sample_index
+    from dfcache.samples._index import _read_sample_index
     from dfcache.store import open_store
 
     fifo_at(tmp_path / "index-file")

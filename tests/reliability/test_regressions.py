@@ -19,7 +19,7 @@ from dfcache.errors import IntegrityError, StoreWriteError
 from dfcache.keys import compute_key
 from dfcache.maintenance import gc_plan
 from dfcache.store import open_store
-from dfcache.store import _local
+from dfcache.store import _directory
 
 
 def _data(rows=300, cols=4):
@@ -100,7 +100,7 @@ def test_gc_takes_a_staging_area_out_of_sight_before_deleting_it(tmp_path, monke
         next(p for p in path.rglob("0") if p.is_file()).unlink()
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(_local.shutil, "rmtree", killed_midway)
+    monkeypatch.setattr(_directory.shutil, "rmtree", killed_midway)
     with pytest.raises(KeyboardInterrupt):
         gc_plan(store, tmp=True, grace_s=0).execute(store, grace_s=0)
     monkeypatch.undo()
@@ -131,7 +131,7 @@ def test_writer_survives_gc_between_mkdir_and_lock(tmp_path, monkeypatch, resuma
             plan.execute(store, grace_s=0)
         return real_flock(fd, op)
 
-    real_put = _local._LocalStaging.put
+    real_put = _directory._DirectoryStaging.put
 
     def put(self, relpath, data):  # and gc again once the writer is writing: its area must be held
         n = real_put(self, relpath, data)
@@ -140,8 +140,8 @@ def test_writer_survives_gc_between_mkdir_and_lock(tmp_path, monkeypatch, resuma
             gc_plan(store, tmp=True, grace_s=0).execute(store, grace_s=0)
         return n
 
-    monkeypatch.setattr(_local.fcntl, "flock", flock)
-    monkeypatch.setattr(_local._LocalStaging, "put", put)
+    monkeypatch.setattr(_directory.fcntl, "flock", flock)
+    monkeypatch.setattr(_directory._DirectoryStaging, "put", put)
     with store.writer(key, stage="regress", stage_version=1, inputs={"case": "race", "r": resumable},
                       resumable=resumable) as w:
         w.write_array("x", _data(), chunk_rows=64)
@@ -205,14 +205,14 @@ def test_a_full_store_is_one_clear_error_and_leaves_nothing(tmp_path, monkeypatc
     OSError" (exit 1). It is now StoreWriteError (exit 2), naming the store and the fix."""
     store = open_store(tmp_path / "s")
     key = compute_key("regress", 1, {"case": "full"})
-    real = _local._LocalStaging._put
+    real = _directory._DirectoryStaging._put
 
     def full(self, relpath, data):
         if "/c/" in relpath:
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(self, relpath, data)
 
-    monkeypatch.setattr(_local._LocalStaging, "_put", full)
+    monkeypatch.setattr(_directory._DirectoryStaging, "_put", full)
     with pytest.raises(StoreWriteError) as e:
         with store.writer(key, stage="regress", stage_version=1, inputs={"case": "full"}) as w:
             w.write_array("x", _data())

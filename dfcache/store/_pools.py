@@ -1,0 +1,103 @@
+"""What the reads and writes of one process share: thread pools (reader threads, page-cache
+loaders, chunk encoders, a local store's background fsyncs; each made again in a forked child,
+whose copy of a pool has no threads) and buffers reused across reads (large results, partial
+chunks).
+
+numpy is imported on first use (``np = LazyModule("numpy")``): opening a store needs none.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+from .._lazy import LazyModule
+
+np = LazyModule("numpy")
+
+_pools: dict[str, tuple[int, object]] = {}
+_pools_lock = threading.Lock()
+
+
+def thread_pool(name: str, workers: int):
+    """A process's thread pool ``name``, made again in a forked child (whose copy of the
+    parent's pool has no threads: work handed to it would never run)."""
+    pid = os.getpid()
+    with _pools_lock:
+        hit = _pools.get(name)
+        if hit is None or hit[0] != pid:
+            from concurrent.futures import ThreadPoolExecutor
+
+            hit = _pools[name] = (pid, ThreadPoolExecutor(max_workers=workers, thread_name_prefix=f"dfcache-{name}"))
+        return hit[1]
+
+
+class _Recycler:
+    """Result buffers of large reads, handed out again once nothing refers to them.
+
+    A fresh buffer of a few MB costs the kernel a page fault and a zeroed page per 4 KiB on its
+    first write, about as much as reading the rows into it from the page cache. Each buffer
+    handed out is a view of a pooled base array; every view, and every tensor or array made
+    from one, keeps the base referenced, so a base whose reference count is back to the pool's
+    own is unused and is filled again. Bases are anonymous maps (no hugepage advice: on the
+    development VMs a read into a madvised, never-backed region was several times slower)."""
+
+    KEEP = 6  # bases kept per process
+    MAX_BYTES = 64 << 20  # larger results are plain allocations
+
+    def __init__(self) -> None:
+        self._bases: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray | None:
+        """``nbytes`` bytes (uint8) nobody else holds, or None: allocate normally."""
+        if nbytes > self.MAX_BYTES:
+            return None
+        import sys
+
+        with self._lock:
+            bases = self._bases
+            best = None
+            for i in range(len(bases)):
+                # 2 = the list's reference and getrefcount's argument: no view of it is alive
+                if bases[i].nbytes >= nbytes and sys.getrefcount(bases[i]) == 2 and (
+                        best is None or bases[i].nbytes < bases[best].nbytes):
+                    best = i
+            if best is None:
+                import mmap
+
+                cap = -(-nbytes // (1 << 20)) * (1 << 20) or (1 << 20)
+                base = np.frombuffer(mmap.mmap(-1, cap), dtype=np.uint8)
+                if len(bases) >= self.KEEP:
+                    free = [i for i in range(len(bases)) if sys.getrefcount(bases[i]) == 2]
+                    if not free:
+                        return base[:nbytes]  # all in use: this one is not kept
+                    bases.pop(min(free, key=lambda i: bases[i].nbytes))
+                bases.append(base)
+                best = len(bases) - 1
+            return bases[best][:nbytes]
+
+
+_recycler = _Recycler()
+
+
+def recycled_empty(shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised array like ``np.empty``, in a recycled buffer when it is large (see
+    :class:`_Recycler`): for results handed to a caller who drops them before the next ones."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    buf = _recycler.take(nbytes) if nbytes >= (1 << 20) else None
+    if buf is None:
+        return np.empty(shape, dtype=dtype)
+    return buf.view(dtype).reshape(shape)
+
+
+_scratch_local = threading.local()
+
+
+def scratch(nbytes: int) -> np.ndarray:
+    """A per-thread buffer for partial chunk reads, reused: a fresh one costs its page faults."""
+    buf = getattr(_scratch_local, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = _scratch_local.buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+    return buf[:nbytes]
