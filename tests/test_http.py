@@ -219,7 +219,9 @@ def test_an_answer_past_its_bound_is_not_read_further(mode, words):
     with HostileServer({"/health": mode}) as s:
         with pytest.raises(ServerHTTPError) as e:
             HttpClient().get_json(s.url + "/health")
-        sent = s.sent["/health"]
+        # a client that refuses on the headers alone ("huge") may hang up before the server's first
+        # body piece is counted (CI under load, 2026-12-06): none sent is within the bound too
+        sent = s.sent.get("/health", 0)
     assert words in str(e.value) and "DFCACHE_MAX_RESPONSE_BYTES" in str(e.value) and e.value.reason == "too_large"
     assert sent < DEFAULT_MAX_BYTES + (32 << 20)  # the bound and what the sockets buffered, not gigabytes
 
