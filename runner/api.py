@@ -24,9 +24,9 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 
+from .core.execution import TARGETS, command_argv, open_store_arg, resolve_graph, run_graph
 from .core.options import EvalOptions
 
-TARGETS = ("prompts", "completions", "tokens", "hidden-states", "eval")
 
 
 @dataclass(frozen=True)
@@ -132,70 +132,6 @@ def make_options(options: EvalOptions | None = None, **fields_) -> EvalOptions:
     return opts
 
 
-def _open(store, opts: EvalOptions | None = None):
-    """``store``: a Store, a path or URL, or None for ``$DFCACHE_STORE``, else ``./store`` (never
-    the command line's state: a Python caller has none)."""
-    from dfcache import open_store
-    from dfcache.store import Store
-
-    if isinstance(store, Store):
-        return store
-    return open_store(store, offline=True if opts is not None and opts.offline else None)
-
-
-_FLAGS = {"target": "--target", "target_revision": "--revision", "drafters": "--drafter", "layers": "--layer",
-          "tree_budgets": "--tree-budget", "remotes": "--remote"}
-_NO_FLAG = ("json", "progress", "progress_every")
-
-
-def cli_args(opts: EvalOptions) -> list[str]:
-    """The command-line flags that give ``opts`` (those that differ from the defaults), for
-    "produce it with: dfcache ..." messages of Python calls: the command resolves as the call did."""
-    default = EvalOptions()
-    args: list[str] = []
-    for f in fields(EvalOptions):
-        value = getattr(opts, f.name)
-        if f.name in _NO_FLAG or value == getattr(default, f.name):
-            continue
-        if f.name == "completions" and value == "server" and opts.server:
-            continue  # --server implies it, as typed on the command line
-        flag = _FLAGS.get(f.name, "--" + f.name.replace("_", "-"))
-        if isinstance(value, bool):
-            args.append(flag if value else f"--no-{flag[2:]}")
-        elif f.name == "key_versions":
-            args += [flag, ",".join(value)]  # one comma list (runner/core/provenance_keys.py)
-        elif isinstance(value, list):
-            for v in value:
-                args += [flag, str(v)]
-        elif value is not None:
-            args += [flag, str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)]
-    return args
-
-
-def _store_args(store) -> list[str]:
-    """``--store LOCATION`` unless ``store`` is the one `dfcache` opens by default."""
-    import os
-
-    from dfcache.config import default_store_location
-
-    if store is None:
-        return []
-    url = str(store.url)
-    default = default_store_location()
-    if "://" not in url and "://" not in default:
-        if os.path.realpath(os.path.expanduser(default)) == os.path.realpath(url):
-            return []
-    elif url == default:
-        return []
-    return ["--store", url]
-
-
-def _argv(upto: str, argv: list[str] | None, opts: EvalOptions | None = None, store=None) -> list[str]:
-    if argv is not None:
-        return list(argv)
-    return [*_store_args(store), "run", upto, *(cli_args(opts) if opts else [])]
-
-
 class _Lines:
     """A stream that hands each whole line to ``log`` (a Python caller's progress callback)."""
 
@@ -291,40 +227,13 @@ def _python_errors(func):
     return wrapper
 
 
-def resolve_graph(upto: str, opts: EvalOptions, store=None, *, argv: list[str] | None = None,
-                  log: Callable[[str], None] | None = None, out=None, bars=None):
-    """Build and resolve the graph (no work). Returns ``(ctx, nodes)``: the runner's own objects.
-
-    ``log``: the example build's lines (default: none); ``out``/``bars``: the run's progress
-    lines and bars (default: stderr, as the command line prints them)."""
-    from dfcache.errors import UsageError
-
-    from .core.graph import RunContext, resolve
-    from .core.pipeline import build_graph
-
-    if upto not in TARGETS:
-        raise UsageError(f"unknown target {upto!r}; use {', '.join(TARGETS)}.")
-    st = _open(store, opts)
-    argv = _argv(upto, argv, opts, st)  # before the example fills in its paths: `--example` says them
-    if opts.example:
-        from .models.example import apply_example
-
-        apply_example(st, opts, log=log or (lambda m: None))
-    from .commands.common import open_remotes
-
-    note = (lambda m: (out.write(m + "\n"), out.flush())) if out is not None else None
-    ctx = RunContext(st, opts, remotes=open_remotes(opts, log=note), argv=argv, out=out, bars=bars)
-    nodes = resolve(ctx, build_graph(ctx, upto))
-    return ctx, nodes
-
-
 def _prepare(upto: str, opts: EvalOptions, store, output: _Output):
     """The store opened for a call, and the example built (quietly) where the call asks for it."""
     from dfcache.errors import UsageError
 
     if upto not in TARGETS:
         raise UsageError(f"unknown target {upto!r}; use {', '.join(TARGETS)}.")
-    st = _open(store, opts)
+    st = open_store_arg(store, opts)
     if opts.example:
         from .models.example import example_built
 
@@ -378,16 +287,17 @@ def run(upto: str = "eval", *, store=None, options: EvalOptions | None = None,
     """
     started = time.perf_counter()
     opts = make_options(options, **fields_)
-    from .distributed import discover, run_worker
+    from .core.worker import discover
+    from .distributed import run_worker
 
     worker = discover(shard)
     with _Output(opts, log) as output:
         st = _prepare(upto, opts, store, output)
         if not worker.distributed:
-            ctx, nodes = _run(upto, opts, st, argv=argv, log=output.line, output=output)
+            ctx, nodes = run_graph(upto, opts, st, argv=argv, log=output.line, output=output)
             return _result(upto, ctx, nodes, time.perf_counter() - started)
         output.hush()  # a distributed worker computes (its share, or the report)
-        done = run_worker(upto, opts, st, worker=worker, argv=argv or _argv(upto, None, opts, st), log=output.line,
+        done = run_worker(upto, opts, st, worker=worker, argv=argv or command_argv(upto, None, opts, st), log=output.line,
                           out=output.out)
     return worker_result(upto, done, time.perf_counter() - started)
 
@@ -403,21 +313,6 @@ def worker_result(upto: str, done, seconds: float) -> RunResult:
         res = _result(upto, done.ctx, done.nodes, seconds)
     res.worker = done.to_dict() if done.worker.distributed else None
     return res
-
-
-def _run(upto: str, opts: EvalOptions, store, *, argv=None, log=None, out=None, output: _Output | None = None):
-    from .core.graph import check_offline
-    from .core.pipeline import execute
-
-    if output is not None:
-        out = output.out
-    ctx, nodes = resolve_graph(upto, opts, store, argv=argv, log=log, out=out,
-                               bars=output.bars if output is not None else None)
-    check_offline(ctx, nodes)
-    if output is not None and any(n.status.startswith("compute") or n.status == "network" for n in nodes):
-        output.hush()  # work to do: the stages load models and tokenizers with transformers
-    execute(ctx, nodes)
-    return ctx, nodes
 
 
 def _result(upto: str, ctx, nodes, seconds: float) -> RunResult:
@@ -467,7 +362,7 @@ def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, laye
             from dfcache.errors import UsageError
 
             raise UsageError("tokens_key= needs layers=[...] (the layer ids, in the order to concatenate).")
-        st = _open(store)
+        st = open_store_arg(store)
         source = stored_selection(st, tokens_key, list(layers), backend=fields_.pop("backend_key", None)).source()
         if concatenated:
             from .core.concat import concat
@@ -475,9 +370,9 @@ def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, laye
             concat(source, st, progress=bar)
         return HiddenStateDataset(source, max_len=max_len)
     opts = make_options(options, **fields_)
-    st = _open(store, opts)
+    st = open_store_arg(store, opts)
     out = _Output(replace(opts, progress=False), log).out
-    sel = resolve_selection(opts, store=st, layers=layers, argv=_argv("hidden-states", None, opts, st), out=out)
+    sel = resolve_selection(opts, store=st, layers=layers, argv=command_argv("hidden-states", None, opts, st), out=out)
     source = sel.source()
     if concatenated:
         from .core.concat import concat

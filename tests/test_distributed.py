@@ -1,4 +1,4 @@
-"""The worker's place and its share of the samples (runner/distributed.py)."""
+"""The worker's place and its share of the samples (runner/core/worker.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from dfcache.errors import EXIT_USAGE, UsageError
-from runner.distributed import discover, parse_shard, share, shares, split_concurrency
+from runner.core.worker import discover, parse_shard, share, shares, split_concurrency
 
 
 def _items(n, seed=0):

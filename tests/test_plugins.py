@@ -50,7 +50,7 @@ def test_the_checkout_declares_the_runner_commands():
     """A plain checkout (these tests run from one) has the runner's commands from its own
     pyproject.toml, whatever the installed metadata says (tests/test_architecture.py checks that
     dfcache imports nothing of the runner)."""
-    assert plugins.own_entry_points()[plugins.COMMANDS] == {"runner": "runner.commands.run:register"}
+    assert plugins.own_entry_points()[plugins.COMMANDS] == {"runner": "runner.commands:register"}
 
 
 def test_a_wheel_declares_the_runner_commands_and_fast_path(tmp_path):

@@ -15,33 +15,6 @@ from dfcache.console import emit_json
 from ..core.options import EvalOptions
 
 
-def open_remotes(opts: EvalOptions, log=None) -> list:
-    """The remotes to look in: --remote flags, else the config's default remotes. Offline,
-    a remote that needs the network is refused (a file:// remote is fine). ``log``: where the
-    note about that goes (default: stderr)."""
-    from dfcache.config import load_config
-
-    names = opts.remotes or load_config().default_remotes
-    if not names:
-        return []
-    from dfcache.errors import OfflineModeIsEnabled
-    from dfcache.transfer import open_remote
-
-    remotes = []
-    for name in names:
-        try:
-            remotes.append(open_remote(name, endpoint_url=opts.endpoint_url, offline=opts.offline, create=False))
-        except OfflineModeIsEnabled:
-            # Offline, a network remote is simply not consulted (it must not fail a run that has
-            # everything it needs locally); what is missing is then reported as needing the network.
-            note = f"note: offline mode is on, so remote {name} (it needs the network) is not consulted."
-            if log is not None:
-                log(note)
-            else:
-                print(note, file=sys.stderr, flush=True)
-    return remotes
-
-
 def quiet_libraries(*, bars: bool, notices: bool) -> None:
     """Keep transformers and huggingface_hub in line with our own progress settings: no
     "Loading weights" bars when ours are off (no terminal, --json, --no-progress), and with

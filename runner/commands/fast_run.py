@@ -2,7 +2,7 @@
 
 Typer, click and pydantic cost more than the whole of a run whose every artifact is stored
 (docs/benchmarks.md, ``noop-eval``). ``dfcache/__main__.py`` calls :func:`main` first; it reads
-the command line itself, resolves the graph through :func:`runner.api.resolve_graph` (the same
+the command line itself, resolves the graph through :func:`runner.core.execution.resolve_graph` (the same
 keys, the same store lookups), and when every node is cached prints the result through the
 functions ``dfcache run`` itself prints with (:mod:`runner.commands.common`), so the output is the
 same bytes but for the seconds it reports.
@@ -227,12 +227,13 @@ def _resolve(p: dict, loc: str, stderr):
         if not example_built(store):
             raise _NotMine  # building the example models is work
     from .. import api
-    from ..distributed import discover
+    from ..core.execution import resolve_graph
+    from ..core.worker import discover
 
     if discover(None).distributed:
         raise _NotMine
     upto = _TARGETS[p["target"]]
-    ctx, nodes = api.resolve_graph(upto, opts, store, argv=run_argv(p))
+    ctx, nodes = resolve_graph(upto, opts, store, argv=run_argv(p))
     if any(n.status not in ("cached", "not needed") for n in nodes):
         raise _NotMine  # there is work to do
     return api._result(upto, ctx, nodes, time.perf_counter() - started), opts

@@ -15,7 +15,7 @@ import typer
 from dfcache.cli.common import get_store, progress_enabled, state
 from dfcache.errors import UsageError
 
-from .common import _print_plan, open_remotes, print_run, quiet_libraries  # noqa: F401  (public here too)
+from .common import _print_plan, print_run, quiet_libraries
 from ..core.options import EvalOptions
 
 RUN_TARGETS = {"eval": "eval", "prompts": "prompts", "completions": "completions", "tokens": "tokens",
@@ -163,13 +163,6 @@ def register(app: typer.Typer) -> None:
     state.recomputers["import"] = _recompute_hidden_states
     app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
     app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
-    from .peers import register as register_peers
-    from .trust import register as register_trust_tools
-    from .watch import register as register_watch
-
-    register_peers(app)
-    register_trust_tools(app)
-    register_watch(app)
 
 
 def _recompute_hidden_states(store, keys, n, **kw) -> dict:
@@ -198,7 +191,8 @@ def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None
         if opts.offline:
             check_offline(ctx, nodes)
         return ctx, nodes
-    from ..distributed import discover, run_worker
+    from ..core.worker import discover
+    from ..distributed import run_worker
 
     worker = discover(shard)
     done = run_worker(upto, opts, get_store(), worker=worker, argv=argv, log=log)

@@ -1,7 +1,7 @@
 """`dfcache doctor`, `dfcache parity`, `dfcache compare-backends`, `dfcache explain`: the trust tools
 on the command line.
 
-Registered by ``runner.commands.run.register``. ``doctor`` and ``explain`` import neither torch nor
+Registered by ``runner.commands.register``. ``doctor`` and ``explain`` import neither torch nor
 transformers; ``parity`` and ``compare-backends`` run models and import them when they start working.
 """
 
@@ -146,7 +146,7 @@ def register(app: typer.Typer) -> None:
         from dfcache.config import offline_from_env
         from dfcache.errors import UsageError
 
-        from .run import open_remotes
+        from ..core.execution import open_remotes
         from ..trust.compare_backends import format_compare, run_compare
         from ..core.options import EvalOptions
 

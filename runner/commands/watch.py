@@ -488,9 +488,9 @@ _DROPPED = ("ctx", "target", "drafter", "example")  # of run's options: DIR and 
 
 
 def _command():
-    from . import run as cli
+    from .run import _make_command
 
-    options_of = cli._make_command("options")
+    options_of = _make_command("options")
 
     def watch(ctx: typer.Context,
               directory: str = typer.Argument(..., metavar="DIR", help="A training output directory (checkpoint-N/, step_N/ ...) or a quoted glob."),
@@ -504,7 +504,8 @@ def _command():
         opts = options_of(ctx, target="eval", drafter=None, example=False, **kw)
         if not interval >= 0:
             raise UsageError(f"--interval {interval:g}: give a number of seconds (0 or more).")
-        from .run import _run_argv, open_remotes
+        from ..core.execution import open_remotes
+        from .run import _run_argv
 
         # Fix messages quote this command line: `watch DIR ...` in place of `run eval ...`.
         marker = "\0watch-dir"

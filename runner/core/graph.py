@@ -30,6 +30,7 @@ from dfcache.errors import InternalError, OfflineMissingError
 from dfcache.keys import compute_key
 
 from .options import EvalOptions
+from .worker import Worker
 
 NEEDS = ("none", "cpu", "gpu", "network")
 
@@ -217,11 +218,12 @@ class RunHooks:
 
 
 class RunContext:
-    """What stages see: the store, the options (validated), remotes, progress output, and the
-    run's typed shared state (``cache``, ``hooks``, ``last_extract_stats``)."""
+    """What stages see: the store, the options (validated), remotes, progress output, the worker
+    (rank, device) and the run's typed shared state (``cache``, ``hooks``, ``last_extract_stats``)."""
 
     def __init__(self, store, options: EvalOptions, *, remotes: list | None = None, argv: list[str] | None = None,
-                 out=None, cache: RunCache | None = None, hooks: RunHooks | None = None, bars=None) -> None:
+                 out=None, cache: RunCache | None = None, hooks: RunHooks | None = None, bars=None,
+                 worker: Worker | None = None) -> None:
         options.validate()
         self.store = store
         self.options = options
@@ -231,6 +233,8 @@ class RunContext:
         # Progress bars' stream (default: ``out``); apart for a Python caller whose lines go to a
         # callback while its bars stay on the terminal.
         self.bars = bars
+        # This process's place in a distributed run (rank 0 of 1 alone): its share, its GPU.
+        self.worker = worker if worker is not None else Worker()
         self.cache = cache if cache is not None else RunCache()
         self.hooks = hooks if hooks is not None else RunHooks()
         self.last_extract_stats = None  # the hidden-states stage's last ExtractStats (bench, tests)

@@ -46,6 +46,8 @@ from typing import Any, Callable
 
 from dfcache.errors import BadInputError, ModelNotFoundError, UsageError
 
+from ..core.worker import Worker, device_for
+
 KERNEL_CHOICES = ("auto", "fla", "torch")
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 DTYPE_CHOICES = ("bfloat16", "float32")
@@ -525,11 +527,12 @@ def _check_fla_importable() -> None:
 
 
 def load_target(target_dir: str | os.PathLike, backend: KernelSpec, *,
-                info: ModelInfo | None = None) -> TargetModel:
+                info: ModelInfo | None = None, worker: Worker | None = None) -> TargetModel:
     """Load the target from a local directory and bind it to ``backend``; verify what is bound.
 
     Raises BadInputError when the machine cannot give what planning decided (no CUDA in torch,
-    fla not importable, a kernel bound to another family than asked).
+    fla not importable, a kernel bound to another family than asked). ``worker``: on CUDA, the
+    shards load straight onto its GPU (``RunContext.worker``; default rank 0 of 1).
     """
     import torch
 
@@ -547,11 +550,9 @@ def load_target(target_dir: str | os.PathLike, backend: KernelSpec, *,
     kwargs: dict[str, Any] = dict(dtype=dtype, attn_implementation=backend.attn_implementation,
                                   local_files_only=True, use_kernels=False)
     if backend.device == "cuda":
-        from ..distributed import current, device_for
-
         # cuda:LOCAL_RANK under torchrun (one GPU a rank); the shards load straight onto it, not
         # through host RAM.
-        kwargs["device_map"] = device_for(current(), "cuda")
+        kwargs["device_map"] = device_for(worker or Worker(), "cuda")
     try:
         model = AutoModelForCausalLM.from_pretrained(str(target_dir), **kwargs)
     except (OSError, ValueError, KeyError) as e:

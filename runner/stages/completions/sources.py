@@ -463,8 +463,9 @@ class LocalGreedySource:
     kind = "local"
 
     def __init__(self, target_dir: str | Path, params: SamplingParams, backend, *,
-                 cache: RunCache | None = None) -> None:
+                 cache: RunCache | None = None, worker=None) -> None:
         self.target_dir = Path(target_dir)
+        self.worker = worker  # its GPU under torchrun (runner.core.worker)
         self.params = params
         self.backend = backend
         self.cache = cache if cache is not None else RunCache()
@@ -479,7 +480,7 @@ class LocalGreedySource:
         # The same cache entry as the hidden-states stage: one copy of the target per run.
         key = (str(self.target_dir), self.backend.label)
         if key not in self.cache.targets:
-            self.cache.targets[key] = load_target(self.target_dir, self.backend)
+            self.cache.targets[key] = load_target(self.target_dir, self.backend, worker=self.worker)
         self.target = self.cache.targets[key]
         self.tokenizer = load_tokenizer(self.target_dir, self.cache)
         self.eos_ids = eos_token_ids(self.target_dir)
@@ -534,7 +535,8 @@ def make_source(ctx, target_dir: str | Path, client: HttpClient | None = None):
                             enable_thinking=bool(o.enable_thinking))
     # The options are valid here (EvalOptions.validate): local, or a server with --server given.
     if o.completions == "local":
-        return LocalGreedySource(target_dir, params, local_kernel(o, target_dir), cache=ctx.cache)
+        return LocalGreedySource(target_dir, params, local_kernel(o, target_dir), cache=ctx.cache,
+                                 worker=ctx.worker)
     from dfcache.http import HttpClient
 
     client = client or HttpClient(offline=o.offline, timeout=o.request_timeout,

@@ -47,6 +47,7 @@ from dfcache.keys import fingerprint_path
 
 from ...core.graph import KeyRecipe, Node, RunContext
 from ...core.values import int_list, json_kind
+from ...core.worker import device_for
 
 # version 3: CPU scoring runs in passes of 64 roots (dflash.CPU_BATCH_ROOTS), not 256; the attention
 # groups follow the passes, so CPU logits moved at float rounding (2e-6 on the bench drafter) and an
@@ -245,9 +246,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         if not todo:
             continue
         ref: DrafterRef = node.payload["drafter"]
-        from ...distributed import current, device_for
-
-        device = device_for(current(), node.inputs["device"])  # cuda:LOCAL_RANK under torchrun
+        device = device_for(ctx.worker, node.inputs["device"])  # cuda:LOCAL_RANK under torchrun
         drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
         head = load_target_head(node.payload["target_dir"], device=device, dtype=dtype)
         toks = read_tokens(ctx.store, node.payload["tokens"], todo)

@@ -125,7 +125,7 @@ def get_target(ctx: RunContext, target_dir: str, backend: KernelSpec):
     key = (str(target_dir), backend.label)
     t = ctx.cache.targets.get(key)
     if t is None:
-        t = load_target(target_dir, backend)
+        t = load_target(target_dir, backend, worker=ctx.worker)
         ctx.cache.targets[key] = t
     return t
 

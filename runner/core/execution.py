@@ -1,0 +1,153 @@
+"""Resolving and running the graph for one call, below both the Python API (:mod:`runner.api`)
+and the distributed run (:mod:`runner.distributed`): the store opened, the example built, the
+remotes opened, the run context made (with this worker on it), the graph resolved and executed.
+Nothing here prints; the callers choose where progress goes.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import fields
+
+from .options import EvalOptions
+from .worker import Worker
+
+TARGETS = ("prompts", "completions", "tokens", "hidden-states", "eval")
+
+
+def open_store_arg(store, opts: EvalOptions | None = None):
+    """``store``: a Store, a path or URL, or None for ``$DFCACHE_STORE``, else ``./store`` (never
+    the command line's state: a Python caller has none)."""
+    from dfcache import open_store
+    from dfcache.store import Store
+
+    if isinstance(store, Store):
+        return store
+    return open_store(store, offline=True if opts is not None and opts.offline else None)
+
+
+def open_remotes(opts: EvalOptions, log=None) -> list:
+    """The remotes to look in: --remote flags, else the config's default remotes. Offline,
+    a remote that needs the network is refused (a file:// remote is fine). ``log``: where the
+    note about that goes (default: stderr)."""
+    from dfcache.config import load_config
+
+    names = opts.remotes or load_config().default_remotes
+    if not names:
+        return []
+    from dfcache.errors import OfflineModeIsEnabled
+    from dfcache.transfer import open_remote
+
+    remotes = []
+    for name in names:
+        try:
+            remotes.append(open_remote(name, endpoint_url=opts.endpoint_url, offline=opts.offline, create=False))
+        except OfflineModeIsEnabled:
+            # Offline, a network remote is simply not consulted (it must not fail a run that has
+            # everything it needs locally); what is missing is then reported as needing the network.
+            note = f"note: offline mode is on, so remote {name} (it needs the network) is not consulted."
+            if log is not None:
+                log(note)
+            else:
+                print(note, file=sys.stderr, flush=True)
+    return remotes
+
+
+_FLAGS = {"target": "--target", "target_revision": "--revision", "drafters": "--drafter", "layers": "--layer",
+          "tree_budgets": "--tree-budget", "remotes": "--remote"}
+_NO_FLAG = ("json", "progress", "progress_every")
+
+
+def cli_args(opts: EvalOptions) -> list[str]:
+    """The command-line flags that give ``opts`` (those that differ from the defaults), for
+    "produce it with: dfcache ..." messages of Python calls: the command resolves as the call did."""
+    default = EvalOptions()
+    args: list[str] = []
+    for f in fields(EvalOptions):
+        value = getattr(opts, f.name)
+        if f.name in _NO_FLAG or value == getattr(default, f.name):
+            continue
+        if f.name == "completions" and value == "server" and opts.server:
+            continue  # --server implies it, as typed on the command line
+        flag = _FLAGS.get(f.name, "--" + f.name.replace("_", "-"))
+        if isinstance(value, bool):
+            args.append(flag if value else f"--no-{flag[2:]}")
+        elif f.name == "key_versions":
+            args += [flag, ",".join(value)]  # one comma list (runner/core/provenance_keys.py)
+        elif isinstance(value, list):
+            for v in value:
+                args += [flag, str(v)]
+        elif value is not None:
+            args += [flag, str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)]
+    return args
+
+
+def _store_args(store) -> list[str]:
+    """``--store LOCATION`` unless ``store`` is the one `dfcache` opens by default."""
+    import os
+
+    from dfcache.config import default_store_location
+
+    if store is None:
+        return []
+    url = str(store.url)
+    default = default_store_location()
+    if "://" not in url and "://" not in default:
+        if os.path.realpath(os.path.expanduser(default)) == os.path.realpath(url):
+            return []
+    elif url == default:
+        return []
+    return ["--store", url]
+
+
+def command_argv(upto: str, argv: list[str] | None, opts: EvalOptions | None = None, store=None) -> list[str]:
+    if argv is not None:
+        return list(argv)
+    return [*_store_args(store), "run", upto, *(cli_args(opts) if opts else [])]
+
+
+def resolve_graph(upto: str, opts: EvalOptions, store=None, *, argv: list[str] | None = None,
+                  log: Callable[[str], None] | None = None, out=None, bars=None,
+                  worker: Worker | None = None):
+    """Build and resolve the graph (no work). Returns ``(ctx, nodes)``: the runner's own objects.
+
+    ``log``: the example build's lines (default: none); ``out``/``bars``: the run's progress
+    lines and bars (default: stderr, as the command line prints them); ``worker``: this
+    process's place in a distributed run (default: rank 0 of 1), carried by the run context."""
+    from dfcache.errors import UsageError
+
+    from .graph import RunContext, resolve
+    from .pipeline import build_graph
+
+    if upto not in TARGETS:
+        raise UsageError(f"unknown target {upto!r}; use {', '.join(TARGETS)}.")
+    st = open_store_arg(store, opts)
+    argv = command_argv(upto, argv, opts, st)  # before the example fills in its paths: `--example` says them
+    if opts.example:
+        from ..models.example import apply_example
+
+        apply_example(st, opts, log=log or (lambda m: None))
+    note = (lambda m: (out.write(m + "\n"), out.flush())) if out is not None else None
+    ctx = RunContext(st, opts, remotes=open_remotes(opts, log=note), argv=argv, out=out, bars=bars,
+                     worker=worker)
+    nodes = resolve(ctx, build_graph(ctx, upto))
+    return ctx, nodes
+
+
+def run_graph(upto: str, opts: EvalOptions, store, *, argv=None, log=None, out=None, output=None,
+              worker: Worker | None = None):
+    """Resolve the graph and make what is missing. ``output``: a Python call's output (its ``out``,
+    ``bars`` and ``hush()``, which silences transformers before work), else ``out``."""
+    from .graph import check_offline
+    from .pipeline import execute
+
+    if output is not None:
+        out = output.out
+    ctx, nodes = resolve_graph(upto, opts, store, argv=argv, log=log, out=out,
+                               bars=output.bars if output is not None else None, worker=worker)
+    check_offline(ctx, nodes)
+    if output is not None and any(n.status.startswith("compute") or n.status == "network" for n in nodes):
+        output.hush()  # work to do: the stages load models and tokenizers with transformers
+    execute(ctx, nodes)
+    return ctx, nodes
