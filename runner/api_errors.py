@@ -16,15 +16,14 @@ from __future__ import annotations
 import re
 from dataclasses import fields
 
-from .core.options import CHOICES, EvalOptions
+from .core.options import CHOICES, RUN_OPTIONS, EvalOptions
 
-# Flags whose field name is not the flag's spelling (runner/commands/run.py declares them).
-_RENAMED = {"--target": "target", "--revision": "target_revision", "--target-revision": "target_revision",
-            "--drafter": "drafters", "--layer": "layers", "--tree-budget": "tree_budgets", "--remote": "remotes"}
-_LISTS = ("drafters", "layers", "tree_budgets", "remotes", "key_versions")
+# Flags whose field name is not the flag's spelling (runner/core/options.py declares them).
+_RENAMED = {f: o.name for o in RUN_OPTIONS if o.field for f in o.flags if f != "--" + o.name.replace("_", "-")}
+_LISTS = tuple(o.name for o in RUN_OPTIONS if o.repeat or o.comma)
 # Keywords of the API functions themselves, not EvalOptions fields.
 _CALL = {"--store": "store", "--shard": "shard"}
-_MORE_CHOICES = {"trained_on": ("fla", "torch"), "shard": ("slurm",)}
+_MORE_CHOICES = {"shard": ("slurm",)}
 
 
 def _keywords() -> dict[str, tuple[str, type | None]]:

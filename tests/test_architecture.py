@@ -239,6 +239,11 @@ def test_the_runner_is_layered():
     upward = [f"{m} imports {d}" for below, above in RUNNER_LAYERS for m in sorted(graph)
               if _under(m, below) and not _under(m, above) for d in sorted(graph[m]) if _under(d, above)]
     assert upward == [], "an import upward: move what is shared into the lower layer"
+    # The command line's state (dfcache.cli: --store, --json...) is the commands' alone: the Python
+    # API takes its store as an argument (or $DFCACHE_STORE, read in dfcache/config.py).
+    cli_state = [f"{m} imports {d}" for m in sorted(graph) if _under(m, ("runner",))
+                 and not _under(m, ("runner.commands",)) for d in sorted(graph[m]) if _under(d, ("dfcache.cli",))]
+    assert cli_state == [], "only runner/commands/ reads the command line's state"
     # The rules bite: the graph holds the edges they allow.
     assert "runner.core.graph" in graph["runner.stages.tokens"] and "runner.api" in graph["runner.commands.run"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 def register(app) -> None:
     """Add the runner's commands to the ``dfcache`` typer app: each module's ``register(app)``,
     in the order ``dfcache --help`` lists them."""
-    from . import peers, run, trust, watch
+    from . import compare_backends, doctor, explain, parity, peers, run, watch
 
-    for module in (run, peers, trust, watch):
+    for module in (run, peers, doctor, explain, parity, compare_backends, watch):
         module.register(app)

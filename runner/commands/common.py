@@ -15,6 +15,20 @@ from dfcache.console import emit_json
 from ..core.options import EvalOptions
 
 
+def json_output(local: bool) -> bool:
+    """JSON on stdout: the command's own --json, or the global one."""
+    from dfcache.cli.common import state
+
+    return local or state.json
+
+
+def show_bars(json_out: bool) -> bool:
+    """Progress bars: on a terminal, without --json or --no-progress (the global option)."""
+    from dfcache.cli.common import state
+
+    return sys.stderr.isatty() and not json_output(json_out) and not state.no_progress
+
+
 def quiet_libraries(*, bars: bool, notices: bool) -> None:
     """Keep transformers and huggingface_hub in line with our own progress settings: no
     "Loading weights" bars when ours are off (no terminal, --json, --no-progress), and with

@@ -8,7 +8,7 @@ functions ``dfcache run`` itself prints with (:mod:`runner.commands.common`), so
 same bytes but for the seconds it reports.
 
 It answers only what it understands completely and what needs no work: a ``run`` command line
-of the options in ``_VALUED``/``_FLAGS`` below (anything else, ``--help``, ``--debug``,
+of the options RUN_OPTIONS marks ``fast`` (anything else, ``--help``, ``--debug``,
 ``--shard``, ``--server``, ``--remote`` or a configured default remote, a torchrun or Slurm
 worker, a store URL, a store or example models not there yet), and a graph with nothing to
 produce or pull. For everything else, and on any error, it returns None before printing
@@ -24,6 +24,9 @@ import re
 import sys
 import time
 
+from ..core.options import RUN_OPTIONS
+from ..core.options import run_argv as core_run_argv
+
 _TARGETS = {"eval": "eval", "prompts": "prompts", "completions": "completions", "tokens": "tokens",
             "hidden-states": "hidden-states", "hidden_states": "hidden-states"}
 _GLOBAL = ("--json", "--offline", "--no-progress")  # --store too; --debug and --version go to the full CLI
@@ -31,37 +34,19 @@ _GLOBAL = ("--json", "--offline", "--no-progress")  # --store too; --debug and -
 _INT = re.compile(r"[0-9]+\Z")
 _FLOAT = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\Z")
 
-# The options of `run` this path takes, in the order runner.commands.run declares them (fix messages
-# rebuild the command line in that order): flag -> (EvalOptions field, kind). A flag with two
-# spellings (--revision, --target-revision) gives its first one in fix messages, as click does.
+# The options of `run` this path takes (RUN_OPTIONS' with ``fast``), in declaration order:
+# (flags, EvalOptions field, kind). A flag with two spellings (--revision, --target-revision)
+# gives its first one in fix messages, as click does.
+def _kind(o) -> str:
+    if o.type is bool:
+        return "bool" if o.off else "flag"
+    return {str: "str", int: "int", float: "float"}[o.type] + ("s" if o.repeat else "")
+
+
 _OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
-    (("--example",), "example", "flag"),
-    (("--target",), "target", "str"),
-    (("--revision", "--target-revision"), "target_revision", "str"),
-    (("--drafter",), "drafters", "strs"),
-    (("--trained-on",), "trained_on", "str"),
-    (("--prompts",), "prompts", "str"),
-    (("--num-prompts",), "num_prompts", "int"),
-    (("--max-new-tokens",), "max_new_tokens", "int"),
-    (("--max-blocks",), "max_blocks", "int"),
-    (("--completions",), "completions", "str"),
-    (("--temperature",), "temperature", "float"),
-    (("--top-p",), "top_p", "float"),
-    (("--seed",), "seed", "int"),
-    (("--enable-thinking", "--no-enable-thinking"), "enable_thinking", "bool"),
-    (("--accept-retokenized",), "accept_retokenized", "flag"),
-    (("--layer",), "layers", "ints"),
-    (("--backend",), "backend", "str"),
-    (("--device",), "device", "str"),
-    (("--eval-device",), "eval_device", "str"),
-    (("--dtype",), "dtype", "str"),
-    (("--batch-tokens",), "batch_tokens", "int"),
-    (("--compression",), "compression", "str"),
-    (("--attn-implementation",), "attn_implementation", "str"),
-    (("--tree-budget",), "tree_budgets", "ints"),
-    (("--end-rule",), "end_rule", "str"),
-]
+    ((*o.flags, *((o.off,) if o.off else ())), o.name, _kind(o)) for o in RUN_OPTIONS if o.fast]
 _BY_FLAG = {flag: (i, field, kind) for i, (flags, field, kind) in enumerate(_OPTIONS) for flag in flags}
+_OFF = {o.off for o in RUN_OPTIONS if o.fast and o.off}
 
 
 class _NotMine(Exception):
@@ -94,7 +79,7 @@ def parse(argv: list[str]) -> dict | None:
             command = True
         elif a in _BY_FLAG and _BY_FLAG[a][2] in ("flag", "bool"):
             idx, field, kind = _BY_FLAG[a]
-            out["values"][field] = a != "--no-enable-thinking"
+            out["values"][field] = a not in _OFF
             out["given"][idx] = [out["values"][field]]
         elif name in _BY_FLAG:
             idx, field, kind = _BY_FLAG[name]
@@ -127,17 +112,10 @@ def parse(argv: list[str]) -> dict | None:
     return out
 
 
-def _arg(v) -> str:
-    # As runner.commands.run._arg spells values in fix messages.
-    if isinstance(v, float):
-        return str(int(v)) if v.is_integer() else repr(v)
-    return str(v)
-
-
 def run_argv(p: dict) -> list[str]:
-    """The ``run`` arguments fix messages name, as runner.commands.run._run_argv rebuilds them: global
-    options given before the command, ``run TARGET``, then the command's own options given on the
-    command line in declaration order, then the global options given after it."""
+    """The ``run`` arguments fix messages name, as the full command line rebuilds them
+    (runner.core.options.run_argv): global options given before the command, ``run TARGET``,
+    the command's own options given on the command line, then the global options given after it."""
     def globals_at(where: str) -> list[str]:
         args = []
         if where in p["store"]:
@@ -147,17 +125,12 @@ def run_argv(p: dict) -> list[str]:
                 args.append(flag)
         return args
 
-    args = globals_at("root") + ["run", p["target"]]
-    for idx in sorted(p["given"]):
-        flags, _, kind = _OPTIONS[idx]
-        for v in p["given"][idx]:
-            if kind == "flag":
-                args.append(flags[0])
-            elif kind == "bool":
-                args.append(flags[0] if v else flags[1])
-            else:
-                args += [flags[0], _arg(v)]
-    return args + globals_at("command")
+    given = {}
+    for idx in p["given"]:
+        _, name, kind = _OPTIONS[idx]
+        values = p["given"][idx]
+        given[name] = values if kind in ("strs", "ints") else values[-1]
+    return core_run_argv(p["target"], given, before=globals_at("root"), after=globals_at("command"))
 
 
 def main(argv: list[str]) -> int | None:

@@ -12,17 +12,16 @@ from typing import Optional
 
 import typer
 
-from dfcache.cli.common import emit_json, get_store, human_bytes
+from dfcache.cli.common import emit_json, examples, get_store, human_bytes
+
+from .run_options import CONTEXT, GroupedCommand, command_argv, declared, options_from, parameters
 
 # Eval-only options that do not select states.
-_NOT_SELECTION = ("target", "tree_budget", "end_rule", "max_blocks", "trained_on")
+_NOT_SELECTION = ("upto", "tree_budgets", "end_rule", "max_blocks", "trained_on")
 
 
 def _selection_params() -> list[inspect.Parameter]:
-    from .run import _make_command
-
-    sig = inspect.signature(_make_command("options"), eval_str=True)
-    return [p for p in sig.parameters.values() if p.name not in _NOT_SELECTION]
+    return parameters(drop=_NOT_SELECTION)
 
 
 def _with_params(func, extra: list[inspect.Parameter]):
@@ -33,16 +32,11 @@ def _with_params(func, extra: list[inspect.Parameter]):
 
 
 def _options(ctx: typer.Context, kw: dict):
-    from .run import _make_command
-
-    return _make_command("options")(ctx, target="hidden-states", tree_budget=None, end_rule="within",
-                                    max_blocks=None, trained_on=None, **kw)
+    return options_from(ctx, kw)
 
 
 def _argv(ctx: typer.Context) -> list[str]:
-    from .run import _run_argv
-
-    return _run_argv(ctx, "hidden-states")
+    return command_argv(ctx, "hidden-states")
 
 
 def export_command(ctx: typer.Context, **kw) -> None:
@@ -100,15 +94,15 @@ def concat_command(ctx: typer.Context, **kw) -> None:
 
 def import_command(
     directory: str = typer.Argument(..., metavar="DIR", help="The directory the peer wrote."),
-    fmt: str = typer.Option(..., "--format", help="specforge|speculators|modelopt"),
-    model: str = typer.Option(..., "--target", help="The target model that made the states (directory or HF id)."),
-    revision: Optional[str] = typer.Option(None, "--revision", "--target-revision"),
-    layers: Optional[list[int]] = typer.Option(None, "--layer", help="Layer ids the files hold, in file order (repeatable)."),
-    backend: str = typer.Option("auto", "--backend", help="fla|torch: the kernels that made the states (declared)."),
-    device: str = typer.Option("auto", "--device", help="cuda|cpu: where they were made (declared)."),
-    attn_implementation: str = typer.Option("sdpa", "--attn-implementation", help="Attention implementation (declared)."),
+    fmt: str = typer.Option(..., "--format", metavar="specforge|speculators|modelopt", help="The peer that wrote DIR."),
+    model: str = declared("target", ..., help="The target model that made the states (directory or HF id)."),
+    revision: Optional[str] = declared("target_revision"),
+    layers: Optional[list[int]] = declared("layers", help="Layer ids the files hold, in file order (repeatable)."),
+    backend: str = declared("backend", "auto", help="The kernels that made the states (declared)."),
+    device: str = declared("device", "auto", help="Where they were made (declared)."),
+    attn_implementation: str = declared("attn_implementation", "sdpa", help="Attention implementation (declared)."),
     json_out: bool = typer.Option(False, "--json", help="Machine-readable output on stdout."),
-    store: Optional[str] = typer.Option(None, "--store", help="Store path or URL (as before the command)."),
+    store: Optional[str] = typer.Option(None, "--store", metavar="PATH", help="Store path or URL (as before the command)."),
     no_progress: bool = typer.Option(False, "--no-progress", help="No progress bars."),
     no_check: bool = typer.Option(False, "--no-check", help="Do not check the declared layers on a recomputed "
                                   "sample (the import is marked unchecked)."),
@@ -178,12 +172,21 @@ def _print_import(res) -> None:
 def register(app: typer.Typer) -> None:
     export_params = [
         inspect.Parameter("format", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str,
-                          default=typer.Option(..., "--format", help="specforge|speculators")),
+                          default=typer.Option(..., "--format", metavar="specforge|speculators",
+                                                       help="The peer's layout to write.")),
         inspect.Parameter("out", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=str,
-                          default=typer.Option(..., "--out", help="Directory to write (new, empty, or a "
+                          default=typer.Option(..., "--out", metavar="DIR", help="Directory to write (new, empty, or a "
                                                "previous export of the same selection, which resumes).")),
     ]
-    app.command("export", context_settings={"allow_interspersed_args": True})(
-        _with_params(export_command, export_params))
-    app.command("import", context_settings={"allow_interspersed_args": True})(import_command)
-    app.command("concat", context_settings={"allow_interspersed_args": True})(_with_params(concat_command, []))
+    app.command("export", cls=GroupedCommand, context_settings=CONTEXT, epilog=examples(
+        "dfcache export --format specforge --out ./sf-data --target ./qwen3-8b --drafter ./dflash-ckpt",
+        "dfcache export --format speculators --out ./sp-data --target ./qwen3-8b --layer 1 --layer 17 --prompts p.jsonl",
+    ))(_with_params(export_command, export_params))
+    app.command("import", context_settings=CONTEXT, epilog=examples(
+        "dfcache import ./sf-data --format specforge --target ./qwen3-8b --layer 1 --layer 17 --backend fla --device cuda",
+        "dfcache import ./mo-out --format modelopt --target ./qwen3-8b --layer 2 --backend torch --device cpu --json",
+    ))(import_command)
+    app.command("concat", cls=GroupedCommand, context_settings=CONTEXT, epilog=examples(
+        "dfcache concat --target ./qwen3-8b --drafter ./dflash-ckpt",
+        "dfcache concat --target ./qwen3-8b --layer 1 --layer 17 --prompts p.jsonl",
+    ))(_with_params(concat_command, []))

@@ -1,154 +1,48 @@
 """`dfcache plan` and `dfcache run`: the eval graph on the command line.
 
-Registered into the `dfcache` app by dfcache.cli (no entry point needed). Building the
-plan imports neither torch nor transformers; a run whose every artifact is cached never does.
+Their options are runner/core/options.py's RUN_OPTIONS, made typer parameters by
+runner/commands/run_options.py. Building the plan imports neither torch nor transformers; a run
+whose every artifact is cached never does.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
-from typing import List, Optional
 
 import typer
 
-from dfcache.cli.common import get_store, progress_enabled, state
+from dfcache.cli.common import examples, get_store, state
 from dfcache.errors import UsageError
 
-from .common import _print_plan, print_run, quiet_libraries
 from ..core.options import EvalOptions
+from .common import _print_plan, print_run, quiet_libraries
+from .run_options import CONTEXT, RUN_TARGETS, GroupedCommand, command_argv, options_from, parameters
 
-RUN_TARGETS = {"eval": "eval", "prompts": "prompts", "completions": "completions", "tokens": "tokens",
-               "hidden-states": "hidden-states", "hidden_states": "hidden-states"}
+_EXAMPLES = {
+    "run": examples("dfcache run eval --example",
+                    "dfcache run eval --target ./qwen3-8b --drafter ./dflash-ckpt --server http://127.0.0.1:30000",
+                    "dfcache run hidden-states --target ./qwen3-8b --layer 1 --layer 17 --device cuda"),
+    "plan": examples("dfcache plan eval --example",
+                     "dfcache plan eval --target ./qwen3-8b --drafter 'runs/x/checkpoint-*' --offline",
+                     "dfcache --json plan tokens --target ./qwen3-8b --prompts prompts.jsonl"),
+}
 
 
 def _make_command(mode: str):
-    def command(
-        ctx: typer.Context,
-        target: str = typer.Argument("eval", help="eval, or a stage to stop at: prompts, completions, tokens, hidden-states."),
-        example: bool = typer.Option(False, "--example", help="Build and use the embedded tiny example (target, drafters, prompts)."),
-        model: Optional[str] = typer.Option(None, "--target", help="Target model: a local directory or a Hugging Face id in the local cache."),
-        revision: Optional[str] = typer.Option(None, "--revision", "--target-revision", help="Revision of a Hugging Face id (commit or branch in the local cache)."),
-        drafter: Optional[List[str]] = typer.Option(None, "--drafter", help="A DFlash drafter checkpoint directory (repeatable)."),
-        trained_on: Optional[str] = typer.Option(None, "--trained-on", help="Backend the drafters were trained on: fla|torch."),
-        prompts: str = typer.Option("builtin:coding", "--prompts", help="A JSONL file or builtin:NAME (coding, reasoning)."),
-        num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use the first N prompts."),
-        max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
-        max_blocks: Optional[int] = typer.Option(None, "--max-blocks", help="Evaluate at most N blocks per response."),
-        completions: str = typer.Option("local", "--completions", help="server|local (server when --server is given)."),
-        server: Optional[str] = typer.Option(None, "--server", help="Base URL of an OpenAI-compatible or SGLang server."),
-        server_api: str = typer.Option("openai", "--server-api", help="openai|sglang"),
-        served_model: Optional[str] = typer.Option(None, "--served-model", help="Model name the server must serve (default: its only model)."),
-        wait_server: float = typer.Option(0.0, "--wait-server", help="Seconds to wait for the server to be ready (checked once, up front)."),
-        concurrency: int = typer.Option(8, "--concurrency", help="Concurrent requests to the server."),
-        request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds to wait for one server answer (a whole generation)."),
-        temperature: float = typer.Option(0.0, "--temperature"),
-        top_p: float = typer.Option(1.0, "--top-p"),
-        seed: Optional[int] = typer.Option(None, "--seed"),
-        enable_thinking: bool = typer.Option(False, "--enable-thinking/--no-enable-thinking"),
-        accept_retokenized: bool = typer.Option(False, "--accept-retokenized", help="Keep server completions whose ids, rebuilt from text, fail their check (count, round trip); marked in the report."),
-        layers: Optional[List[int]] = typer.Option(None, "--layer", help="Layer ids to extract (run hidden-states without a drafter)."),
-        backend: str = typer.Option("auto", "--backend", help="auto|fla|torch"),
-        device: str = typer.Option("auto", "--device", help="auto|cuda|cpu: where hidden states (and local completions) are computed."),
-        eval_device: str = typer.Option("auto", "--eval-device", help="auto|cuda|cpu: where drafters are evaluated (auto: CUDA where usable, else CPU), whatever device made the states."),
-        dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16|float32"),
-        batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Tokens per extraction batch."),
-        compression: str = typer.Option("none", "--compression", help="none|zstd|shuffle-zstd|bitshuffle-lz4 (lossless) for hidden states: shuffle-zstd is the smallest, bitshuffle-lz4 the fastest."),
-        attn_implementation: str = typer.Option("sdpa", "--attn-implementation", help="sdpa|eager|flash_attention_2: the target's attention kernels (keyed with the backend)."),
-        key_versions: Optional[str] = typer.Option(None, "--key-versions", help="Comma list of packages (fla,transformers,torch,...) whose exact versions join the hidden-state key (opt-in)."),
-        tree_budget: Optional[List[int]] = typer.Option(None, "--tree-budget", help="DDTree budget (repeatable)."),
-        end_rule: str = typer.Option("within", "--end-rule", help="within: how the last block of a completion counts (continuation is not wired yet; see docs/metrics.md)."),
-        remote: Optional[List[str]] = typer.Option(None, "--remote", help="A remote store to look in before computing (repeatable)."),
-        endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
-        shard: Optional[str] = typer.Option(None, "--shard", help="Be worker I of N (I/N, or 'slurm' in a Slurm array): make this worker's share of the samples (docs/distributed.md)."),
-    ):
-        # --store, --json, --debug, --offline and --no-progress are the dfcache CLI's global
-        # options, which it adds to every command (dfcache.cli.common.GLOBAL_OPTIONS).
-        from dfcache.config import offline_from_env, progress_interval
+    def command(ctx: typer.Context, upto: str = "eval", **kw) -> None:
+        if upto not in RUN_TARGETS:
+            raise UsageError(f"unknown target {upto!r}; use eval, prompts, completions, tokens or hidden-states.")
+        opts = options_from(ctx, kw, run=mode == "run")
+        run_pipeline(mode, RUN_TARGETS[upto], opts, argv=command_argv(ctx, upto), shard=kw.get("shard"))
 
-        if server is not None:
-            # --server alone means "completions from that server": silently generating locally
-            # (the default) while a server was named would cost hours on a large target.
-            source = ctx.get_parameter_source("completions")
-            if source is None or source.name != "COMMANDLINE":
-                completions = "server"
-            elif completions == "local":
-                raise UsageError("--completions local does not use --server; drop --server, or pass "
-                                 "--completions server to take completions from it.")
-        if target not in RUN_TARGETS:
-            raise UsageError(f"unknown target {target!r}; use eval, prompts, completions, tokens or hidden-states.")
-        opts = EvalOptions(
-            example=example, target=model, target_revision=revision, drafters=list(drafter or []),
-            trained_on=trained_on, prompts=prompts, num_prompts=num_prompts, completions=completions,
-            server=server, server_api=server_api, served_model=served_model, wait_server=wait_server,
-            concurrency=concurrency, request_timeout=request_timeout, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_p=top_p,
-            seed=seed, enable_thinking=enable_thinking, accept_retokenized=accept_retokenized, layers=list(layers) if layers else None,
-            backend=backend, device=device, dtype=dtype, batch_tokens=batch_tokens,
-            compression=compression, tree_budgets=list(tree_budget or []), max_blocks=max_blocks,
-            end_rule=end_rule, eval_device=eval_device, offline=state.offline or offline_from_env(),
-            remotes=list(remote or []), endpoint_url=endpoint_url, json=state.json,
-            progress=progress_enabled(), progress_every=None if state.no_progress else progress_interval(),
-            attn_implementation=attn_implementation, key_versions=_key_versions(key_versions))
-        if shard is not None and mode != "run":
-            raise UsageError(f"--shard applies to `dfcache run` only (it splits the work of a run between "
-                             f"workers); drop it from `dfcache {'plan' if mode == 'plan' else ctx.info_name}`.")
-        if mode == "options":  # `dfcache watch` and `dfcache export` take these options, validated the same way
-            return opts.validate()
-        run_pipeline(mode, RUN_TARGETS[target], opts, argv=_run_argv(ctx, target), shard=shard)
-
+    # --store, --json, --debug, --offline and --no-progress are the dfcache CLI's global
+    # options, which it adds to every command (dfcache.cli.common.GLOBAL_OPTIONS).
+    command.__signature__ = inspect.Signature(parameters())
     command.__doc__ = ("Show the graph and each node's status; does no work." if mode == "plan" else
                        "Run the graph up to TARGET, reusing everything cached.")
     return command
-
-
-def _key_versions(value: str | None) -> list[str]:
-    from ..core.provenance_keys import parse_key_versions
-
-    return parse_key_versions(value)
-
-
-def _arg(v) -> str:
-    if isinstance(v, float):
-        return str(int(v)) if v.is_integer() else repr(v)
-    return str(v)
-
-
-def _run_argv(ctx: typer.Context, target: str) -> list[str]:
-    """This invocation as ``run`` arguments, rebuilt from what the command line gave.
-
-    Fix messages ("produce it with: dfcache run ...") are built from it. Rebuilt rather than
-    taken from ``sys.argv``, which is not this command's when ``dfcache.cli.main([...])`` is
-    called from Python, and is a ``plan`` line when planning. Only options given on the command
-    line appear, in declaration order.
-    """
-    args: list[str] = []
-
-    def add(c, skip: tuple[str, ...] = ()) -> None:
-        for p in c.command.params:
-            opts = getattr(p, "opts", None)
-            if p.param_type_name != "option" or not opts or p.name in skip or p.name not in c.params:
-                continue
-            source = c.get_parameter_source(p.name)
-            if source is None or source.name != "COMMANDLINE":
-                continue
-            value = c.params[p.name]
-            if p.is_flag:
-                if value:
-                    args.append(opts[0])
-                elif p.secondary_opts:
-                    args.append(p.secondary_opts[0])
-                continue
-            for v in (value if p.multiple else [value]):
-                if v is not None:
-                    args.extend([opts[0], _arg(v)])
-
-    root = ctx.find_root()
-    if root is not ctx:
-        add(root, skip=("version", "debug"))
-    args += ["run", target]
-    add(ctx, skip=("_global_debug", "shard"))  # a fix names the whole job, not one worker's share
-    return args
 
 
 # What `dfcache ls --stage` and `ls --backend` accept before the store holds any such artifact.
@@ -161,8 +55,8 @@ def register(app: typer.Typer) -> None:
     state.known_kernels.update(KERNELS)
     state.recomputers["hidden_states"] = _recompute_hidden_states  # set-level imports
     state.recomputers["import"] = _recompute_hidden_states
-    app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
-    app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
+    for mode in ("plan", "run"):
+        app.command(mode, cls=GroupedCommand, context_settings=CONTEXT, epilog=_EXAMPLES[mode])(_make_command(mode))
 
 
 def _recompute_hidden_states(store, keys, n, **kw) -> dict:

@@ -31,12 +31,13 @@ from typing import Any, Callable, Optional
 
 import typer
 
-from dfcache.cli.common import emit_json, get_store, state
+from dfcache.cli.common import emit_json, examples, get_store
 from dfcache.errors import BadInputError, DfcacheError, UsageError
 
 from ..drafters.checkpoints import (Checkpoint, glob_checkpoints, incomplete_reason, is_glob, newest_mtime, snapshot,
                                     training_checkpoints)
 from ..core.options import EvalOptions
+from .run_options import CONTEXT, GroupedCommand, command_argv, options_from, parameters
 
 FILES = ("watch.json", "watch.md", "tau_by_step.png", "histograms.png", "report.html")
 SETTLE_SLACK = 1.0  # seconds `--once` may wait past one interval, for the clock's rounding
@@ -483,33 +484,31 @@ def _point(r: Evaluated):
 # The command
 # --------------------------------------------------------------------------------------------
 
+_EXAMPLES = examples("dfcache watch runs/x --target ./qwen3-8b --server http://127.0.0.1:30000",
+                     "dfcache watch 'runs/x/checkpoint-*' --example --once",
+                     "dfcache watch runs/x --target ./qwen3-8b --reference ./dflash-release --interval 600")
 _OWN = ("ctx", "directory", "reference", "interval", "once", "html_checkpoint", "out")
-_DROPPED = ("ctx", "target", "drafter", "example")  # of run's options: DIR and --reference replace them
+_DROPPED = ("ctx", "upto", "drafters", "example")  # of run's options: DIR and --reference replace them
 
 
 def _command():
-    from .run import _make_command
-
-    options_of = _make_command("options")
-
     def watch(ctx: typer.Context,
               directory: str = typer.Argument(..., metavar="DIR", help="A training output directory (checkpoint-N/, step_N/ ...) or a quoted glob."),
-              reference: Optional[str] = typer.Option(None, "--reference", help="A reference drafter checkpoint, drawn as a horizontal line."),
-              interval: float = typer.Option(30.0, "--interval", help="Seconds between looks; a checkpoint must be unchanged this long."),
+              reference: Optional[str] = typer.Option(None, "--reference", metavar="PATH", help="A reference drafter checkpoint, drawn as a horizontal line."),
+              interval: float = typer.Option(30.0, "--interval", metavar="SECONDS", help="Seconds between looks; a checkpoint must be unchanged this long."),
               once: bool = typer.Option(False, "--once", help="Evaluate what is there and exit."),
-              html_checkpoint: Optional[int] = typer.Option(None, "--html-checkpoint", help="Step whose per-prompt view the HTML report shows beside the latest (default: the best)."),
-              out: Optional[str] = typer.Option(None, "--out", help="Report directory (default: <store>/reports/watch-<name>-<hash>/)."),
+              html_checkpoint: Optional[int] = typer.Option(None, "--html-checkpoint", metavar="STEP", help="Step whose per-prompt view the HTML report shows beside the latest (default: the best)."),
+              out: Optional[str] = typer.Option(None, "--out", metavar="DIR", help="Report directory (default: <store>/reports/watch-<name>-<hash>/)."),
               **kw) -> None:
         """Evaluate a training run's checkpoints as they are written: τ by step, plots, HTML."""
-        opts = options_of(ctx, target="eval", drafter=None, example=False, **kw)
+        opts = options_from(ctx, kw)
         if not interval >= 0:
             raise UsageError(f"--interval {interval:g}: give a number of seconds (0 or more).")
         from ..core.execution import open_remotes
-        from .run import _run_argv
 
         # Fix messages quote this command line: `watch DIR ...` in place of `run eval ...`.
         marker = "\0watch-dir"
-        argv = [a for a in _run_argv(ctx, marker)]
+        argv = command_argv(ctx, marker)
         i = argv.index(marker)
         argv[i - 1:i + 1] = ["watch", directory]
         store = get_store()
@@ -519,12 +518,11 @@ def _command():
         w.run()
 
     own = inspect.signature(watch, eval_str=True).parameters
-    run_params = inspect.signature(options_of, eval_str=True).parameters
     params = [own[n] for n in _OWN] + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-                                       for n, p in run_params.items() if n not in _DROPPED]
+                                       for p in parameters(drop=_DROPPED)]
     watch.__signature__ = inspect.Signature(params)
     return watch
 
 
 def register(app: typer.Typer) -> None:
-    app.command("watch", context_settings={"allow_interspersed_args": True})(_command())
+    app.command("watch", cls=GroupedCommand, context_settings=CONTEXT, epilog=_EXAMPLES)(_command())

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import fields
 
-from .options import EvalOptions
+from .options import RUN_OPTIONS, EvalOptions, default_of, run_argv
 from .worker import Worker
 
 TARGETS = ("prompts", "completions", "tokens", "hidden-states", "eval")
@@ -54,33 +53,17 @@ def open_remotes(opts: EvalOptions, log=None) -> list:
     return remotes
 
 
-_FLAGS = {"target": "--target", "target_revision": "--revision", "drafters": "--drafter", "layers": "--layer",
-          "tree_budgets": "--tree-budget", "remotes": "--remote"}
-_NO_FLAG = ("json", "progress", "progress_every")
-
-
 def cli_args(opts: EvalOptions) -> list[str]:
-    """The command-line flags that give ``opts`` (those that differ from the defaults), for
+    """The command-line options that give ``opts`` (those that differ from the defaults), for
     "produce it with: dfcache ..." messages of Python calls: the command resolves as the call did."""
-    default = EvalOptions()
-    args: list[str] = []
-    for f in fields(EvalOptions):
-        value = getattr(opts, f.name)
-        if f.name in _NO_FLAG or value == getattr(default, f.name):
+    given = {}
+    for o in RUN_OPTIONS:
+        if not o.field or getattr(opts, o.name) == default_of(o.name):
             continue
-        if f.name == "completions" and value == "server" and opts.server:
+        if o.name == "completions" and opts.completions == "server" and opts.server:
             continue  # --server implies it, as typed on the command line
-        flag = _FLAGS.get(f.name, "--" + f.name.replace("_", "-"))
-        if isinstance(value, bool):
-            args.append(flag if value else f"--no-{flag[2:]}")
-        elif f.name == "key_versions":
-            args += [flag, ",".join(value)]  # one comma list (runner/core/provenance_keys.py)
-        elif isinstance(value, list):
-            for v in value:
-                args += [flag, str(v)]
-        elif value is not None:
-            args += [flag, str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)]
-    return args
+        given[o.name] = getattr(opts, o.name)
+    return run_argv("", given)[2:] + (["--offline"] if opts.offline else [])
 
 
 def _store_args(store) -> list[str]:

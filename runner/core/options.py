@@ -1,4 +1,12 @@
-"""Every option of `dfcache run|plan`, as one plain dataclass the CLI fills in.
+"""The options of `dfcache run|plan`, declared once: :data:`RUN_OPTIONS`.
+
+Everything else is derived from that table: :class:`EvalOptions` (the dataclass the stages read
+and the Python API's keywords), the typer parameters of ``run``/``plan`` (and of ``watch``,
+``export`` and ``concat``, which take the same selection; runner/commands/run_options.py), the
+cached-run fast path's parser (runner/commands/fast_run.py), the command lines of "produce it
+with:" messages (:func:`run_argv`) and the option tables of docs/cli.md
+(:func:`markdown_tables`; tests/test_run_options.py fails if any of them disagrees). Adding an
+option is one row here, and a stage reading ``ctx.options.<name>``.
 
 :meth:`EvalOptions.validate` is the one place option values are checked: the CLI and the Python
 API both reach it (``RunContext`` calls it), and the stages trust what it let through.
@@ -7,120 +15,289 @@ API both reach it (``RunContext`` calls it), and the stages trust what it let th
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import MISSING, field, fields, make_dataclass
 
 from dfcache.errors import UsageError
 
 MAX_NEW_TOKENS = 2**31 - 1  # token ids and counts are stored as int32
 
-CHOICES = {  # option -> (its flag, allowed values)
-    "completions": ("--completions", ("server", "local")),
-    "server_api": ("--server-api", ("openai", "sglang")),
-    "backend": ("--backend", ("auto", "fla", "torch")),
-    "device": ("--device", ("auto", "cuda", "cpu")),
-    "eval_device": ("--eval-device", ("auto", "cuda", "cpu")),
-    "dtype": ("--dtype", ("bfloat16", "float32")),
-    "compression": ("--compression", ("none", "zstd", "shuffle-zstd", "bitshuffle-lz4")),
-    "attn_implementation": ("--attn-implementation", ("sdpa", "eager", "flash_attention_2")),
-    "end_rule": ("--end-rule", ("within", "continuation")),
+# The help's groups, in the order `dfcache run -h` shows them.
+GROUPS = {
+    "models": "Target and drafters",
+    "prompts": "Prompts and completions",
+    "server": "Completion server",
+    "extraction": "Hidden states (extraction)",
+    "eval": "Eval",
+    "store": "Store and remotes",
 }
 
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+KERNELS = ("auto", "fla", "torch")
+DEVICES = ("auto", "cuda", "cpu")
+DTYPES = ("bfloat16", "float32")
 
-@dataclass
-class EvalOptions:
-    # what to evaluate
-    example: bool = False
-    target: str | None = None  # a local directory, or a Hugging Face id resolved in the local cache
-    target_revision: str | None = None
-    drafters: list[str] = field(default_factory=list)
-    trained_on: str | None = None  # fla|torch: the backend the drafters' training states came from
-    prompts: str = "builtin:coding"
-    num_prompts: int | None = None
-    # completions
-    completions: str = "local"  # server|local
-    server: str | None = None
-    server_api: str = "openai"  # openai|sglang
-    served_model: str | None = None  # the model name the server must report; default: its only one
-    wait_server: float = 0.0
-    concurrency: int = 8
-    request_timeout: float = 600.0
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    enable_thinking: bool = False
-    # keep completions whose ids were rebuilt from text and failed their check (count against the
-    # server's usage, decode round trip); marked in every report row that uses them
-    accept_retokenized: bool = False
-    # hidden states
-    layers: list[int] | None = None  # explicit layer ids (run hidden-states without a drafter)
-    backend: str = "auto"  # auto|fla|torch
-    device: str = "auto"  # auto|cuda|cpu
-    dtype: str = "bfloat16"  # bfloat16|float32
-    batch_tokens: int = 16384
-    compression: str = "none"  # none|zstd|shuffle-zstd|bitshuffle-lz4 (dfcache.store.format codecs)
-    # eval
-    tree_budgets: list[int] = field(default_factory=list)
-    max_blocks: int | None = None
-    end_rule: str = "within"  # within (continuation is refused; see docs/metrics.md)
-    eval_device: str = "auto"  # auto|cuda|cpu: where drafter_eval runs, whatever made the states
-    # where things come from
-    offline: bool = False
-    remotes: list[str] = field(default_factory=list)
-    endpoint_url: str | None = None
-    json: bool = False
-    progress: bool = True
+
+class RunOption:
+    """One option of `dfcache run|plan`. (A plain class: a dataclass costs a cached run's import
+    of this module a millisecond more to build.)"""
+
+    __slots__ = ("name", "flags", "type", "default", "help", "group", "keys", "choices", "metavar", "repeat", "off",
+                 "comma", "fast", "field")
+
+    def __init__(self, name: str, flags: tuple[str, ...], type: type, default, help: str, group: str, *,
+                 keys: tuple[str, ...] = (), choices: tuple[str, ...] = (), metavar: str | None = None,
+                 repeat: bool = False, off: str | None = None, comma: bool = False, fast: bool = True,
+                 field: bool = True) -> None:
+        self.name = name  # the EvalOptions field and the Python API's keyword (the typer parameter's too)
+        self.flags = flags  # the first is how messages spell it; the others are aliases
+        self.type = type  # str, int, float or bool: of each value, for a repeatable option
+        self.default = default
+        self.help = help
+        self.group = group  # a key of GROUPS
+        self.keys = keys  # the stage keys it is material of (empty: none; it changes no key)
+        self.choices = choices
+        self.metavar = metavar  # default: the choices, a|b|c
+        self.repeat = repeat  # given once per value, a list (``--drafter A --drafter B``)
+        self.off = off  # a switch's off spelling (--no-enable-thinking)
+        self.comma = comma  # one comma-separated value, a list (``--key-versions fla,torch``)
+        self.fast = fast  # the cached-run fast path takes it (else the full command line answers)
+        self.field = field  # an EvalOptions field (False: the command's own, such as --shard)
+
+    def __repr__(self) -> str:
+        return f"RunOption({self.name!r}, {self.flags!r})"
+
+    @property
+    def flag(self) -> str:
+        return self.flags[0]
+
+    @property
+    def shown_metavar(self) -> str | None:
+        if self.type is bool:
+            return None
+        return self.metavar or ("|".join(self.choices) if self.choices else None)
+
+    def spell(self, value) -> list[str]:
+        """The command-line arguments that give ``value`` (a switch: its on or off flag)."""
+        if self.type is bool:
+            return [self.flag] if value else ([self.off] if self.off else [])
+        if self.comma:
+            return [self.flag, value if isinstance(value, str) else ",".join(value)]
+        values = value if self.repeat else [value]
+        return [a for v in values if v is not None for a in (self.flag, _spell_value(v))]
+
+
+def _spell_value(v) -> str:
+    if isinstance(v, float):
+        return str(int(v)) if v.is_integer() else repr(v)
+    return str(v)
+
+
+_O = RunOption
+RUN_OPTIONS: tuple[RunOption, ...] = (  # in the order `run -h` lists them and messages spell them
+    _O("example", ("--example",), bool, False, "Build and use the embedded tiny example (target, drafters, prompts).",
+       "models"),
+    _O("target", ("--target",), str, None, "Target model: a local directory or a Hugging Face id in the local cache.",
+       "models", keys=("completions", "tokens", "hidden_states", "drafter_eval"), metavar="MODEL"),
+    _O("target_revision", ("--revision", "--target-revision"), str, None,
+       "Revision of a Hugging Face id (commit or branch in the local cache).", "models",
+       keys=("completions", "tokens", "hidden_states", "drafter_eval"), metavar="REV"),
+    _O("drafters", ("--drafter",), str, (), "A DFlash drafter checkpoint directory, a training run's directory or "
+       "a quoted glob (repeatable).", "models", keys=("drafter_eval", "report"), metavar="PATH", repeat=True),
+    _O("trained_on", ("--trained-on",), str, None, "Backend the drafters were trained on (a mismatch is flagged "
+       "when the report is shown).", "models", choices=("fla", "torch")),
+    _O("prompts", ("--prompts",), str, "builtin:coding", "A JSONL file or builtin:NAME (coding, reasoning).",
+       "prompts", keys=("prompts",), metavar="FILE|builtin:NAME"),
+    _O("num_prompts", ("--num-prompts",), int, None, "Use the first N prompts.", "prompts", keys=("prompts",),
+       metavar="N"),
+    _O("max_new_tokens", ("--max-new-tokens",), int, 256, "Tokens to generate per completion at most.", "prompts",
+       keys=("completions",), metavar="N"),
+    _O("max_blocks", ("--max-blocks",), int, None, "Evaluate at most N blocks per response.", "eval",
+       keys=("drafter_eval",), metavar="N"),
+    _O("completions", ("--completions",), str, "local", "Where completions come from (server when --server is "
+       "given).", "prompts", keys=("completions",), choices=("server", "local")),
+    _O("server", ("--server",), str, None, "Base URL of an OpenAI-compatible or SGLang server (the served model "
+       "is keyed, not the URL).", "server", metavar="URL", fast=False),
+    _O("server_api", ("--server-api",), str, "openai", "The server's API: OpenAI-compatible, or SGLang's /generate.",
+       "server", keys=("completions",), choices=("openai", "sglang"), fast=False),
+    _O("served_model", ("--served-model",), str, None, "Model name the server must serve (default: its only model).",
+       "server", keys=("completions",), metavar="NAME", fast=False),
+    _O("wait_server", ("--wait-server",), float, 0.0, "Seconds to wait for the server to be ready (checked once, "
+       "up front).", "server", metavar="SECONDS", fast=False),
+    _O("concurrency", ("--concurrency",), int, 8, "Concurrent requests to the server.", "server", metavar="N",
+       fast=False),
+    _O("request_timeout", ("--request-timeout",), float, 600.0, "Seconds to wait for one server answer (a whole "
+       "generation).", "server", metavar="SECONDS", fast=False),
+    _O("temperature", ("--temperature",), float, 0.0, "Sampling temperature (0: greedy; local completions are "
+       "greedy).", "prompts", keys=("completions",), metavar="T"),
+    _O("top_p", ("--top-p",), float, 1.0, "Nucleus sampling mass, in (0, 1].", "prompts", keys=("completions",),
+       metavar="P"),
+    _O("seed", ("--seed",), int, None, "Sampling seed sent to the server.", "prompts", keys=("completions",),
+       metavar="N"),
+    _O("enable_thinking", ("--enable-thinking",), bool, False, "Render the chat template in thinking mode.",
+       "prompts", keys=("completions", "tokens"), off="--no-enable-thinking"),
+    _O("accept_retokenized", ("--accept-retokenized",), bool, False, "Keep server completions whose ids, rebuilt "
+       "from text, fail their check (count, round trip); marked in the report.", "prompts"),
+    _O("layers", ("--layer",), int, None, "Layer ids to extract (run hidden-states without a drafter; "
+       "repeatable).", "extraction", keys=("hidden_states",), metavar="K", repeat=True),
+    _O("backend", ("--backend",), str, "auto", "Kernel family of the target's forward: fla (CUDA), torch, or auto.",
+       "extraction", keys=("hidden_states", "completions (local)"), choices=KERNELS),
+    _O("device", ("--device",), str, "auto", "Where hidden states (and local completions) are computed.",
+       "extraction", keys=("hidden_states", "completions (local)"), choices=DEVICES),
+    _O("eval_device", ("--eval-device",), str, "auto", "Where drafters are evaluated (auto: CUDA where usable, else "
+       "CPU), whatever device made the states.", "eval", keys=("drafter_eval",), choices=DEVICES),
+    _O("dtype", ("--dtype",), str, "bfloat16", "Compute dtype of the target and the drafters.", "extraction",
+       keys=("hidden_states", "drafter_eval", "completions (local)"), choices=DTYPES),
+    _O("batch_tokens", ("--batch-tokens",), int, 16384, "Tokens per extraction batch.", "extraction", metavar="N"),
+    _O("compression", ("--compression",), str, "none", "Lossless codec of stored hidden states: shuffle-zstd is the "
+       "smallest, bitshuffle-lz4 the fastest.", "extraction",
+       choices=("none", "zstd", "shuffle-zstd", "bitshuffle-lz4")),
+    _O("attn_implementation", ("--attn-implementation",), str, "sdpa", "The target's attention kernels (keyed with "
+       "the backend).", "extraction", keys=("hidden_states", "completions (local)"),
+       choices=ATTN_IMPLEMENTATIONS),
+    _O("key_versions", ("--key-versions",), str, (), "Comma list of packages (fla,transformers,torch,...) whose "
+       "exact versions join the hidden-state key (opt-in).", "extraction", keys=("hidden_states",),
+       metavar="PKG,...", comma=True, fast=False),
+    _O("tree_budgets", ("--tree-budget",), int, (), "DDTree budget evaluated beside the chain (repeatable).", "eval",
+       keys=("drafter_eval",), metavar="N", repeat=True),
+    _O("end_rule", ("--end-rule",), str, "within", "How the last block of a completion counts (continuation is not "
+       "wired yet; docs/metrics.md).", "eval", keys=("drafter_eval",), choices=("within", "continuation")),
+    _O("remotes", ("--remote",), str, (), "A remote store to look in before computing (repeatable).", "store",
+       metavar="URL|NAME", repeat=True, fast=False),
+    _O("endpoint_url", ("--endpoint-url",), str, None, "S3 endpoint for --remote.", "store", metavar="URL",
+       fast=False),
+    _O("shard", ("--shard",), str, None, "Be worker I of N (I/N, or 'slurm' in a Slurm array): make this worker's "
+       "share of the samples (docs/distributed.md; run only).", "store", metavar="I/N|slurm", fast=False,
+       field=False),
+)
+del _O
+
+BY_NAME = {o.name: o for o in RUN_OPTIONS}
+BY_FLAG = {f: o for o in RUN_OPTIONS for f in (*o.flags, *((o.off,) if o.off else ()))}
+CHOICES = {o.name: (o.flag, o.choices) for o in RUN_OPTIONS if o.choices}  # name -> (its flag, allowed values)
+
+
+def _field(o: RunOption):
+    # Annotations as strings, as ``from __future__ import annotations`` writes them (no typing import).
+    if o.repeat or o.comma:
+        ann = f"list[{o.type.__name__}]" + (" | None" if o.default is None else "")
+        return o.name, ann, field(default=None) if o.default is None else field(default_factory=lambda: list(o.default))
+    return o.name, o.type.__name__ + (" | None" if o.default is None else ""), field(default=o.default)
+
+
+# Fields of a run that are no option of `run`: the dfcache command line's global options and how
+# progress shows (set from them by the command line; the Python API's own keywords).
+_STATE = [
+    ("offline", "bool", field(default=False)),
+    ("json", "bool", field(default=False)),
+    ("progress", "bool", field(default=True)),
     # seconds between progress lines when there are no bars (stderr not a terminal); None: no
     # lines (the Python API's default). The command line sets it unless --no-progress.
-    progress_every: float | None = None
-    # hidden states (extraction)
-    attn_implementation: str = "sdpa"  # sdpa|eager|...: keyed with the backend class
-    key_versions: list[str] = field(default_factory=list)  # packages whose versions join hidden-state keys
+    ("progress_every", "float | None", field(default=None)),
+]
 
-    def validate(self) -> "EvalOptions":
-        """Raise UsageError naming the first bad option and its fix."""
-        for name, (flag, allowed) in CHOICES.items():
-            value = getattr(self, name)
-            if value not in allowed:
-                raise UsageError(f"{flag} {value!r} is not one of {', '.join(allowed)}.")
-        if self.end_rule == "continuation":
-            # Refused rather than keyed: it needs the target's greedy tokens past the end of every
-            # completion, which no completion source stores yet; accepting it changed the keys and
-            # still computed the within-output rule.
-            raise UsageError("--end-rule continuation is not available yet: it needs the target's greedy "
-                             "continuation past each completion, which dfcache does not store; use "
-                             "--end-rule within (the default). docs/metrics.md describes both rules.")
-        if self.trained_on not in (None, "fla", "torch"):
-            raise UsageError(f"--trained-on {self.trained_on!r} is not one of fla, torch.")
-        for flag, value in (("--num-prompts", self.num_prompts), ("--max-new-tokens", self.max_new_tokens),
-                            ("--max-blocks", self.max_blocks), ("--concurrency", self.concurrency)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise UsageError(f"{flag} {value}: give a positive number.")
-        if not isinstance(self.batch_tokens, int) or self.batch_tokens < 1:
-            raise UsageError(f"--batch-tokens {self.batch_tokens!r}: give a positive number of tokens.")
-        if any(int(b) < 1 for b in self.tree_budgets):
-            raise UsageError(f"--tree-budget {min(int(b) for b in self.tree_budgets)}: budgets are positive "
-                             "numbers of drafted nodes.")
-        if self.max_new_tokens is not None and self.max_new_tokens > MAX_NEW_TOKENS:
-            # Token counts are stored as int32; a target's own context window is checked against
-            # its config.json when the graph is built (runner/stages/completions).
-            raise UsageError(f"--max-new-tokens {self.max_new_tokens}: more than any model can generate; give "
-                             f"at most {MAX_NEW_TOKENS} (and no more than the target's context window).")
-        if not (math.isfinite(self.request_timeout) and self.request_timeout > 0):
-            raise UsageError(f"--request-timeout {self.request_timeout:g}: give a positive number of seconds.")
-        if not (math.isfinite(self.wait_server) and self.wait_server >= 0):
-            # inf waited forever: the wait is meant to be bounded (DESIGN §5).
-            raise UsageError(f"--wait-server {self.wait_server:g}: give 0 (check once) or a finite number of "
-                             "seconds to wait for the server.")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise UsageError(f"--temperature {self.temperature:g}: give 0 (greedy) or a positive number.")
-        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
-            # A probability mass: servers refuse anything else (vLLM, SGLang: "top_p must be in (0, 1]").
-            raise UsageError(f"--top-p {self.top_p:g}: give a probability in (0, 1] (1 keeps every token).")
-        if self.completions == "server" and not self.server:
-            raise UsageError("--completions server needs --server URL (e.g. --server http://127.0.0.1:30000), "
-                             "or use --completions local.")
-        if self.completions == "local" and float(self.temperature) != 0.0:
-            raise UsageError(f"local completions are greedy, but --temperature is {self.temperature:g}; pass "
-                             "--temperature 0, or use --completions server to sample.")
-        return self
+
+def validate(self: "EvalOptions") -> "EvalOptions":
+    """Raise UsageError naming the first bad option and its fix."""
+    for name, (flag, allowed) in CHOICES.items():
+        value = getattr(self, name)
+        if value not in allowed and not (value is None and BY_NAME[name].default is None):
+            raise UsageError(f"{flag} {value!r} is not one of {', '.join(allowed)}.")
+    if self.end_rule == "continuation":
+        # Refused rather than keyed: it needs the target's greedy tokens past the end of every
+        # completion, which no completion source stores yet; accepting it changed the keys and
+        # still computed the within-output rule.
+        raise UsageError("--end-rule continuation is not available yet: it needs the target's greedy "
+                         "continuation past each completion, which dfcache does not store; use "
+                         "--end-rule within (the default). docs/metrics.md describes both rules.")
+    for flag, value in (("--num-prompts", self.num_prompts), ("--max-new-tokens", self.max_new_tokens),
+                        ("--max-blocks", self.max_blocks), ("--concurrency", self.concurrency)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise UsageError(f"{flag} {value}: give a positive number.")
+    if not isinstance(self.batch_tokens, int) or self.batch_tokens < 1:
+        raise UsageError(f"--batch-tokens {self.batch_tokens!r}: give a positive number of tokens.")
+    if any(int(b) < 1 for b in self.tree_budgets):
+        raise UsageError(f"--tree-budget {min(int(b) for b in self.tree_budgets)}: budgets are positive "
+                         "numbers of drafted nodes.")
+    if self.max_new_tokens is not None and self.max_new_tokens > MAX_NEW_TOKENS:
+        # Token counts are stored as int32; a target's own context window is checked against
+        # its config.json when the graph is built (runner/stages/completions).
+        raise UsageError(f"--max-new-tokens {self.max_new_tokens}: more than any model can generate; give "
+                         f"at most {MAX_NEW_TOKENS} (and no more than the target's context window).")
+    if not (math.isfinite(self.request_timeout) and self.request_timeout > 0):
+        raise UsageError(f"--request-timeout {self.request_timeout:g}: give a positive number of seconds.")
+    if not (math.isfinite(self.wait_server) and self.wait_server >= 0):
+        # inf waited forever: the wait is meant to be bounded (DESIGN §5).
+        raise UsageError(f"--wait-server {self.wait_server:g}: give 0 (check once) or a finite number of "
+                         "seconds to wait for the server.")
+    if not (math.isfinite(self.temperature) and self.temperature >= 0):
+        raise UsageError(f"--temperature {self.temperature:g}: give 0 (greedy) or a positive number.")
+    if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+        # A probability mass: servers refuse anything else (vLLM, SGLang: "top_p must be in (0, 1]").
+        raise UsageError(f"--top-p {self.top_p:g}: give a probability in (0, 1] (1 keeps every token).")
+    if self.completions == "server" and not self.server:
+        raise UsageError("--completions server needs --server URL (e.g. --server http://127.0.0.1:30000), "
+                         "or use --completions local.")
+    if self.completions == "local" and float(self.temperature) != 0.0:
+        raise UsageError(f"local completions are greedy, but --temperature is {self.temperature:g}; pass "
+                         "--temperature 0, or use --completions server to sample.")
+    return self
+
+
+EvalOptions = make_dataclass(
+    "EvalOptions", [_field(o) for o in RUN_OPTIONS if o.field] + _STATE, namespace={
+        "validate": validate, "__module__": __name__,
+        # (given, or dataclasses computes one from the signature: a millisecond of a cached run)
+        "__doc__": "A run's options: a field per option of RUN_OPTIONS (its name), and the run's offline, json "
+                   "and progress settings."})
+del validate
+
+
+def option_names() -> list[str]:
+    """The Python API's option keywords: every EvalOptions field."""
+    return [f.name for f in fields(EvalOptions)]
+
+
+def default_of(name: str):
+    f = next(f for f in fields(EvalOptions) if f.name == name)
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def run_argv(upto: str, given: Mapping[str, object] | Iterable[tuple[str, object]], *, before: Iterable[str] = (),
+             after: Iterable[str] = (), command: str = "run") -> list[str]:
+    """A ``run`` command line, as "produce it with: dfcache ..." messages name it: ``before`` (global
+    options given before the command), ``run UPTO``, the options in ``given`` (name -> value, the
+    ones to spell) in :data:`RUN_OPTIONS` order, then ``after``. The command line, the cached-run
+    fast path and the Python API all rebuild their commands with it."""
+    values = dict(given.items() if isinstance(given, Mapping) else given)
+    unknown = sorted(set(values) - set(BY_NAME))
+    if unknown:
+        raise ValueError(f"not options of run: {unknown}")
+    args = [*before, command, upto]
+    for o in RUN_OPTIONS:
+        if o.name in values:
+            args += o.spell(values[o.name])
+    return args + list(after)
+
+
+def markdown_tables() -> str:
+    """docs/cli.md's option tables of `dfcache run|plan`: one per group."""
+    out = []
+    for group, title in GROUPS.items():
+        out += [f"**{title}**", "", "| option | default | key material of | |", "|---|---|---|---|"]
+        for o in RUN_OPTIONS:
+            if o.group != group:
+                continue
+            spelled = " / ".join(f"`{f}`" for f in (*o.flags, *((o.off,) if o.off else ())))
+            if o.shown_metavar:
+                spelled += f" {o.shown_metavar}".replace("|", "\\|")
+            if o.repeat:
+                spelled += " ..."
+            default = "" if o.default is None or o.default is False or o.default == () else f"`{_spell_value(o.default)}`"
+            out.append(f"| {spelled} | {default} | {', '.join(o.keys) or '(none)'} | {o.help.replace('|', '/')} |")
+        out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+if __name__ == "__main__":  # python -m runner.core.options: the tables for docs/cli.md
+    print(markdown_tables(), end="")

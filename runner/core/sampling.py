@@ -80,10 +80,6 @@ def _write_keys_memo(memo, blob: bytes) -> None:
         pass  # only a speed-up
 
 
-def make_partition(stage: str, version: int, inputs: dict, upstream: dict | None = None) -> Partition:
-    return Partition(stage, version, inputs, dict(upstream or {}))
-
-
 def locate(ctx, node, warn) -> None:
     """Where each of the node's samples is: sets ``node.local`` / ``node.in_remote`` (positions)
     and ``node.remote_of`` (sample key -> remote store)."""

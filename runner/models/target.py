@@ -48,10 +48,11 @@ from dfcache.errors import BadInputError, ModelNotFoundError, UsageError
 
 from ..core.worker import Worker, device_for
 
-KERNEL_CHOICES = ("auto", "fla", "torch")
-DEVICE_CHOICES = ("auto", "cuda", "cpu")
-DTYPE_CHOICES = ("bfloat16", "float32")
-ATTN_CHOICES = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+# The values of --backend, --device, --dtype and --attn-implementation (declared with the options).
+from ..core.options import ATTN_IMPLEMENTATIONS as ATTN_CHOICES  # noqa: E402
+from ..core.options import DEVICES as DEVICE_CHOICES  # noqa: E402
+from ..core.options import DTYPES as DTYPE_CHOICES  # noqa: E402
+from ..core.options import KERNELS as KERNEL_CHOICES  # noqa: E402
 
 # Model types whose layers include gated-DeltaNet linear attention when the config has no
 # ``layer_types`` list (hub checkpoints of Qwen3-Next give only ``full_attention_interval``).
