@@ -135,3 +135,23 @@ def test_extraction_keys_fp8_apart_quantizes_the_bf16_rows_and_reads_dequantize(
     assert ls.code == 0 and "torch/cpu/fp8-e4m3" in ls.out and "torch/cpu/bfloat16" in ls.out
     show = dfcache("show", next(iter(segments_of(store, f8[1]))), store=store.url)
     assert show.code == 0 and "fp8-e4m3" in show.out and "float8_e4m3fn_scaled" in show.out
+    # training reads: bf16 dequantized by default (the eval's bf16, bit for bit), codes and scales on request
+    from dfcache.training import HiddenStateDataset
+    from runner.samples import StoredSamples
+
+    def dataset(nodes, **kw):
+        src = StoredSamples(store.url, tok.partition.key, tok.sample_keys, [nodes[k].partition.key for k in (1, 3)],
+                            [nodes[k].sample_keys for k in (1, 3)], list(tok.ids), layers=[1, 3])
+        return HiddenStateDataset(src, **kw)
+
+    deq, raw, exact = dataset(f8)[4], dataset(f8, fp8="raw")[4], dataset(bf16)[4]
+    n = exact["hidden_states"].shape[1]
+    assert deq["hidden_states"].dtype == torch.bfloat16 and "hidden_states_scales" not in deq
+    want = torch.cat([read_layer(store, f8[k], [4]) for k in (1, 3)], dim=-1)[None]
+    assert torch.equal(deq["hidden_states"].view(torch.int16), want.view(torch.int16))
+    assert raw["hidden_states"].dtype == torch.float8_e4m3fn and raw["hidden_states"].shape == (1, n, 256)
+    assert raw["hidden_states_scales"].shape == (1, n, 2) and raw["hidden_states_scales"].dtype == torch.float32
+    again = (raw["hidden_states"].to(torch.bfloat16).view(1, n, 2, 128)
+             * raw["hidden_states_scales"].to(torch.bfloat16)[..., None]).reshape(1, n, 256)  # hs-connectors' rule
+    assert torch.equal(again.view(torch.int16), deq["hidden_states"].view(torch.int16))
+    assert not torch.equal(deq["hidden_states"].view(torch.int16), exact["hidden_states"].view(torch.int16))
