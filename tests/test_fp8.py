@@ -105,7 +105,7 @@ def test_fp8_where_it_does_not_apply_is_exit_2_with_what_it_applies_to(tmp_path,
     assert not (tmp_path / "s" / "artifacts").exists() or not any((tmp_path / "s" / "artifacts").iterdir())
 
 
-def test_extraction_keys_fp8_apart_quantizes_the_bf16_rows_and_reads_dequantize(tiny_target, tmp_path):
+def test_extraction_keys_fp8_apart_quantizes_the_bf16_rows_and_reads_dequantize(tiny_target, tmp_path, capfd):
     import torch
 
     from runner.stages.hidden_states import read_layer
@@ -113,7 +113,13 @@ def test_extraction_keys_fp8_apart_quantizes_the_bf16_rows_and_reads_dequantize(
     store = open_store(tmp_path / "store")
     tok = write_tokens(store, tiny_target)
     bf16, _ = run_layers(store, tok, [1, 3], None, dtype="bfloat16")
+    capfd.readouterr()
     f8, _ = run_layers(store, tok, [1, 3], None, dtype="bfloat16", compression="fp8-e4m3")
+    # the first FP8 extraction of samples whose bf16 states are cached prints its per-layer error
+    err = capfd.readouterr().err
+    for k in (1, 3):
+        assert f"layer {k} fp8-e4m3 vs the cached bfloat16 states of the same 12 sample(s): rel_l2 0.0" in err
+    assert "--codec none --codec fp8-e4m3" in err
     f8z, ctx = run_layers(store, tok, [1, 3], None, dtype="bfloat16", compression="fp8-e4m3+zstd")
     for k in (1, 3):
         assert f8[k].key != bf16[k].key  # a bf16 request never gets FP8 states, nor the other way
@@ -133,8 +139,13 @@ def test_extraction_keys_fp8_apart_quantizes_the_bf16_rows_and_reads_dequantize(
     assert not ctx.work_done  # fp8-e4m3+zstd found every sample of fp8-e4m3
     ls = dfcache("ls", "--stage", "hidden_states", store=store.url)
     assert ls.code == 0 and "torch/cpu/fp8-e4m3" in ls.out and "torch/cpu/bfloat16" in ls.out
-    show = dfcache("show", next(iter(segments_of(store, f8[1]))), store=store.url)
+    f8_seg, bf16_seg = next(iter(segments_of(store, f8[1]))), next(iter(segments_of(store, bf16[1])))
+    show = dfcache("show", f8_seg, store=store.url)
     assert show.code == 0 and "fp8-e4m3" in show.out and "float8_e4m3fn_scaled" in show.out
+    diff = dfcache("--json", "diff", bf16_seg, f8_seg, store=store.url)  # FP8 diffs against bf16 as bf16
+    assert diff.code == 0, diff.err
+    (a,) = json.loads(diff.out)["arrays"]
+    assert 0 < a["rel_l2"] < 0.05 and a["cos_min"] > 0.99
     # training reads: bf16 dequantized by default (the eval's bf16, bit for bit), codes and scales on request
     from dfcache.training import HiddenStateDataset
     from runner.samples import StoredSamples

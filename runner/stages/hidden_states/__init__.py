@@ -311,8 +311,37 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
     wall = time.perf_counter() - t0
     ctx.last_extract_stats = stats
     ctx.log(f"hidden states: {len(lacking)} sample(s), layers {[n.payload['layer'] for n in nodes]} "
-            f"({backend.label}): {total_tokens} tokens in {segments} segment(s), {wall:.1f} s "
-            f"({total_tokens / wall if wall > 0 else 0:,.0f} tok/s)")
+            f"({backend.label}{', ' + ctx.options.compression if lossy else ''}): {total_tokens} tokens in "
+            f"{segments} segment(s), {wall:.1f} s ({total_tokens / wall if wall > 0 else 0:,.0f} tok/s)")
+    if lossy:
+        _log_lossy_error(ctx, nodes)
+
+
+def _log_lossy_error(ctx: RunContext, nodes: list[Node]) -> None:
+    """Lossy states just extracted whose exact (bf16) states of the same samples are cached too: the
+    per-layer error, as `dfcache diff` reports it, and the command that gives its cost in τ."""
+    from dfcache.diff import diff_sample_sets
+    from dfcache.samples import Partition, index_of
+
+    idx = index_of(ctx.store)
+    shown = False
+    for n in nodes:
+        exact_backend = {k: v for k, v in n.inputs["backend"].items() if k != "states"}
+        exact = Partition(n.partition.stage, n.partition.version, {**n.inputs, "backend": exact_backend},
+                          n.partition.upstream)
+        keys = exact.sample_keys(n.upstream_samples)
+        have = idx.partition(exact.key)
+        if not keys or any(k not in have for k in keys):
+            continue
+        d = diff_sample_sets(ctx.store, (exact.key, keys), (n.partition.key, n.sample_keys), "hidden")
+        ctx.log(f"hidden states: layer {n.payload['layer']} {n.inputs['backend']['states']} vs the cached "
+                f"{exact_backend.get('dtype')} states of the same {len(keys)} sample(s): rel_l2 {d.rel_l2:.6f}, "
+                f"max_abs {d.max_abs:.4g}, cos_mean {d.cos_mean:.6f}, cos_min {d.cos_min:.6f}")
+        shown = True
+    if shown:
+        ctx.log("hidden states: their cost in τ on your drafters: dfcache compare-backends --backend "
+                f"{exact_backend.get('kernel')} --codec none --codec {ctx.options.compression} with this run's "
+                "--target, --drafter and prompt options")
 
 
 def read_layer(store, node: Node, positions=None):
