@@ -148,7 +148,7 @@ def test_extraction_keys_fp8_apart_quantizes_the_bf16_rows_and_reads_dequantize(
     assert 0 < a["rel_l2"] < 0.05 and a["cos_min"] > 0.99
     # training reads: bf16 dequantized by default (the eval's bf16, bit for bit), codes and scales on request
     from dfcache.training import HiddenStateDataset
-    from runner.samples import StoredSamples
+    from runner.core.samples import StoredSamples
 
     def dataset(nodes, **kw):
         src = StoredSamples(store.url, tok.partition.key, tok.sample_keys, [nodes[k].partition.key for k in (1, 3)],

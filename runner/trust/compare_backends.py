@@ -25,12 +25,12 @@ import dataclasses
 
 from dfcache.errors import UsageError
 
-from .graph import RunContext, check_offline, resolve, topo_order
-from .options import EvalOptions
+from ..core.graph import RunContext, check_offline, resolve, topo_order
+from ..core.options import EvalOptions
 
 
 def _backend_graph(ctx: RunContext, tokens_node, drafters, layers):
-    from .stages import drafter_eval, hidden_states
+    from ..stages import drafter_eval, hidden_states
 
     hs = hidden_states.build(ctx, tokens_node, layers)
     evals = [drafter_eval.build(ctx, tokens_node, hs, d) for d in drafters]
@@ -42,8 +42,8 @@ def run_compare(store, opts: EvalOptions, backends: list[str], *, completions_ba
     """Plan every backend's (or codec's) nodes first (so an impossible one fails before work), then run them."""
     from dfcache.fp8 import check_applies
 
-    from .pipeline import build_graph, execute
-    from .stages import drafter_eval, hidden_states
+    from ..core.pipeline import build_graph, execute
+    from ..stages import drafter_eval, hidden_states
 
     backends = list(dict.fromkeys(backends))
     codecs = list(dict.fromkeys(codecs or [opts.compression]))
@@ -95,7 +95,7 @@ def run_compare(store, opts: EvalOptions, backends: list[str], *, completions_ba
 def summarize(store, tokens_key: str, plans, drafters, layers) -> dict:
     from dfcache.diff import diff_sample_sets
 
-    from .stages.drafter_eval import read_summary
+    from ..stages.drafter_eval import read_summary
 
     labels = []
     rows = {d.name: {"drafter": d.name, "trained_on": d.trained_on, "evals": {}} for d in drafters}
