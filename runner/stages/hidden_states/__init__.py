@@ -314,7 +314,9 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
             f"({backend.label}{', ' + ctx.options.compression if lossy else ''}): {total_tokens} tokens in "
             f"{segments} segment(s), {wall:.1f} s ({total_tokens / wall if wall > 0 else 0:,.0f} tok/s)")
     if lossy:
+        t1 = time.perf_counter()
         _log_lossy_error(ctx, nodes)
+        ctx.last_lossy_check_s = time.perf_counter() - t1
 
 
 def _log_lossy_error(ctx: RunContext, nodes: list[Node]) -> None:
