@@ -36,6 +36,7 @@ import xxhash
 
 from dfcache.errors import BadInputError, OfflineMissingError
 from dfcache.fp8 import FP8_DTYPE, hidden_width
+from dfcache.fp8 import dequantize as fp8_dequantize
 from dfcache.fp8 import unpack as fp8_unpack
 from dfcache.keys import canonical_encode, compute_key
 from dfcache.training import Sample
@@ -249,7 +250,8 @@ class StoredSamples(_ByLocation):
 
     def read_layers(self, index: int) -> list[np.ndarray]:
         """One sample's rows of each layer, separately (storage dtype: bf16 as uint16 bits)."""
-        return [ss.read_raw(index, "hidden") for ss in self._open()["layers"]]
+        layers = [ss.read_raw(index, "hidden") for ss in self._open()["layers"]]
+        return [fp8_dequantize(x) for x in layers] if self.fp8 else layers  # FP8: the bf16 its readers get
 
 
 class ArtifactSamples(_ByLocation):
