@@ -34,7 +34,7 @@ def _sample(o):
     if o.name in ("completions", "end_rule", "temperature"):  # the others need --server or are refused
         return None
     if o.choices:
-        return next(c for c in reversed(o.choices) if c != o.default)
+        return next(c for c in o.choices if c != o.default)
     if o.comma:
         return ["torch", "transformers"]
     one = {int: 3, float: 0.5, str: "x/y"}[o.type]

@@ -24,7 +24,8 @@ def compare_backends(
     revision: Optional[str] = declared("target_revision"),
     drafter: List[str] = declared("drafters", ...),
     trained_on: Optional[str] = declared("trained_on"),
-    backend: List[str] = typer.Option(..., "--backend", metavar="fla|torch", help="A backend whose states to compare: at least two; the first is the reference (repeatable)."),
+    backend: List[str] = typer.Option(..., "--backend", metavar="fla|torch", help="A backend whose states to compare: at least two (or one with several --codec); the first is the reference (repeatable)."),
+    codec: Optional[List[str]] = typer.Option(None, "--codec", metavar="CODEC", help="How states are stored, e.g. --codec none --codec fp8-e4m3: τ and per-layer error of lossy states vs exact ones (one --backend)."),
     completions_backend: Optional[str] = typer.Option(None, "--completions-backend", metavar="fla|torch", help="Whose local completions all backends share (default: the first --backend)."),
     prompts: str = declared("prompts", "builtin:coding"),
     num_prompts: Optional[int] = declared("num_prompts"),
@@ -67,7 +68,7 @@ def compare_backends(
                        attn_implementation=attn_implementation, eval_device=eval_device).validate()
     quiet_libraries(bars=opts.progress, notices=opts.progress or not (no_progress or state.no_progress))
     res = run_compare(get_store(), opts, list(backend), completions_backend=completions_backend,
-                      remotes=open_remotes(opts),
+                      remotes=open_remotes(opts), codecs=list(codec or []) or None,
                       argv=["compare-backends", "--target", target] + [a for d in drafter for a in ("--drafter", d)])
     if json_output(json_out):
         emit_json(res)

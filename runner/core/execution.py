@@ -105,6 +105,10 @@ def resolve_graph(upto: str, opts: EvalOptions, store=None, *, argv: list[str] |
 
     if upto not in TARGETS:
         raise UsageError(f"unknown target {upto!r}; use {', '.join(TARGETS)}.")
+    if upto in ("prompts", "completions", "tokens"):  # --compression is the hidden states'
+        from dfcache.fp8 import check_applies
+
+        check_applies(opts.compression, stage=upto, dtype=opts.dtype)
     st = open_store_arg(store, opts)
     argv = command_argv(upto, argv, opts, st)  # before the example fills in its paths: `--example` says them
     if opts.example:

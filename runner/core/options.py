@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import MISSING, field, fields, make_dataclass
 
 from dfcache.errors import UsageError
+from dfcache.fp8 import check_applies, compression_choices
 
 MAX_NEW_TOKENS = 2**31 - 1  # token ids and counts are stored as int32
 
@@ -149,9 +150,10 @@ RUN_OPTIONS: tuple[RunOption, ...] = (  # in the order `run -h` lists them and m
     _O("dtype", ("--dtype",), str, "bfloat16", "Compute dtype of the target and the drafters.", "extraction",
        keys=("hidden_states", "drafter_eval", "completions (local)"), choices=DTYPES),
     _O("batch_tokens", ("--batch-tokens",), int, 16384, "Tokens per extraction batch.", "extraction", metavar="N"),
-    _O("compression", ("--compression",), str, "none", "Lossless codec of stored hidden states: shuffle-zstd is the "
-       "smallest, bitshuffle-lz4 the fastest.", "extraction",
-       choices=("none", "zstd", "shuffle-zstd", "bitshuffle-lz4")),
+    _O("compression", ("--compression",), str, "none", "How hidden states are stored: none|zstd|shuffle-zstd|"
+       "bitshuffle-lz4 (lossless, not keyed: shuffle-zstd is the smallest, bitshuffle-lz4 the fastest); "
+       "fp8-e4m3[+LOSSLESS] stores bf16 states as FP8 with a per-token scale (lossy, keyed apart).", "extraction",
+       keys=("hidden_states (fp8 only)",), choices=compression_choices(), metavar="CODEC"),
     _O("attn_implementation", ("--attn-implementation",), str, "sdpa", "The target's attention kernels (keyed with "
        "the backend).", "extraction", keys=("hidden_states", "completions (local)"),
        choices=ATTN_IMPLEMENTATIONS),
@@ -203,6 +205,7 @@ def validate(self: "EvalOptions") -> "EvalOptions":
         value = getattr(self, name)
         if value not in allowed and not (value is None and BY_NAME[name].default is None):
             raise UsageError(f"{flag} {value!r} is not one of {', '.join(allowed)}.")
+    check_applies(self.compression, stage="hidden_states", dtype=self.dtype)  # fp8-* on float32 states
     if self.end_rule == "continuation":
         # Refused rather than keyed: it needs the target's greedy tokens past the end of every
         # completion, which no completion source stores yet; accepting it changed the keys and
