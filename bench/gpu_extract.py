@@ -201,6 +201,8 @@ def main() -> int:
               "xxhash": "xxhash", "ml_dtypes": "ml_dtypes", "typer": "typer", "tqdm": "tqdm",
               "transformers": "transformers", "torch": "torch"}
     missing = [pip for mod, pip in needed.items() if importlib.util.find_spec(mod) is None]
+    if "google-crc32c" in missing and importlib.util.find_spec("crc32c") is not None:
+        missing.remove("google-crc32c")  # crc32c (releases the GIL) is the preferred one
     if not args.cpu_smoke:
         missing += [pip for mod, pip in (("fla", "flash-linear-attention fla-core"), ("triton", "triton"))
                     if importlib.util.find_spec(mod) is None]
@@ -955,12 +957,12 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
             log(f"exactness {kernel}: min share of bitwise-equal elements, stored vs one-sample/plain forward: {worst:.4f}")
 
     b.phase("exactness", exactness, optional=True)
-    b.res["rows"] = suite_rows(b)
     b.res["memory"].update({"host_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
                             "gpu_peak_allocated_mb": torch.cuda.max_memory_allocated() / 2**20 if DEV == "cuda" else None,
                             "gpu_peak_reserved_mb": torch.cuda.max_memory_reserved() / 2**20 if DEV == "cuda" else None,
                             "gpu_total_mb": torch.cuda.get_device_properties(0).total_memory / 2**20
                             if DEV == "cuda" else None})
+    b.res["rows"] = suite_rows(b)
     print_table(b)
     return 0 if not [e for e in b.res["errors"] if not str(e.get("error", "")).startswith("skipped")] else 1
 

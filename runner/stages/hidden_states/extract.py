@@ -404,13 +404,13 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
         log(f"hidden states: resuming at sample {start_sample} ({start_token} of {total} tokens kept)")
     cuda = target.device.type == "cuda"
     mem = None
-    if (cuda or gpu_free_bytes is not None) and start_sample < len(offsets) - 1:
+    config = getattr(getattr(target, "model", None), "config", None)  # None: no model to size (bench stand-ins)
+    if (cuda or gpu_free_bytes is not None) and config is not None and start_sample < len(offsets) - 1:
         from . import memory
 
         free = memory.free_gpu_bytes(target.device) if gpu_free_bytes is None else gpu_free_bytes
         longest = int(np.diff(offsets[start_sample:]).max())
-        mem = memory.plan(free, memory.per_token_bytes(target.model.config, len(layers),
-                                                       target.torch_dtype.itemsize),
+        mem = memory.plan(free, memory.per_token_bytes(config, len(layers), target.torch_dtype.itemsize),
                           longest, batch_tokens, cuda_graphs=cuda)
         batch_tokens = mem.batch_tokens
         stats.extra["memory_plan"] = mem.to_dict()
