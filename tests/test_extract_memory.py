@@ -1,5 +1,5 @@
 """The extraction sizes its forwards from the GPU memory free after the model loads
-(runner/stages/hidden_states/memory.py), says what it chose, and refuses with exit 6 and the
+(runner/models/memory.py), says what it chose, and refuses with exit 6 and the
 figures a set whose longest sample cannot run at all.
 
 The free-memory figure is passed in (``extract(..., gpu_free_bytes=N)``), the way the CUDA path
@@ -57,7 +57,7 @@ def _extract(store, target, tag, free=None):
 
 
 def test_little_free_memory_shrinks_batches_and_keeps_the_rows(target, tmp_path):
-    from runner.stages.hidden_states import memory
+    from runner.models import memory
 
     store = open_store(tmp_path / "store")
     per_token = memory.per_token_bytes(target.model.config, len(LAYERS), 4)
@@ -76,7 +76,7 @@ def test_little_free_memory_shrinks_batches_and_keeps_the_rows(target, tmp_path)
 
 
 def test_a_sample_that_cannot_fit_is_refused_before_any_forward(target, tmp_path):
-    from runner.stages.hidden_states import memory
+    from runner.models import memory
 
     store = open_store(tmp_path / "store")
     per_token = memory.per_token_bytes(target.model.config, len(LAYERS), 4)
@@ -96,7 +96,7 @@ def test_27b_shaped_plan_on_an_80gb_card():
     which holds 16k-token batches with CUDA graphs; 2.5 GiB holds smaller ones, without graphs."""
     from transformers.models.qwen3_5 import Qwen3_5TextConfig
 
-    from runner.stages.hidden_states import memory
+    from runner.models import memory
 
     cfg = Qwen3_5TextConfig(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
                             num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,

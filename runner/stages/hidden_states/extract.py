@@ -384,7 +384,7 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
     there, so one pipeline runs across segments). Boundaries past the rows computed here (and
     all of them when there is nothing to compute) are the caller's to handle.
 
-    Memory (:mod:`.memory`): on CUDA the batch cap and the CUDA graphs are sized from the GPU
+    Memory (:mod:`runner.models.memory`): on CUDA the batch cap and the CUDA graphs are sized from the GPU
     memory free once the model is loaded (``gpu_free_bytes``, measured when None; given, it is
     applied on any device, which is how the CPU tests exercise it); a set whose longest sample
     cannot run is refused before any forward (BadInputError, exit 6). The choice is logged and
@@ -406,7 +406,7 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
     mem = None
     config = getattr(getattr(target, "model", None), "config", None)  # None: no model to size (bench stand-ins)
     if (cuda or gpu_free_bytes is not None) and config is not None and start_sample < len(offsets) - 1:
-        from . import memory
+        from ...models import memory
 
         free = memory.free_gpu_bytes(target.device) if gpu_free_bytes is None else gpu_free_bytes
         longest = int(np.diff(offsets[start_sample:]).max())
