@@ -82,7 +82,7 @@ def main() -> int:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from runner.stages.drafter_eval import metrics
-    from runner.models.dflash import DFlashConfig, DFlashDrafter, TargetHead, score_roots
+    from runner.drafters.dflash import DFlashConfig, DFlashDrafter, TargetHead, score_roots
 
     dev = "cpu" if args.cpu_smoke else "cuda"
     hybrid = args.target_shape == "qwen3.6-27b"
@@ -134,7 +134,7 @@ def main() -> int:
         from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
 
         if args.cpu_smoke:
-            from runner.tiny import qwen35_shape_config
+            from runner.models.tiny import qwen35_shape_config
 
             cfg = qwen35_shape_config(L, H, V, args.prompt_len + args.new_tokens + 16)
         else:
@@ -151,7 +151,7 @@ def main() -> int:
         finally:
             torch.set_default_dtype(old)
         with torch.no_grad():
-            # a larger embedding/lm_head scale makes greedy output structured, as runner.tiny does
+            # a larger embedding/lm_head scale makes greedy output structured, as runner.models.tiny does
             target.model.embed_tokens.weight.mul_(8.0)
             target.lm_head.weight.mul_(8.0)
         from runner.models.target import bound_kernels
@@ -169,7 +169,7 @@ def main() -> int:
                     p.fill_(1.0)
                 else:
                     p.normal_(0.0, 0.02, generator=gen)
-            # a larger embedding/lm_head scale makes greedy output structured, as runner.tiny does
+            # a larger embedding/lm_head scale makes greedy output structured, as runner.models.tiny does
             target.model.embed_tokens.weight.mul_(8.0)
             target.lm_head.weight.mul_(8.0)
         target.to(dtype)

@@ -3,8 +3,8 @@ dtype that path runs for users (issue 36 point 3): the options the example fills
 
 from __future__ import annotations
 
-from runner.example import fill_example_defaults
-from runner.options import EvalOptions
+from runner.models.example import fill_example_defaults
+from runner.core.options import EvalOptions
 
 
 def test_the_cpu_example_is_float32_on_torch():

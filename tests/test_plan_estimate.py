@@ -1,4 +1,4 @@
-"""`dfcache plan --estimate` (runner/estimate.py): the tokens still to extract, the bytes per codec
+"""`dfcache plan --estimate` (runner/core/estimate.py): the tokens still to extract, the bytes per codec
 and the hours, from the rate of the last extraction of the same target shape in this store, or
 the GPU bench's figure for that shape.
 
@@ -79,7 +79,7 @@ def test_the_bench_figure_prices_a_27b_shaped_job(tmp_path):
     """No extraction recorded: 10,000 prompts of 2,048 tokens on the Qwen3.6-27B shape at the H100
     bench's rate, scaled to the deepest layer."""
     from dfcache import open_store
-    from runner.estimate import pick_rate
+    from runner.core.estimate import pick_rate
     from runner.models.target import ModelInfo
 
     store = open_store(tmp_path / "store")

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 from dfcache.errors import BadInputError, UsageError
 from dfcache.keys import fingerprint_path
 
-from ...graph import KeyRecipe, Node, RunContext
-from ...summaries import samples_origin
+from ...core.graph import KeyRecipe, Node, RunContext
+from ...core.summaries import samples_origin
 from ...models.target import KernelSpec, kernel_problem, check_layer_ids, read_model_info, resolve_kernel
-from ...provenance_keys import key_version_inputs
+from ...core.provenance_keys import key_version_inputs
 
 if TYPE_CHECKING:  # numpy is imported where arrays are made: planning a cached graph needs none
     import numpy as np
@@ -304,7 +304,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
     wall = time.perf_counter() - t0
     ctx.last_extract_stats = stats
     if total_tokens:
-        from ...extract_rates import record_rate  # for `dfcache plan --estimate` of later runs
+        from ...core.extract_rates import record_rate  # for `dfcache plan --estimate` of later runs
 
         record_rate(ctx.store, target.info, backend.dtype, target.provenance.get("gpu") or backend.device,
                     [n.payload["layer"] for n in nodes], total_tokens, wall)

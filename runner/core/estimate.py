@@ -98,7 +98,7 @@ def _tokens_of(ctx, tokens_node, positions: list[int]) -> tuple[dict[int, int], 
 
 def estimate(ctx, nodes) -> list[dict]:
     """One dict per hidden-states group of the plan (see the module docstring)."""
-    from .models.target import read_model_info
+    from ..models.target import read_model_info
 
     groups: dict[str, list] = {}
     for n in nodes:

@@ -1,4 +1,4 @@
-"""Extraction rates remembered per target shape, for `dfcache plan --estimate` (runner/estimate.py).
+"""Extraction rates remembered per target shape, for `dfcache plan --estimate` (runner/core/estimate.py).
 
 The hidden-states stage records, after every extraction, its tokens/s under the target's shape
 (attention kinds, width, depth, dtype) and the device (the GPU's name, or cpu), in
