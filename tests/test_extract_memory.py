@@ -110,3 +110,22 @@ def test_27b_shaped_plan_on_an_80gb_card():
     assert tight.cuda_graphs is False and 2048 <= tight.batch_tokens < 16384
     with pytest.raises(BadInputError):
         memory.plan(1 << 30, per_token, 2048, 16384)
+
+
+def test_a_model_built_in_memory_is_bound_with_load_targets_checks(tiny_target):
+    """models.target.bind_target (how the 27B-shaped GPU bench hands the stage a model built on the
+    GPU): the same forward as load_target's, and the same refusals (here a dtype other than planned)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runner.models.target import bind_target, load_target, read_model_info, resolve_kernel
+
+    spec = resolve_kernel("torch", "cpu", "float32", "sdpa")
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32, use_kernels=False)
+    bound = bind_target(model, read_model_info(tiny_target), spec)
+    loaded = load_target(tiny_target, spec)
+    ids = torch.arange(3, 19)[None]
+    a, b = bound.forward_layers(ids, [1, 3]), loaded.forward_layers(ids, [1, 3])
+    assert all(torch.equal(a[k], b[k]) for k in (1, 3))
+    with pytest.raises(BadInputError, match="loaded as torch.float32, not bfloat16"):
+        bind_target(model, read_model_info(tiny_target), resolve_kernel("torch", "cpu", "bfloat16", "sdpa"))
