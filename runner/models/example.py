@@ -183,8 +183,8 @@ def fill_example_defaults(opts: EvalOptions) -> str | None:
     defaults = EvalOptions()
     gpu = opts.backend == "fla" or opts.device == "cuda"
     for name, value in EXAMPLE_DEFAULTS.items():
-        if name == "dtype" and gpu:
-            continue
+        if name == "dtype" and (gpu or opts.compression.startswith("fp8-")):
+            continue  # the GPU path's bf16; FP8 states are quantized bf16 ones (the example's float32 would refuse them)
         if getattr(opts, name) == getattr(defaults, name):
             setattr(opts, name, value)
     if gpu and opts.dtype == "bfloat16":
