@@ -220,6 +220,9 @@ def at_scale(ctx: Ctx, result: Result) -> None:
     env = bench_env(DFCACHE_HOME=str(home))
     ls_cmd = dfcache_cmd("--store", str(store_dir), "ls", "--json")
     plan_cmd = dfcache_cmd("--store", str(store_dir), "plan", "hidden-states", *args, "--json")
+    from dfcache.store import open_store
+
+    open_store(ctx.work / "empty-store")  # (made: `ls` of a store that does not exist is bad input)
     empty_cmd = dfcache_cmd("--store", str(ctx.work / "empty-store"), "ls", "--json")
     shutil.rmtree(home, ignore_errors=True)
     cold, plan_out = run_cmd(plan_cmd, env=env)  # parses and hashes the prompt file, fills the memo

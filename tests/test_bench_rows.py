@@ -60,3 +60,13 @@ def test_eval_batching_target_row_pins_one_thread_on_both_sides(tmp_path):
     assert len(judged) == 1 and "1 torch thread)" in judged[0].measure
     assert res.details["judged_threads"] == 1
     assert torch.get_num_threads() == before
+
+
+def test_the_page_says_when_a_run_was_made_on_a_busy_machine():
+    from bench.__main__ import _run_source
+
+    meta = {"date": "2026-12-06T17:38:40+00:00", "machine": {"cpu_model": "AMD EPYC", "usable_cpus": 2}}
+    busy = {"meta": {**meta, "load_avg_start": [8.3, 8.6, 6.8], "load_avg_end": [6.3, 8.0, 7.5]}}
+    quiet = {"meta": {**meta, "load_avg_start": [0.5, 0.4, 0.3], "load_avg_end": [1.5, 1, 1]}}
+    assert _run_source(busy) == "2026-12-06, AMD EPYC (2 cores, busy (load 7.3))"
+    assert _run_source(quiet) == "2026-12-06, AMD EPYC (2 cores)"
