@@ -201,7 +201,7 @@ def test_lacking_agrees_with_contains_many_below_and_above_the_index_size(monkey
 
 
 def test_sample_keys_memo_gives_the_keys_and_is_never_trusted_when_damaged(tmp_path, monkeypatch):
-    import runner.sampling as sampling
+    import runner.core.sampling as sampling
     from dfcache.samples import distinct_keys, keys_as_bytes
 
     monkeypatch.setenv("DFCACHE_HOME", str(tmp_path / "home"))
@@ -291,8 +291,8 @@ def test_a_plan_locates_samples_with_the_keys_memo_as_without_it(tmp_path, monke
     partition's keys come from the on-disk sample index, as in a new process)."""
     from types import SimpleNamespace
 
-    import runner.sampling as sampling
-    from runner.graph import Node
+    import runner.core.sampling as sampling
+    from runner.core.graph import Node
 
     monkeypatch.setenv("DFCACHE_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(samples_mod, "SAMPLE_INDEX_MIN", 1)

@@ -43,7 +43,7 @@ LAST = 5  # the tiny target has 6 layers
 @pytest.fixture(scope="module")
 def cached(tiny_target, tmp_path_factory):
     """A store holding tokens and layers 1, 3, 5 of four prompts, and a drafter needing [3, 1]."""
-    from runner.train_tiny import make_untrained_drafter
+    from runner.models.train_tiny import make_untrained_drafter
 
     root = tmp_path_factory.mktemp("training")
     drafter = make_untrained_drafter(tiny_target, root / "drafter", layer_ids=DRAFTER_LAYERS)
@@ -260,6 +260,48 @@ def test_export_speculators_without_datasets_is_bad_input_naming_the_extra(cache
     err = capsys.readouterr().err
     assert "`datasets` package, which is not installed" in err and "pip install 'dfcache[peers]'" in err, err
     assert err.count("error:") == 1 and not out.exists()
+
+
+def test_fp8_states_export_in_speculators_fp8_layout_and_their_reader_gives_our_bf16(cached, tmp_path, capsys):
+    """Issue 33: FP8 states go out as stored (codes and scales, no requantization); hs-connectors'
+    FP8Transfer (speculators' FP8 backend reader) dequantizes them to the dataset's bf16 bit for bit."""
+    pytest.importorskip("datasets")
+    from hs_connectors import FP8Transfer
+
+    fp8 = ["--compression", "fp8-e4m3"]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert cli_main(["--store", str(cached["store"]), "run", "hidden-states", "--layer", "1", "--layer", "3",
+                         "--layer", str(LAST), "--no-progress", *_cli_sel(cached), *fp8]) == 0
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()
+    out = tmp_path / "sp8"
+    assert _export(cached, "speculators", out, "--json", *fp8) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["written"] == 4 and any("FP8" in n for n in res["notes"])
+    ours = api.hidden_state_dataset(store=cached["store"], layers=DRAFTER_LAYERS + [LAST], compression="fp8-e4m3",
+                                    **cached["sel"])
+    exact = api.hidden_state_dataset(store=cached["store"], layers=DRAFTER_LAYERS + [LAST], **cached["sel"])
+    theirs = FP8Transfer(out / "hidden_states")
+    from safetensors import safe_open
+
+    with safe_open(str(out / "hidden_states" / "hs_0.safetensors"), framework="pt") as f:
+        assert sorted(f.keys()) == ["hidden_states", "hidden_states_scales", "token_ids"]
+        assert f.get_tensor("hidden_states").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("hidden_states").shape[1:] == (3, 128)
+        assert f.get_tensor("hidden_states_scales").shape[1:] == (3, 1)
+    for i in range(4):
+        item, mine = theirs.get_cached(i), ours[i]["hidden_states"][0]
+        n = mine.shape[0]
+        assert _same(item["hidden_states"].reshape(n, -1), mine)
+        assert not _same(mine, exact[i]["hidden_states"][0])  # lossy: not the bf16 states
+        assert _same(item["token_ids"], ours[i]["input_ids"][0])
+    sf = tmp_path / "sf8"  # SpecForge has no FP8 layout: dequantized bf16
+    assert _export(cached, "specforge", sf, *fp8) == 0
+    d = torch.load(sf / "rows_0-2000" / "data_0.ckpt", weights_only=True)
+    assert _same(d["hidden_states"][0], ours[0]["hidden_states"][0][:, :256])
 
 
 def test_export_refuses_a_foreign_or_other_selection_directory(cached, tmp_path, capsys):
@@ -502,7 +544,7 @@ def test_import_check_knows_transformers_indices_the_final_norm_and_the_embeddin
 
 def test_gpu_declared_states_are_checked_on_the_cpu_within_the_cross_kernel_tolerance(cached, target_path,
                                                                                       tmp_path, capsys):
-    from runner.import_check import TOLERANCE_CROSS
+    from runner.peers.import_check import TOLERANCE_CROSS
 
     ds = api.hidden_state_dataset(store=cached["store"], layers=[1, 3], **cached["sel"])
     src = _modelopt_dir(ds, tmp_path / "mo", n=2)
@@ -529,7 +571,7 @@ def test_layer_check_tolerance_lies_between_kernel_rounding_and_the_next_layer(c
     """What TOLERANCE_CROSS rests on, measured here: bf16 states against a float32 CPU
     recomputation (another rounding, as another kernel class gives) stay under it; the nearest
     other layer stays over it; the same class recomputed is the same bits."""
-    from runner.import_check import TOLERANCE_CROSS, candidates, distance, recompute
+    from runner.peers.import_check import TOLERANCE_CROSS, candidates, distance, recompute
     from runner.models.target import KernelSpec
 
     ds = api.hidden_state_dataset(store=cached["store"], layers=[1, 3, LAST], **cached["sel"])
@@ -768,7 +810,7 @@ def test_concatenated_items_are_the_same_items_as_maps_of_their_rows(cached, tmp
 
 
 def test_concat_writes_only_what_is_missing_and_resumes_after_an_interrupt(cached, tmp_path, monkeypatch):
-    from runner import concat as concat_mod
+    from runner.core import concat as concat_mod
 
     store_dir = _store_copy(cached, tmp_path)
     monkeypatch.setattr(concat_mod, "SEGMENT_BYTES", 1)  # a segment per sample: commits to count
@@ -842,7 +884,7 @@ def test_concat_command_prints_and_json_and_refuses_an_uncached_selection(cached
     code = cli_main(["--store", str(store_dir), "gc", "--stage", "concatenated_hidden_states", "--yes"])
     capsys.readouterr()
     assert code == 0
-    from runner.concat import concat
+    from runner.core.concat import concat
 
     plain = api.hidden_state_dataset(store=store_dir, drafters=[str(cached["drafter"])], **cached["sel"])
     again = api.hidden_state_dataset(store=store_dir, drafters=[str(cached["drafter"])], **cached["sel"])

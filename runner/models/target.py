@@ -77,6 +77,12 @@ class KernelSpec:
         d.pop("note")
         return d
 
+    @classmethod
+    def from_key(cls, backend: dict) -> "KernelSpec":
+        """The class of a hidden-state key's ``backend``, whose ``states`` (a lossy codec such as
+        fp8-e4m3, keyed there: dfcache/fp8.py) is how the rows were stored, not how the target ran."""
+        return cls(**{k: v for k, v in backend.items() if k != "states"})
+
     @property
     def label(self) -> str:
         return f"{self.kernel}/{self.device}/{self.dtype}/{self.attn_implementation}"
@@ -105,7 +111,7 @@ def read_model_info(target_dir: str | os.PathLike) -> ModelInfo:
     except (OSError, ValueError, RecursionError) as e:
         raise BadInputError(f"{path} is not valid JSON ({e}); repair or re-download the model.") from None
     if not isinstance(cfg, dict):
-        from ..values import json_kind
+        from ..core.values import json_kind
 
         raise BadInputError(f"{path} is a JSON {json_kind(cfg)}, not an object; a model's config.json is one "
                             "object of its settings: repair or re-download the model.")
