@@ -17,7 +17,7 @@ from dfcache.cli.common import emit_json, examples, get_store, human_bytes
 from .run_options import CONTEXT, GroupedCommand, command_argv, declared, options_from, parameters
 
 # Eval-only options that do not select states.
-_NOT_SELECTION = ("upto", "tree_budgets", "end_rule", "max_blocks", "trained_on")
+_NOT_SELECTION = ("upto", "tree_budgets", "end_rule", "max_blocks", "trained_on", "estimate")
 
 
 def _selection_params() -> list[inspect.Parameter]:

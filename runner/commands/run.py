@@ -34,8 +34,9 @@ def _make_command(mode: str):
     def command(ctx: typer.Context, upto: str = "eval", **kw) -> None:
         if upto not in RUN_TARGETS:
             raise UsageError(f"unknown target {upto!r}; use eval, prompts, completions, tokens or hidden-states.")
-        opts = options_from(ctx, kw, run=mode == "run")
-        run_pipeline(mode, RUN_TARGETS[upto], opts, argv=command_argv(ctx, upto), shard=kw.get("shard"))
+        opts = options_from(ctx, kw, run=mode == "run", plan=mode == "plan")
+        run_pipeline(mode, RUN_TARGETS[upto], opts, argv=command_argv(ctx, upto), shard=kw.get("shard"),
+                     estimate=kw.get("estimate", False))
 
     # --store, --json, --debug, --offline and --no-progress are the dfcache CLI's global
     # options, which it adds to every command (dfcache.cli.common.GLOBAL_OPTIONS).
@@ -65,7 +66,8 @@ def _recompute_hidden_states(store, keys, n, **kw) -> dict:
     return verify_hook(store, keys, n, **kw)
 
 
-def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None = None, shard: str | None = None):
+def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None = None, shard: str | None = None,
+                 estimate: bool = False):
     """Plan (and for mode "run", execute) the graph through runner.api, and print. Returns (ctx, nodes).
 
     A run is one worker of a distributed run under torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or with
@@ -81,7 +83,13 @@ def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if mode == "plan":
         ctx, nodes = api.resolve_graph(upto, opts, get_store(), argv=argv, log=log)
-        _print_plan(nodes, opts)
+        if estimate:
+            from ..core.estimate import describe, estimate as price
+
+            est = price(ctx, nodes)
+            _print_plan(nodes, opts, est, describe(est))
+        else:
+            _print_plan(nodes, opts)
         if opts.offline:
             check_offline(ctx, nodes)
         return ctx, nodes

@@ -81,10 +81,10 @@ def parameters(*, drop: tuple[str, ...] = ()) -> list[inspect.Parameter]:
     return [p for p in params if p.name not in drop]
 
 
-def options_from(ctx: typer.Context, kw: dict, *, run: bool = False) -> EvalOptions:
+def options_from(ctx: typer.Context, kw: dict, *, run: bool = False, plan: bool = False) -> EvalOptions:
     """The :class:`EvalOptions` that the run options in ``kw`` (typer's values) and the global
     options give; options not in ``kw`` keep their defaults. Validated. ``run``: ``--shard`` is
-    allowed (the command is ``dfcache run``)."""
+    allowed (the command is ``dfcache run``); ``plan``: ``--estimate`` is."""
     from dfcache.config import offline_from_env, progress_interval
 
     from ..core.provenance_keys import parse_key_versions
@@ -101,6 +101,9 @@ def options_from(ctx: typer.Context, kw: dict, *, run: bool = False) -> EvalOpti
     if kw.get("shard") is not None and not run:
         raise UsageError(f"--shard applies to `dfcache run` only (it splits the work of a run between "
                          f"workers); drop it from `dfcache {ctx.info_name}`.")
+    if kw.get("estimate") and not plan:
+        raise UsageError(f"--estimate applies to `dfcache plan` only (it prices the work a plan shows); drop it "
+                         f"from `dfcache {ctx.info_name}`, or run `dfcache plan ... --estimate` first.")
     values = {}
     for o in RUN_OPTIONS:
         if not o.field or o.name not in kw:
@@ -150,12 +153,12 @@ def command_argv(ctx: typer.Context, upto: str) -> list[str]:
     worker's share).
     """
     root = ctx.find_root()
-    run_names = {o.name for o in RUN_OPTIONS if o.name != "shard"}
+    run_names = {o.name for o in RUN_OPTIONS if o.field}  # not --shard, --estimate: the job, not how it is run
     given = {}
     for name in ctx.params:
         source = ctx.get_parameter_source(name)
         if name in run_names and source is not None and source.name == "COMMANDLINE":
             given[name] = ctx.params[name]
     before = _click_args(root, skip=("version", "debug")) if root is not ctx else []
-    after = _click_args(ctx, skip=("_global_debug", *run_names, "shard"))
+    after = _click_args(ctx, skip=("_global_debug", *(o.name for o in RUN_OPTIONS)))
     return run_argv(upto, given, before=before, after=after)

@@ -488,7 +488,7 @@ _EXAMPLES = examples("dfcache watch runs/x --target ./qwen3-8b --server http://1
                      "dfcache watch 'runs/x/checkpoint-*' --example --once",
                      "dfcache watch runs/x --target ./qwen3-8b --reference ./dflash-release --interval 600")
 _OWN = ("ctx", "directory", "reference", "interval", "once", "html_checkpoint", "out")
-_DROPPED = ("ctx", "upto", "drafters", "example")  # of run's options: DIR and --reference replace them
+_DROPPED = ("ctx", "upto", "drafters", "example", "estimate")  # of run's options: DIR and --reference replace them
 
 
 def _command():

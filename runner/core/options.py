@@ -31,6 +31,7 @@ GROUPS = {
     "extraction": "Hidden states (extraction)",
     "eval": "Eval",
     "store": "Store and remotes",
+    "output": "Output",
 }
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
@@ -171,6 +172,9 @@ RUN_OPTIONS: tuple[RunOption, ...] = (  # in the order `run -h` lists them and m
     _O("shard", ("--shard",), str, None, "Be worker I of N (I/N, or 'slurm' in a Slurm array): make this worker's "
        "share of the samples (docs/distributed.md; run only).", "store", metavar="I/N|slurm", fast=False,
        field=False),
+    _O("estimate", ("--estimate",), bool, False, "plan only: the tokens to extract, the bytes per codec and the "
+       "hours, from the last extraction of the same target shape (or the GPU bench's figures).", "output",
+       fast=False, field=False),
 )
 del _O
 
