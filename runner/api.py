@@ -431,6 +431,15 @@ def _result(upto: str, ctx, nodes, seconds: float) -> RunResult:
         # Shown with this run's verdicts (--trained-on, --accept-retokenized): never stored.
         res.report, res.markdown, res.files = show(ctx.store, nodes[-1].key, ctx.options)
         res.report_key = nodes[-1].key
+        from .suites.tables import section
+
+        # Several prompt sets (or --mix): τ per set, overall and mixed, cut from the stored
+        # evals by the run's ids when shown (the stored report is the whole set).
+        extra = section(ctx.store, nodes, ctx.options, res.report_key)
+        if extra is not None:
+            res.report = {**res.report, "prompt_sets": extra["doc"]}
+            res.markdown += "\n\n" + extra["markdown"]
+            res.files = {**res.files, **{k: v for k, v in extra["files"].items()}}
     return res
 
 
