@@ -431,11 +431,12 @@ def _result(upto: str, ctx, nodes, seconds: float) -> RunResult:
         # Shown with this run's verdicts (--trained-on, --accept-retokenized): never stored.
         res.report, res.markdown, res.files = show(ctx.store, nodes[-1].key, ctx.options)
         res.report_key = nodes[-1].key
+        from .stages.drafter_eval import read_responses
         from .suites.tables import section
 
         # Several prompt sets (or --mix): τ per set, overall and mixed, cut from the stored
         # evals by the run's ids when shown (the stored report is the whole set).
-        extra = section(ctx.store, nodes, ctx.options, res.report_key)
+        extra = section(ctx.store, nodes, ctx.options, res.report_key, read_responses)
         if extra is not None:
             res.report = {**res.report, "prompt_sets": extra["doc"]}
             res.markdown += "\n\n" + extra["markdown"]

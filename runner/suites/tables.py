@@ -139,14 +139,12 @@ def plots(doc: dict, out: Path | None) -> dict[str, Path]:
     return files
 
 
-def section(store, nodes, opts, report_key: str) -> dict | None:
+def section(store, nodes, opts, report_key: str, read_responses) -> dict | None:
     """(document, markdown, files) of the per-set tables of a run, or None for a run of one set
-    without ``--mix``."""
+    without ``--mix``. ``read_responses(store, eval_node)``: an eval's response documents."""
     names = sets.names(opts.prompts)
     if len(names) < 2 and opts.mix is None:
         return None
-    from ..stages.drafter_eval import read_responses
-
     prompts = next(n for n in nodes if n.stage == "prompts")
     evals = [n for n in nodes if n.stage == "drafter_eval"]
     mix = sets.parse_mix(opts.mix, names) if opts.mix is not None else None
