@@ -288,3 +288,47 @@ def test_several_sets_in_one_run(tmp_path):
     # The same prompts as one set reuse every sample; the table says which set each came from.
     r = dfcache("run", "eval", "--example", "--prompts", "builtin:reasoning", "--num-prompts", "2", store=store)
     assert r.code == 0 and "0 computed" in r.out and "did work" in r.out, r.out
+
+
+# --------------------------------------------------------------------------------------------
+# Published rows, thinking side by side
+# --------------------------------------------------------------------------------------------
+
+def test_published_rows_for_a_target_and_what_differs():
+    from runner.suites import published
+
+    rows = published.for_run("Qwen/Qwen3-8B", ["gsm8k", "mt-bench"])
+    assert {(p.source.split()[0], p.method, p.temperature) for p in rows} == {
+        ("z-lab/dflash", "chain", 0.0), ("z-lab/dflash", "chain", 1.0),
+        ("liranringel/ddtree", "chain", 0.0), ("liranringel/ddtree", "chain", 1.0),
+        ("liranringel/ddtree", "tree best of 16..1024", 0.0), ("liranringel/ddtree", "tree best of 16..1024", 1.0)}
+    zlab = next(p for p in rows if p.source.startswith("z-lab") and p.temperature == 0.0)
+    assert zlab.tau["gsm8k"] == 6.55 and zlab.tau["math500"] == 7.87  # README @bb48ef9, Qwen3-8B-DFlash-b16
+    assert published.for_run("/models/Qwen3-8B/", ["gsm8k"])  # a local copy by the model's name
+    assert published.for_run("Qwen/Qwen3-8B", ["coding"]) == [] and published.for_run(None, ["gsm8k"]) == []
+    run = {"temperature": 0.0, "max_new_tokens": 256, "enable_thinking": False, "dtype": "bfloat16",
+           "block_size": 16, "tree_budgets": [], "prompts": {"gsm8k": 128, "mt-bench": 80}}
+    diff = {d["setting"]: (d["run"], d["published"]) for d in published.differences(zlab, run)}
+    assert diff == {"max_new_tokens": (256, 2048), "mt-bench turns": ("first turns", "all turns")}
+
+
+def test_markdown_shows_thinking_side_by_side_and_published_rows():
+    from runner.suites import published
+
+    doc = tables.per_set(["0", "1"], ["gsm8k"], [{"drafter": "d", "block_size": 16}],
+                         [[{"chain": [5], "tree": {}}, {"chain": [7], "tree": {}}]], None)
+    other = tables.per_set(["0", "1"], ["gsm8k"], [{"drafter": "d", "block_size": 16}],
+                           [[{"chain": [9], "tree": {}}, {"chain": [11], "tree": {}}]], None)
+    doc["enable_thinking"] = False
+    doc["other_thinking"] = {"enable_thinking": True, "rows": other["rows"]}
+    (zlab,) = [p for p in published.for_run("Qwen/Qwen3-8B", ["gsm8k"])
+               if p.source.startswith("z-lab") and p.temperature == 0.0]
+    (t1,) = [p for p in published.for_run("Qwen/Qwen3-8B", ["gsm8k"])
+             if p.source.startswith("z-lab") and p.temperature == 1.0]
+    doc["published"] = [{**p.to_dict(), "differs": published.differences(p, {"temperature": 0.0})}
+                        for p in (zlab, t1)]
+    md = tables.markdown(doc)
+    assert "thinking off):" in md and "| d | chain | 6.00 | 6.00 |" in md
+    assert "thinking on (stored: the same run with --enable-thinking)" in md and "| d | chain | 10.00 | 10.00 |" in md
+    assert "| z-lab/dflash README.md @bb48ef9 | z-lab/Qwen3-8B-DFlash-b16 | chain | 6.55 |" in md
+    assert md.count("z-lab/Qwen3-8B-DFlash-b16 | chain") == 1  # the T=1 row (temperature differs) is JSON only

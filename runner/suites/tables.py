@@ -95,15 +95,37 @@ def _fmt(v) -> str:
 
 
 def markdown(doc: dict) -> str:
+    other = doc.get("other_thinking")
+    out = _table(doc, doc["rows"], f", thinking {'on' if doc.get('enable_thinking') else 'off'}" if other else "")
+    if other:
+        on = "on" if other["enable_thinking"] else "off"
+        out += "\n\n" + _table(doc, other["rows"], f", thinking {on} (stored: the same run with "
+                                 f"--{'' if other['enable_thinking'] else 'no-'}enable-thinking)")
+    pubs = [p for p in doc.get("published") or [] if not any(d["setting"] == "temperature" for d in p["differs"])]
+    if pubs:
+        lines = ["", "published (not measured here; the settings they differ in after each row):", "",
+                 "| source | drafter | τ | " + " | ".join(doc["sets"]) + " |", "|" + "---|" * (3 + len(doc["sets"]))]
+        for p in pubs:
+            lines.append(f"| {p['source']} | {p['drafter']} | {p['method']} | "
+                         + " | ".join(_fmt(p["tau"].get(n)) for n in doc["sets"]) + " |")
+        lines.append("")
+        for p in pubs:
+            diff = "; ".join(f"{d['setting']}: run {d['run']}, published {d['published']}" for d in p["differs"])
+            lines.append(f"- {p['source']}, {p['drafter']}, {p['method']}: {diff or 'no setting differs'}")
+        out += "\n" + "\n".join(lines)
+    return out
+
+
+def _table(doc: dict, rows: list[dict], what: str) -> str:
     names = doc["sets"]
-    counts = {n: doc["rows"][0]["sets"][n]["prompts"] for n in names} if doc["rows"] else {}
+    counts = {n: rows[0]["sets"][n]["prompts"] for n in names} if rows else {}
     head = ["drafter", "τ"] + [f"{n} ({counts.get(n, 0)})" for n in names] + ["overall"]
     mix = doc.get("mix")
     if mix:
         head.append("mix " + ",".join(f"{n}={w:g}" for n, w in mix.items()) + f" [{LEVEL:.0%} interval]")
-    lines = ["τ per prompt set (" + ("prompts per set in brackets" if len(names) > 1 else names[0]) + "):", "",
+    lines = ["τ per prompt set (" + ("prompts per set in brackets" if len(names) > 1 else names[0]) + what + "):", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in doc["rows"]:
+    for r in rows:
         for m in r["overall"]:
             if m == "prompts":
                 continue
@@ -139,19 +161,39 @@ def plots(doc: dict, out: Path | None) -> dict[str, Path]:
     return files
 
 
-def section(store, nodes, opts, report_key: str, read_responses) -> dict | None:
+def section(store, nodes, opts, report_key: str, read_responses, other=None) -> dict | None:
     """(document, markdown, files) of the per-set tables of a run, or None for a run of one set
-    without ``--mix``. ``read_responses(store, eval_node)``: an eval's response documents."""
+    without ``--mix`` and without published figures for its target and suites.
+    ``read_responses(store, eval_node)``: an eval's response documents; ``other``: the nodes of
+    this run with thinking the other way, when all of them are stored (shown side by side)."""
+    from . import published
+
     names = sets.names(opts.prompts)
-    if len(names) < 2 and opts.mix is None:
+    suites = [sets.set_name(s) for s in sets.specs(opts.prompts) if s.startswith("suite:")]
+    pubs = published.for_run(opts.target, suites)
+    if len(names) < 2 and opts.mix is None and not pubs:
         return None
-    prompts = next(n for n in nodes if n.stage == "prompts")
-    evals = [n for n in nodes if n.stage == "drafter_eval"]
     mix = sets.parse_mix(opts.mix, names) if opts.mix is not None else None
-    rows = [{"drafter": e.payload["drafter"].name, "block_size": e.payload["drafter"].block_size} for e in evals]
-    doc = per_set(list(prompts.ids), names, rows, [read_responses(store, e) for e in evals], mix)
+
+    def cut(graph):
+        prompts = next(n for n in graph if n.stage == "prompts")
+        evals = [n for n in graph if n.stage == "drafter_eval"]
+        rows = [{"drafter": e.payload["drafter"].name, "block_size": e.payload["drafter"].block_size} for e in evals]
+        return per_set(list(prompts.ids), names, rows, [read_responses(store, e) for e in evals], mix)
+
+    doc = cut(nodes)
     reports = store.local_dir("reports")
     files = plots(doc, reports / report_key[:12] if reports is not None else None)
-    for r in doc["rows"]:
-        r.pop("histograms")
+    doc["enable_thinking"] = bool(opts.enable_thinking)
+    if other is not None:
+        doc["other_thinking"] = {"enable_thinking": not opts.enable_thinking, "rows": cut(other)["rows"]}
+    run = {"temperature": float(opts.temperature), "max_new_tokens": opts.max_new_tokens,
+           "enable_thinking": bool(opts.enable_thinking), "dtype": opts.dtype,
+           "block_size": doc["rows"][0].get("block_size") if doc["rows"] else None,
+           "tree_budgets": list(opts.tree_budgets),
+           "prompts": {n: doc["rows"][0]["sets"][n]["prompts"] for n in suites} if doc["rows"] else {}}
+    doc["published"] = [{**p.to_dict(), "tau": {n: p.tau[n] for n in names if n in p.tau},
+                         "differs": published.differences(p, run)} for p in pubs]
+    for r in doc["rows"] + (doc.get("other_thinking") or {}).get("rows", []):
+        r.pop("histograms", None)
     return {"doc": doc, "markdown": markdown(doc), "files": files}
