@@ -27,7 +27,7 @@ import xxhash
 from dfcache.errors import BadInputError
 from dfcache.keys import messages_digest  # record_digest({"messages": ...}), spelled out for speed
 
-from ..graph import KeyRecipe, Node, RunContext
+from ..core.graph import KeyRecipe, Node, RunContext
 from ..suites import sets
 from ..suites.sources import ROLES, FieldMap, read_table, read_text_file, rows_to_records
 from ..suites.sources import check_roles as _check_roles  # noqa: F401  (ROLES: public here too)
@@ -279,7 +279,7 @@ def _first(spec: str, ids: list[str], upstream: list[str], records, n: int | Non
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
     from dfcache.samples import SampleSink
 
-    from ..summaries import prompt_set_name
+    from ..core.summaries import prompt_set_name
 
     for node in nodes:
         # The set's name in the summary: `dfcache ls --by selection` shows one line per set.

@@ -149,7 +149,7 @@ def plots(doc: dict, out: Path | None) -> dict[str, Path]:
         files[path.name] = path
         if path.exists():
             continue
-        from .. import reporting
+        from ..core import reporting
 
         png = reporting.histograms_png(
             [(f"{r['drafter']} (τ={_fmt(r['sets'][name]['chain'])})", r["histograms"][name]) for r in doc["rows"]],

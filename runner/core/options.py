@@ -100,7 +100,7 @@ class EvalOptions:
                 not self.prompts or not all(isinstance(p, str) and p for p in self.prompts)):
             raise UsageError("--prompts: give a prompt set (e.g. builtin:coding, suite:gsm8k, hf:NAME, or a file).")
         if self.mix is not None:
-            from .suites.sets import parse_mix_form
+            from ..suites.sets import parse_mix_form
 
             parse_mix_form(self.mix)
         if self.trained_on not in (None, "fla", "torch"):
