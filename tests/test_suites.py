@@ -13,7 +13,7 @@ import pytest
 
 from cli_util import dfcache
 from dfcache.errors import BadInputError, OfflineMissingError, UsageError
-from runner.options import EvalOptions
+from runner.core.options import EvalOptions
 from runner.stages.prompts import load_records
 from runner.suites import catalog, sets, tables
 from runner.suites.sources import FieldMap
