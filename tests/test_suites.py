@@ -264,30 +264,37 @@ def test_per_set_tables_cut_the_responses_by_set():
     assert "| d | chain | 4.50 | 1.00 | 3.33 | 2.75 [" in md
 
 
-def test_several_sets_in_one_run(tmp_path):
+def test_several_sets_in_one_run(hf_cache, tmp_path):
+    import shutil
+
     store = tmp_path / "store"
-    args = ("run", "eval", "--example", "--prompts", "builtin:coding", "--prompts", "builtin:reasoning",
-            "--num-prompts", "2")
-    r = dfcache(*args, "--mix", "coding=0.5,reasoning=0.4", store=store)
+    args = ("run", "eval", "--example", "--prompts", "builtin:coding", "--prompts", "suite:gsm8k", "--num-prompts", "2")
+    r = dfcache(*args, "--mix", "coding=0.5,gsm8k=0.4", store=store)
     assert r.code == 6 and "--mix weights sum to 0.9, not 1" in r.err, r.err
     assert not (store / "artifacts").exists() or not any((store / "artifacts").rglob("manifest*"))
-    r = dfcache(*args, "--mix", "coding=0.5,gsm8k=0.5", store=store)
-    assert r.code == 6 and "--mix names gsm8k, not a prompt set of this run (coding, reasoning)" in r.err, r.err
-    r = dfcache(*args, "--mix", "coding=0.25,reasoning=0.75", "--json", store=store)
+    r = dfcache(*args, "--mix", "coding=0.5,humaneval=0.5", store=store)
+    assert r.code == 6 and "--mix names humaneval, not a prompt set of this run (coding, gsm8k)" in r.err, r.err
+    r = dfcache(*args, "--mix", "coding=0.25,gsm8k=0.75", "--json", store=store)
     assert r.code == 0, r.err
     doc = json.loads(r.out)
     ps = doc["prompt_sets"]
-    assert ps["sets"] == ["coding", "reasoning"] and ps["mix"] == {"coding": 0.25, "reasoning": 0.75}
+    assert ps["sets"] == ["coding", "gsm8k"] and ps["mix"] == {"coding": 0.25, "gsm8k": 0.75}
     for row, d in zip(ps["rows"], doc["drafters"]):
         assert row["overall"]["chain"] == pytest.approx(d["tau_chain"])  # the whole set is the report's τ
-        assert set(row["sets"]) == {"coding", "reasoning"} and row["sets"]["coding"]["prompts"] == 2
+        assert set(row["sets"]) == {"coding", "gsm8k"} and row["sets"]["gsm8k"]["prompts"] == 2
         assert row["mix"]["chain"]["tau"] == pytest.approx(
-            0.25 * row["sets"]["coding"]["chain"] + 0.75 * row["sets"]["reasoning"]["chain"])
+            0.25 * row["sets"]["coding"]["chain"] + 0.75 * row["sets"]["gsm8k"]["chain"])
         assert set(row["sets"]["coding"]) == {"prompts", "chain", "tree 4", "tree 8"}
-    assert {Path(p).name for p in doc["files"].values()} >= {"set-coding-2-histogram.png", "set-reasoning-2-histogram.png"}
-    # The same prompts as one set reuse every sample; the table says which set each came from.
-    r = dfcache("run", "eval", "--example", "--prompts", "builtin:reasoning", "--num-prompts", "2", store=store)
-    assert r.code == 0 and "0 computed" in r.out and "did work" in r.out, r.out
+    assert {Path(p).name for p in doc["files"].values()} >= {"set-coding-2-histogram.png", "set-gsm8k-2-histogram.png"}
+    assert ps["published"] == []  # the example's target is no published model
+    # The same target under a published model's name: every sample reused, the published rows of
+    # the suite beside the run's, with the settings they differ in.
+    shutil.copytree(store / "example" / "target", tmp_path / "Qwen3-8B")
+    r = dfcache("run", "eval", "--example", "--target", tmp_path / "Qwen3-8B", "--prompts", "builtin:coding",
+                "--prompts", "suite:gsm8k", "--num-prompts", "2", store=store)
+    assert r.code == 0 and "0 node(s) did work" in r.out, r.out + r.err
+    assert "| z-lab/dflash README.md @bb48ef9 | z-lab/Qwen3-8B-DFlash-b16 | chain | - | 6.55 |" in r.out, r.out
+    assert "prompts of gsm8k: run 2, published 128" in r.out and "max_new_tokens: run 64, published 2048" in r.out
 
 
 # --------------------------------------------------------------------------------------------
