@@ -285,7 +285,8 @@ def test_several_sets_in_one_run(hf_cache, tmp_path):
         assert row["mix"]["chain"]["tau"] == pytest.approx(
             0.25 * row["sets"]["coding"]["chain"] + 0.75 * row["sets"]["gsm8k"]["chain"])
         assert set(row["sets"]["coding"]) == {"prompts", "chain", "tree 4", "tree 8"}
-    assert {Path(p).name for p in doc["files"].values()} >= {"set-coding-2-histogram.png", "set-gsm8k-2-histogram.png"}
+    assert {Path(p).name for p in doc["files"].values()} >= {"set-coding-2-histogram.png", "set-gsm8k-2-histogram.png",
+                                                         "prompt_sets.md", "prompt_sets.json"}
     assert ps["published"] == []  # the example's target is no published model
     # The same target under a published model's name: every sample reused, the published rows of
     # the suite beside the run's, with the settings they differ in.

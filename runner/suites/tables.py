@@ -196,4 +196,15 @@ def section(store, nodes, opts, report_key: str, read_responses, other=None) -> 
                          "differs": published.differences(p, run)} for p in pubs]
     for r in doc["rows"] + (doc.get("other_thinking") or {}).get("rows", []):
         r.pop("histograms", None)
-    return {"doc": doc, "markdown": markdown(doc), "files": files}
+    text = markdown(doc)
+    if reports is not None:  # as report.md and report.json: what the last run that printed them said
+        import json
+
+        out = reports / report_key[:12]
+        out.mkdir(parents=True, exist_ok=True)
+        for name, data in (("prompt_sets.md", text + "\n"), ("prompt_sets.json", json.dumps(doc, indent=1) + "\n")):
+            tmp = out / f".{name}.tmp"
+            tmp.write_text(data, encoding="utf-8")
+            tmp.replace(out / name)
+            files[name] = out / name
+    return {"doc": doc, "markdown": text, "files": files}
