@@ -296,6 +296,19 @@ def test_several_sets_in_one_run(hf_cache, tmp_path):
     assert r.code == 0 and "0 node(s) did work" in r.out, r.out + r.err
     assert "| z-lab/dflash README.md @bb48ef9 | z-lab/Qwen3-8B-DFlash-b16 | chain | - | 6.55 |" in r.out, r.out
     assert "prompts of gsm8k: run 2, published 128" in r.out and "max_new_tokens: run 64, published 2048" in r.out
+    # A report made under that name: `explain KEY published` puts its τ per suite beside the tables.
+    r = dfcache("run", "eval", "--example", "--target", tmp_path / "Qwen3-8B", "--drafter",
+                store / "example" / "drafter-trained", "--prompts", "builtin:coding", "--prompts", "suite:gsm8k",
+                "--num-prompts", "2", "--json", store=store)
+    assert r.code == 0, r.err
+    run = json.loads(r.out)
+    gsm8k_tau = run["prompt_sets"]["rows"][0]["sets"]["gsm8k"]["chain"]
+    r = dfcache("explain", run["report_key"], "published:zlab", store=store)
+    assert r.code == 0, r.err
+    assert f"gsm8k            run {gsm8k_tau:.2f} over 2 prompt(s), published 6.55" in r.out, r.out
+    assert "prompts of gsm8k (run 2, published 128)" in r.out and "block_size (run 8, published 16)" in r.out
+    r = dfcache("explain", run["report_key"], "published:elsewhere", store=store)
+    assert r.code == 6 and "compare with published, published:zlab or published:ddtree" in r.err, r.err
 
 
 # --------------------------------------------------------------------------------------------

@@ -113,3 +113,66 @@ def differences(p: Published, run: dict) -> list[dict]:
     if p.method != "chain":
         out.append({"setting": "tree budget", "run": run.get("tree_budgets"), "published": "best of 16..1024"})
     return out
+
+
+def compare(key: str, doc: dict, prompts: dict, row: int | None, which: str) -> dict:
+    """``dfcache explain REPORT published[:zlab|:ddtree]``: a stored report's rows beside the published
+    rows for its target and suites, τ chain per suite (from the report's per-prompt τ, cut by the
+    ``SET/ID`` ids) and the settings each published row differs in."""
+    from dfcache.errors import BadInputError
+
+    from .sets import set_name
+
+    wanted = {"published": None, "published:zlab": ZLAB, "published:ddtree": DDTREE}
+    if which not in wanted:
+        raise BadInputError(f"{which!r}: compare with published, published:zlab or published:ddtree.")
+    sel = doc["selection"]
+    target = sel["target"].get("name") or sel["target"].get("path")
+    specs = str(sel["prompts"]["source"]).split("+")
+    names = [set_name(s) for s in specs]
+    suites = [set_name(s) for s in specs if s.startswith("suite:")]
+    pubs = [p for p in for_run(target, suites) if wanted[which] in (None, p.source)]
+    if not pubs:
+        have = sorted({p.target for p in TABLES})
+        raise BadInputError(f"no published table covers target {target} on {', '.join(names)}; published tables "
+                            f"cover {', '.join(have)} on suite:{', suite:'.join(SUITES)}: run those suites "
+                            "(--prompts suite:NAME) with one of those targets.")
+    groups: dict[str, list[int]] = {n: [] for n in names}
+    for pos, pid in enumerate(prompts["ids"]):
+        groups[pid.partition("/")[0] if len(names) > 1 else names[0]].append(pos)
+    comp, ev = sel.get("completions") or {}, sel.get("eval") or {}
+    out = []
+    for i in (range(len(doc["drafters"])) if row is None else [row]):
+        d = doc["drafters"][i]
+        taus = prompts["tau_chain"][i]
+        run = {"temperature": comp.get("temperature"), "max_new_tokens": comp.get("max_new_tokens"),
+               "enable_thinking": comp.get("enable_thinking"), "dtype": ev.get("dtype"),
+               "block_size": d.get("block_size"), "tree_budgets": ev.get("tree_budgets"),
+               "prompts": {n: len(groups[n]) for n in suites}}
+        for p in pubs:
+            per = {}
+            for n in suites:
+                if n in p.tau:
+                    vals = [taus[k] for k in groups[n] if taus[k] is not None]
+                    per[n] = {"prompts": len(groups[n]), "run": sum(vals) / len(vals) if vals else None,
+                              "published": p.tau[n]}
+            out.append({"row": d["drafter"], "published": p.to_dict(), "tau": per,
+                        "differs": differences(p, run)})
+    return {"report": key, "target": target, "published_comparison": out}
+
+
+def format_compare(res: dict) -> str:
+    lines = [f"report {res['report'][:12]}, target {res['target']}: τ chain per suite beside published figures "
+             "(not measured here)"]
+    for c in res["published_comparison"]:
+        p = c["published"]
+        lines += ["", f"{c['row']}  vs  {p['drafter']} ({p['method']}, T={p['temperature']:g}; {p['source']})"]
+        for n, t in c["tau"].items():
+            run = "-" if t["run"] is None else f"{t['run']:.2f}"
+            lines.append(f"  {n:<16} run {run} over {t['prompts']} prompt(s), published {t['published']:.2f}")
+        if c["differs"]:
+            lines.append("  settings that differ: " + "; ".join(
+                f"{d['setting']} (run {d['run']}, published {d['published']})" for d in c["differs"]))
+        else:
+            lines.append("  no recorded setting differs")
+    return "\n".join(lines)
