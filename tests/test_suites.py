@@ -21,7 +21,8 @@ from runner.suites.sources import FieldMap
 pytest.importorskip("datasets")
 
 
-def cache_dataset(cache: Path, repo_id: str, config: str | None, splits: dict[str, list[dict]]) -> None:
+def cache_dataset(cache: Path, repo_id: str, config: str | None, splits: dict[str, list[dict]],
+                  revision: str = "0123456789abcdef") -> None:
     """Prepare ``repo_id`` (config, splits) in the datasets cache ``cache`` as a Hub load does:
     the library's Parquet builder over files this test writes, named as the Hub module names it
     (``namespace___name/config/0.0.0/hash``)."""
@@ -29,14 +30,14 @@ def cache_dataset(cache: Path, repo_id: str, config: str | None, splits: dict[st
     import pyarrow.parquet as pq
     from datasets.packaged_modules.parquet.parquet import Parquet
 
-    src = cache.parent / "src" / repo_id.replace("/", "_") / (config or "default")
+    src = cache.parent / "src" / repo_id.replace("/", "_") / (config or "default") / revision
     src.mkdir(parents=True, exist_ok=True)
     files = {}
     for split, rows in splits.items():
         pq.write_table(pa.Table.from_pylist(rows), src / f"{split}.parquet")
         files[split] = str(src / f"{split}.parquet")
     builder = Parquet(cache_dir=str(cache), dataset_name=repo_id.rpartition("/")[2], config_name=config or "default",
-                      config_id=config or "default", data_files=files, hash="0123456789abcdef")
+                      config_id=config or "default", data_files=files, hash=revision)
     # The Hub module factory passes repo_id with the Hub's own file URLs; local files under a
     # repo_id are refused, so the name is given after construction, before the folder is made.
     builder.repo_id = repo_id
@@ -81,6 +82,23 @@ def test_hf_reads_the_cache_and_keys_are_the_content(hf_cache, tmp_path):
         _, nodes = api.resolve_graph("prompts", EvalOptions(prompts=spec, prompt_field=field), str(store))
         keys.append(nodes[0].sample_keys)
     assert keys[0] == keys[1] and len(set(keys[0])) == len(GSM8K)
+
+
+def test_dataset_sets_are_memoized_by_their_cached_files(hf_cache, tmp_path, monkeypatch):
+    from runner.stages.prompts import load_set
+
+    monkeypatch.setenv("DFCACHE_HOME", str(tmp_path / "home"))
+    fm = FieldMap(prompt="question")
+    for spec, f in (("hf:openai/gsm8k:main:train", fm), ("suite:gsm8k", FieldMap())):
+        ids, digests, records = load_set(spec, f)
+        assert records is not None  # read through the datasets library
+        again = load_set(spec, f)
+        assert again == (ids, digests, None)  # from the memo: the records are read only if a stage needs them
+    # A newer revision of the dataset prepared in the cache (the newest is read): the memo no longer applies.
+    other = [{"question": "Something else?", "answer": "1"}]
+    cache_dataset(hf_cache, "openai/gsm8k", "main", {"test": GSM8K, "train": other}, revision="fedcba9876543210")
+    ids, digests, records = load_set("hf:openai/gsm8k:main:train", fm)
+    assert records == [{"id": "0", "messages": _user("Something else?")}]
 
 
 def test_hf_bad_input_before_any_work(hf_cache, tmp_path):

@@ -27,6 +27,9 @@ from dfcache.errors import BadInputError, OfflineMissingError
 
 from .sources import FieldMap, HfSpec, read_hf, read_table, read_text_file, rows_to_records
 
+# The suites' definitions: a memoized prompt set (runner/stages/prompts.py) is read again when it changes.
+VERSION = 1
+
 MATH = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
 SWE = ("Problem Statement:\n", "\nPlease fix the issue described above.")
