@@ -243,9 +243,9 @@ def load_set(spec: str, fields: FieldMap = FieldMap()) -> tuple[list[str], list[
 
 def _load_dataset_set(spec: str, fields: FieldMap):
     """:func:`load_set` of ``suite:`` and ``hf:`` sets, through the memo by the identity of the cached
-    files they are read from (runner/suites/sources.py ``source_ident``): a cached run of a suite
+    files they are read from (runner/suites/catalog.py ``source_ident``): a cached run of a suite
     then imports neither the datasets library nor pyarrow (2.4 s against 0.4 s for the example)."""
-    from ..suites.sources import source_ident
+    from ..suites.catalog import source_ident
 
     ident = source_ident(spec, fields)
     memo = None

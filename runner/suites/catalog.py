@@ -20,12 +20,13 @@ cache or a local copy (``suite:NAME@PATH``) are the same samples.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 from dfcache.errors import BadInputError, OfflineMissingError
 
-from .sources import FieldMap, HfSpec, read_hf, read_table, read_text_file, rows_to_records
+from .sources import FieldMap, HfSpec, parse_hf, read_hf, read_table, read_text_file, resolve_hf, rows_to_records
 
 # The suites' definitions: a memoized prompt set (runner/stages/prompts.py) is read again when it changes.
 VERSION = 1
@@ -164,3 +165,33 @@ def load(spec: str) -> list[dict]:
         turns = suite.turns(rows[i])
         built.append({"id": str(rows[i][id_field]) if id_field else str(i), "prompt": turns[0]})
     return rows_to_records(built, FieldMap(prompt="prompt", id="id"), spec)
+
+
+def _files_ident(paths) -> str:
+    parts = []
+    for p in sorted(paths):
+        st = os.stat(p)
+        parts.append(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}")
+    return "\0".join(parts)
+
+
+def source_ident(spec: str, fields: FieldMap) -> str | None:
+    """What a ``hf:`` or ``suite:`` set is read from, as a string that changes when the rows could
+    (the spec, the field mapping, the suites' construction version, each cached file's path, size,
+    mtime and inode); None where there is no cheap identity (a suite read from Hub files). Checks
+    nothing a load would not: a missing dataset raises as the load does."""
+    from dfcache.config import datasets_cache_dir
+
+    head = f"{spec}\0{fields.prompt}\0{fields.messages}\0{fields.id}"
+    if spec.startswith("hf:"):
+        _, folder, _ = resolve_hf(parse_hf(spec), datasets_cache_dir())
+    else:
+        name, _, path = spec[len("suite:"):].partition("@")
+        suite = get(name)
+        head += f"\0{VERSION}"
+        if path:
+            return head + "\0" + _files_ident([os.path.abspath(path)]) if os.path.isfile(path) else None
+        if suite.files:
+            return None
+        _, folder, _ = resolve_hf(suite.spec(), datasets_cache_dir())
+    return head + "\0" + _files_ident([str(p) for p in folder.iterdir() if p.is_file() and not p.name.endswith(".lock")])

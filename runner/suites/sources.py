@@ -149,38 +149,6 @@ def resolve_hf(spec: HfSpec, cache: Path) -> tuple[HfSpec, Path, list[str]]:
     return HfSpec(spec.name, config, split), folder, splits
 
 
-def _files_ident(paths) -> str:
-    parts = []
-    for p in sorted(paths):
-        st = os.stat(p)
-        parts.append(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_ino}")
-    return "\0".join(parts)
-
-
-def source_ident(spec: str, fields: FieldMap) -> str | None:
-    """What a ``hf:`` or ``suite:`` set is read from, as a string that changes when the rows could
-    (the spec, the field mapping, the suites' construction version, each cached file's path, size,
-    mtime and inode); None where there is no cheap identity (a suite read from Hub files). Checks
-    nothing a load would not: a missing dataset raises as the load does."""
-    from dfcache.config import datasets_cache_dir
-
-    head = f"{spec}\0{fields.prompt}\0{fields.messages}\0{fields.id}"
-    if spec.startswith("hf:"):
-        _, folder, _ = resolve_hf(parse_hf(spec), datasets_cache_dir())
-    else:
-        from . import catalog
-
-        name, _, path = spec[len("suite:"):].partition("@")
-        suite = catalog.get(name)
-        head += f"\0{catalog.VERSION}"
-        if path:
-            return head + "\0" + _files_ident([os.path.abspath(path)]) if os.path.isfile(path) else None
-        if suite.files:
-            return None
-        _, folder, _ = resolve_hf(suite.spec(), datasets_cache_dir())
-    return head + "\0" + _files_ident([str(p) for p in folder.iterdir() if p.is_file() and not p.name.endswith(".lock")])
-
-
 def read_hf(spec: HfSpec) -> tuple[HfSpec, list[dict]]:
     """The rows of a dataset split from the local datasets cache (never the network)."""
     from dfcache.config import datasets_cache_dir
