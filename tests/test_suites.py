@@ -120,6 +120,8 @@ def test_hf_bad_input_before_any_work(hf_cache, tmp_path):
     assert r.code == 6 and "no field 'problem' (--prompt-field)" in r.err and "question, answer" in r.err, r.err
     r = dfcache("run", "prompts", "--prompts", "hf:openai/gsm8k:main:test", store=store, env=env)
     assert r.code == 6 and "--prompt-field NAME" in r.err, r.err
+    r = dfcache("run", "prompts", "--prompts", "suite:gsm8k", "--id-field", "question", store=store, env=env)
+    assert r.code == 6 and "suite:gsm8k has its own construction: drop them" in r.err, r.err
     assert not (store / "artifacts").exists() or not any((store / "artifacts").rglob("*.json"))
 
 

@@ -271,6 +271,9 @@ def fields_of(opts) -> FieldMap:
 def build(ctx: RunContext) -> Node:
     opts = ctx.options
     specs, fields = sets.specs(opts.prompts), fields_of(opts)
+    if fields.given and all(s.startswith(("builtin:", "suite:")) for s in specs):
+        raise BadInputError("--prompt-field, --messages-field and --id-field map the rows of hf:, Parquet, JSON and "
+                            f"JSONL sets; {sets.display(opts.prompts)} has its own construction: drop them.")
     if len(specs) == 1:
         ids, upstream, records = _first(specs[0], *load_set(specs[0], fields), opts.num_prompts)
         records = records if records is not None else PromptRecords(specs[0], ids, fields)
