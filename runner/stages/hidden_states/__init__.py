@@ -103,7 +103,8 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
     for k in layers:
         nodes[k] = KEY.samples(
             inputs={"target": target_fp, "layer": k, "backend": key_backend, **key_version_inputs(opts)},
-            upstream_samples=tokens_node.sample_keys, partition_upstream={"sample": tokens_node.partition.key},
+            upstream_samples=tokens_node.sample_keys, upstream_bytes=tokens_node.sample_key_bytes,
+            partition_upstream={"sample": tokens_node.partition.key},
             ids=tokens_node.ids, needs=needs, deps=[tokens_node],
             label=f"hidden_states[{k}]", group=group,
             # Cached states of any backend class are usable anywhere; computing missing ones is what
