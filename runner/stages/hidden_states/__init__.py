@@ -311,6 +311,11 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
             raise
     wall = time.perf_counter() - t0
     ctx.last_extract_stats = stats
+    if total_tokens:
+        from ...core.extract_rates import record_rate  # for `dfcache plan --estimate` of later runs
+
+        record_rate(ctx.store, target.info, backend.dtype, target.provenance.get("gpu") or backend.device,
+                    [n.payload["layer"] for n in nodes], total_tokens, wall)
     ctx.log(f"hidden states: {len(lacking)} sample(s), layers {[n.payload['layer'] for n in nodes]} "
             f"({backend.label}{', ' + ctx.options.compression if lossy else ''}): {total_tokens} tokens in "
             f"{segments} segment(s), {wall:.1f} s ({total_tokens / wall if wall > 0 else 0:,.0f} tok/s)")
