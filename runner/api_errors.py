@@ -20,7 +20,7 @@ from .core.options import CHOICES, RUN_OPTIONS, EvalOptions
 
 # Flags whose field name is not the flag's spelling (runner/core/options.py declares them).
 _RENAMED = {f: o.name for o in RUN_OPTIONS if o.field for f in o.flags if f != "--" + o.name.replace("_", "-")}
-_LISTS = tuple(o.name for o in RUN_OPTIONS if o.repeat or o.comma)
+_LISTS = tuple(o.name for o in RUN_OPTIONS if o.is_list)
 # Keywords of the API functions themselves, not EvalOptions fields.
 _CALL = {"--store": "store", "--shard": "shard"}
 _MORE_CHOICES = {"shard": ("slurm",)}

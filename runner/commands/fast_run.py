@@ -40,7 +40,8 @@ _FLOAT = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\Z")
 def _kind(o) -> str:
     if o.type is bool:
         return "bool" if o.off else "flag"
-    return {str: "str", int: "int", float: "float"}[o.type] + ("s" if o.repeat else "")
+    # (--prompts: one set here; several go to the full command line, as a value given twice does)
+    return {str: "str", int: "int", float: "float"}[o.type] + ("s" if o.is_list else "")
 
 
 _OPTIONS: list[tuple[tuple[str, ...], str, str]] = [

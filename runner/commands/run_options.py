@@ -58,8 +58,7 @@ def _annotation(o: RunOption):
 
 def _parameter(o: RunOption) -> inspect.Parameter:
     decls = [f"{o.flag}/{o.off}"] if o.off else list(o.flags)
-    default = None if (o.repeat or o.comma) else o.default
-    option = typer.Option(default, *decls, help=o.help, metavar=o.shown_metavar, rich_help_panel=GROUPS[o.group])
+    option = typer.Option(o.cli_default, *decls, help=o.help, metavar=o.shown_metavar, rich_help_panel=GROUPS[o.group])
     return inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=_annotation(o))
 
 
@@ -111,6 +110,8 @@ def options_from(ctx: typer.Context, kw: dict, *, run: bool = False, plan: bool 
         v = kw[o.name]
         if o.comma:
             v = parse_key_versions(v)
+        elif o.one_or_list:
+            v = o.default if not v else (v[0] if len(v) == 1 else list(v))
         elif o.repeat:
             v = list(v) if v else (None if o.default is None else [])
         values[o.name] = v

@@ -74,6 +74,22 @@ class RunOption:
         return self.flags[0]
 
     @property
+    def one_or_list(self) -> bool:
+        """Repeatable, and one value is kept as itself (``--prompts``: a set, or a list of sets)."""
+        return self.repeat and self.default is not None and not isinstance(self.default, tuple)
+
+    @property
+    def is_list(self) -> bool:
+        return self.comma or (self.repeat and not self.one_or_list)
+
+    @property
+    def cli_default(self):
+        """The typer parameter's default (a repeatable option's: a list, or None for none)."""
+        if self.one_or_list:
+            return [self.default]
+        return None if (self.repeat or self.comma) else self.default
+
+    @property
     def shown_metavar(self) -> str | None:
         if self.type is bool:
             return None
@@ -85,7 +101,7 @@ class RunOption:
             return [self.flag] if value else ([self.off] if self.off else [])
         if self.comma:
             return [self.flag, value if isinstance(value, str) else ",".join(value)]
-        values = value if self.repeat else [value]
+        values = value if self.repeat and isinstance(value, (list, tuple)) else [value]
         return [a for v in values if v is not None for a in (self.flag, _spell_value(v))]
 
 
@@ -108,10 +124,20 @@ RUN_OPTIONS: tuple[RunOption, ...] = (  # in the order `run -h` lists them and m
        "a quoted glob (repeatable).", "models", keys=("drafter_eval", "report"), metavar="PATH", repeat=True),
     _O("trained_on", ("--trained-on",), str, None, "Backend the drafters were trained on (a mismatch is flagged "
        "when the report is shown).", "models", choices=("fla", "torch")),
-    _O("prompts", ("--prompts",), str, "builtin:coding", "A JSONL file or builtin:NAME (coding, reasoning).",
-       "prompts", keys=("prompts",), metavar="FILE|builtin:NAME"),
-    _O("num_prompts", ("--num-prompts",), int, None, "Use the first N prompts.", "prompts", keys=("prompts",),
-       metavar="N"),
+    _O("prompts", ("--prompts",), str, "builtin:coding", "A prompt set: builtin:NAME (coding, reasoning), suite:NAME "
+       "(gsm8k, math500, humaneval, mbpp, mt-bench, alpaca, ...), hf:NAME[:CONFIG][:SPLIT] from the local datasets "
+       "cache, or a JSONL, JSON or Parquet file. Repeatable: one report with τ per set.", "prompts", keys=("prompts",),
+       metavar="SET", repeat=True),
+    _O("num_prompts", ("--num-prompts",), int, None, "Use the first N prompts (of each set).", "prompts",
+       keys=("prompts",), metavar="N"),
+    _O("prompt_field", ("--prompt-field",), str, None, "The row field holding the prompt text (hf:, JSON, Parquet, "
+       "JSONL rows).", "prompts", keys=("prompts",), metavar="FIELD"),
+    _O("messages_field", ("--messages-field",), str, None, "The row field holding a chat: a list of {role, content} "
+       "(or ShareGPT {from, value}).", "prompts", keys=("prompts",), metavar="FIELD"),
+    _O("id_field", ("--id-field",), str, None, "The row field naming each prompt (default: id, else the row number).",
+       "prompts", keys=("prompts",), metavar="FIELD"),
+    _O("mix", ("--mix",), str, None, "SET=WEIGHT,...: the traffic-weighted τ over this run's prompt sets, with a "
+       "bootstrap interval (weights sum to 1).", "eval", metavar="SET=W,..."),
     _O("max_new_tokens", ("--max-new-tokens",), int, 256, "Tokens to generate per completion at most.", "prompts",
        keys=("completions",), metavar="N"),
     _O("max_blocks", ("--max-blocks",), int, None, "Evaluate at most N blocks per response.", "eval",
@@ -185,6 +211,8 @@ CHOICES = {o.name: (o.flag, o.choices) for o in RUN_OPTIONS if o.choices}  # nam
 
 def _field(o: RunOption):
     # Annotations as strings, as ``from __future__ import annotations`` writes them (no typing import).
+    if o.one_or_list:
+        return o.name, f"{o.type.__name__} | list[{o.type.__name__}]", field(default=o.default)
     if o.repeat or o.comma:
         ann = f"list[{o.type.__name__}]" + (" | None" if o.default is None else "")
         return o.name, ann, field(default=None) if o.default is None else field(default_factory=lambda: list(o.default))
@@ -210,6 +238,13 @@ def validate(self: "EvalOptions") -> "EvalOptions":
         if value not in allowed and not (value is None and BY_NAME[name].default is None):
             raise UsageError(f"{flag} {value!r} is not one of {', '.join(allowed)}.")
     check_applies(self.compression, stage="hidden_states", dtype=self.dtype)  # fp8-* on float32 states
+    if not isinstance(self.prompts, str) and (
+            not self.prompts or not all(isinstance(p, str) and p for p in self.prompts)):
+        raise UsageError("--prompts: give a prompt set (e.g. builtin:coding, suite:gsm8k, hf:NAME, or a file).")
+    if self.mix is not None:
+        from ..suites.sets import parse_mix_form
+
+        parse_mix_form(self.mix)
     if self.end_rule == "continuation":
         # Refused rather than keyed: it needs the target's greedy tokens past the end of every
         # completion, which no completion source stores yet; accepting it changed the keys and
