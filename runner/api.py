@@ -144,7 +144,7 @@ def _open(store, opts: EvalOptions | None = None):
 
 
 _FLAGS = {"target": "--target", "target_revision": "--revision", "drafters": "--drafter", "layers": "--layer",
-          "tree_budgets": "--tree-budget", "remotes": "--remote"}
+          "tree_budgets": "--tree-budget", "remotes": "--remote", "eagle_trees": "--eagle-tree"}
 _NO_FLAG = ("json", "progress", "progress_every")
 
 

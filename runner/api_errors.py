@@ -20,8 +20,9 @@ from .options import CHOICES, EvalOptions
 
 # Flags whose field name is not the flag's spelling (runner/cli.py declares them).
 _RENAMED = {"--target": "target", "--revision": "target_revision", "--target-revision": "target_revision",
-            "--drafter": "drafters", "--layer": "layers", "--tree-budget": "tree_budgets", "--remote": "remotes"}
-_LISTS = ("drafters", "layers", "tree_budgets", "remotes", "key_versions")
+            "--drafter": "drafters", "--layer": "layers", "--tree-budget": "tree_budgets", "--remote": "remotes",
+            "--eagle-tree": "eagle_trees"}
+_LISTS = ("drafters", "layers", "tree_budgets", "remotes", "key_versions", "eagle_trees")
 # Keywords of the API functions themselves, not EvalOptions fields.
 _CALL = {"--store": "store", "--shard": "shard"}
 _MORE_CHOICES = {"trained_on": ("fla", "torch"), "shard": ("slurm",)}

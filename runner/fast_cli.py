@@ -59,6 +59,7 @@ _OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
     (("--compression",), "compression", "str"),
     (("--attn-implementation",), "attn_implementation", "str"),
     (("--tree-budget",), "tree_budgets", "ints"),
+    (("--eagle-steps",), "eagle_steps", "int"),
     (("--end-rule",), "end_rule", "str"),
 ]
 _BY_FLAG = {flag: (i, field, kind) for i, (flags, field, kind) in enumerate(_OPTIONS) for flag in flags}

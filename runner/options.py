@@ -64,6 +64,10 @@ class EvalOptions:
     max_blocks: int | None = None
     end_rule: str = "within"  # within (continuation is refused; see docs/metrics.md)
     eval_device: str = "auto"  # auto|cuda|cpu: where drafter_eval runs, whatever made the states
+    # EAGLE-3 drafters (runner/drafters/): drafts per root of the chain (None: the checkpoint's
+    # speculative_tokens, else 5), and dynamic trees as "TOPK,STEPS,TOKENS" (SGLang's names)
+    eagle_steps: int | None = None
+    eagle_trees: list[str] = field(default_factory=list)
     # where things come from
     offline: bool = False
     remotes: list[str] = field(default_factory=list)
@@ -93,7 +97,8 @@ class EvalOptions:
         if self.trained_on not in (None, "fla", "torch"):
             raise UsageError(f"--trained-on {self.trained_on!r} is not one of fla, torch.")
         for flag, value in (("--num-prompts", self.num_prompts), ("--max-new-tokens", self.max_new_tokens),
-                            ("--max-blocks", self.max_blocks), ("--concurrency", self.concurrency)):
+                            ("--max-blocks", self.max_blocks), ("--concurrency", self.concurrency),
+                            ("--eagle-steps", self.eagle_steps)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise UsageError(f"{flag} {value}: give a positive number.")
         if not isinstance(self.batch_tokens, int) or self.batch_tokens < 1:
@@ -101,6 +106,10 @@ class EvalOptions:
         if any(int(b) < 1 for b in self.tree_budgets):
             raise UsageError(f"--tree-budget {min(int(b) for b in self.tree_budgets)}: budgets are positive "
                              "numbers of drafted nodes.")
+        if self.eagle_trees:
+            from .drafters.family import eagle_trees
+
+            eagle_trees(self)  # TOPK,STEPS,TOKENS each positive (UsageError otherwise)
         if self.max_new_tokens is not None and self.max_new_tokens > MAX_NEW_TOKENS:
             # Token counts are stored as int32; a target's own context window is checked against
             # its config.json when the graph is built (runner/stages/completions).
