@@ -51,6 +51,8 @@ class Eagle3Drafter(nn.Module):
         self.config = cfg
         H, hd = cfg.hidden_size, cfg.head_dim
         self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3))
         self.midlayer = nn.Module()
         m = self.midlayer
         m.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
@@ -193,11 +195,14 @@ class Eagle3Drafter(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of pre-norm outputs."""
-        return self.lm_head(self.norm(h)).float()
+        return self.lm_head(self.norm(h) if self.config.norm_output else h).float()
 
     def context_kv(self, head: TargetHead, features: torch.Tensor, next_tokens: torch.Tensor):
         """First-step (q, k, v, residual) of positions 0..n-1: features [n, 3*Ht], tokens x[1..n]."""
-        g = self.fc(features.to(self.dtype))
+        x = features.to(self.dtype)
+        if self.config.fc_norm:
+            x = torch.cat([n(c) for n, c in zip(self.fc_norm, x.chunk(3, dim=-1))], dim=-1)
+        g = self.fc(x)
         pos = torch.arange(g.shape[0], device=g.device)
         return self.qkv(self.embed(head, next_tokens), g, pos)
 

@@ -54,6 +54,8 @@ class Eagle3Config:
     layout: str = "specforge"           # "specforge" | "speculators" (where the layer's fields live)
     norm_before_residual: bool = False
     speculative_tokens: int | None = None  # the chain length the checkpoint declares, if any
+    fc_norm: bool = False      # SpecForge: an RMSNorm per target layer's features before fc
+    norm_output: bool = True   # SpecForge: False gives logits = lm_head(h) without the final norm
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -112,7 +114,8 @@ class Eagle3Config:
                    rope_theta=float(rope), vocab_size=vocab, draft_vocab_size=draft_vocab,
                    target_layer_ids=None if ids is None else [int(i) for i in ids],
                    layout="speculators" if spec else "specforge",
-                   norm_before_residual=bool(raw.get("norm_before_residual", False)), speculative_tokens=k)
+                   norm_before_residual=bool(raw.get("norm_before_residual", False)), speculative_tokens=k,
+                   fc_norm=bool(layer.get("fc_norm", False)), norm_output=bool(layer.get("norm_output", True)))
 
     def to_dict(self) -> dict[str, Any]:
         """A config.json as SpecForge writes one (LlamaForCausalLMEagle3, read by SGLang)."""
@@ -125,6 +128,10 @@ class Eagle3Config:
                "pretraining_tp": 1, "tie_word_embeddings": False}
         if self.target_hidden_size != self.hidden_size:
             out["target_hidden_size"] = self.target_hidden_size
+        if self.fc_norm:
+            out["fc_norm"] = True
+        if not self.norm_output:
+            out["norm_output"] = False
         if self.target_layer_ids is not None:
             out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.target_layer_ids)}
         return out
