@@ -1,10 +1,10 @@
 """`eval-batching`: draft logits for every block root of a sequence, batched
-(``runner.models.dflash.score_roots``: context keys/values once, many roots per pass) vs one
+(``runner.drafters.dflash.score_roots``: context keys/values once, many roots per pass) vs one
 block at a time (``score_roots_one_at_a_time``: the reference that re-projects the context for
 each root, as the online loop does). Same drafter, same context features, same roots; the two
 must agree (checked). Imported lazily: SKIPPED if the module or functions are absent.
 
-Setup: the tiny Qwen3.5 target's embedding/LM head (``runner.tiny.build_tiny_target``), a
+Setup: the tiny Qwen3.5 target's embedding/LM head (``runner.models.tiny.build_tiny_target``), a
 2-layer DFlash drafter (hidden 128, block 16, target layers 0/2/4) with deterministic random
 weights, float32, random context features for 512 tokens (x factor; and a quarter of that,
 printed), roots 1..T-1. The target row runs both at torch's default thread count (all cores,
@@ -27,10 +27,10 @@ BLOCK = 16
 def run(ctx: Ctx) -> Result:
     measure = "draft logits of all block roots: batched score_roots vs one block at a time"
     try:
-        from runner.models import dflash as D
+        from runner.drafters import dflash as D
         D.score_roots, D.score_roots_one_at_a_time  # noqa: B018
     except (ImportError, AttributeError) as e:
-        return Result([skipped(NAME, measure, f"SKIPPED: runner.models.dflash.score_roots / "
+        return Result([skipped(NAME, measure, f"SKIPPED: runner.drafters.dflash.score_roots / "
                                f"score_roots_one_at_a_time not available ({type(e).__name__}: {e})")])
     import torch
 
@@ -63,8 +63,8 @@ def run(ctx: Ctx) -> Result:
 
 def make_drafter(d):
     """The bench's drafter and the tiny target's head (built in ``d``, which is removed)."""
-    from runner.models import dflash as D
-    from runner.tiny import build_tiny_target
+    from runner.drafters import dflash as D
+    from runner.models.tiny import build_tiny_target
 
     d.mkdir(parents=True, exist_ok=True)
     build_tiny_target(d / "target")

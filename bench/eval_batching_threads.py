@@ -25,7 +25,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from runner.models import dflash as D
+    from runner.drafters import dflash as D
 
     drafter, head = make_drafter(OUT_DIR / f"tmp-ebthreads-{uuid.uuid4().hex[:6]}")
     feats, ids, roots = make_inputs(head, args.tokens)

@@ -59,7 +59,7 @@ def main() -> int:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from runner.stages.drafter_eval import metrics
-    from runner.models.dflash import DFlashConfig, DFlashDrafter, TargetHead, score_roots
+    from runner.drafters.dflash import DFlashConfig, DFlashDrafter, TargetHead, score_roots
 
     dev = "cpu" if args.cpu_smoke else "cuda"
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -99,7 +99,7 @@ def main() -> int:
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-        # a larger embedding/lm_head scale makes greedy output structured, as runner.tiny does
+        # a larger embedding/lm_head scale makes greedy output structured, as runner.models.tiny does
         target.model.embed_tokens.weight.mul_(8.0)
         target.lm_head.weight.mul_(8.0)
     target.requires_grad_(False)

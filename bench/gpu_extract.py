@@ -193,17 +193,17 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
     args = b.args
     from dfcache import fingerprint_path, open_store
     from runner.stages.hidden_states.extract import plan_windows
-    from runner.graph import Node, RunCache, RunContext, resolve
-    from runner.pipeline import execute
+    from runner.core.graph import Node, RunCache, RunContext, resolve
+    from runner.core.pipeline import execute
     from runner.models.target import resolve_kernel
-    from runner.options import EvalOptions
+    from runner.core.options import EvalOptions
     from runner.stages import hidden_states as hs
 
     # ------------------------------------------------------------------ model
     def build_model():
         from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
 
-        from runner.tiny import qwen35_shape_config
+        from runner.models.tiny import qwen35_shape_config
 
         cfg = qwen35_shape_config(args.num_layers, args.hidden, args.vocab, args.seq_len)
         torch.manual_seed(0)

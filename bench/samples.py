@@ -35,7 +35,7 @@ LAYERS = [1, 3]
 
 
 def _target() -> Path:
-    from runner.tiny import build_tiny_target
+    from runner.models.tiny import build_tiny_target
 
     path = CACHE / "target"
     if not (path / "config.json").exists():
@@ -52,7 +52,7 @@ def _tokens_node(store, target: Path, n: int, seed: int = 0):
 
     from dfcache import fingerprint_path
     from dfcache.samples import SampleArray, SampleSink, record_digest
-    from runner.graph import Node
+    from runner.core.graph import Node
 
     rng = np.random.default_rng(seed)
     fp = fingerprint_path(target)
@@ -70,16 +70,16 @@ def _tokens_node(store, target: Path, n: int, seed: int = 0):
 
 
 def _subset(node, k: int):
-    from runner.graph import Node
+    from runner.core.graph import Node
 
     return Node.make_samples(node.stage, node.version, inputs=node.inputs, upstream_samples=node.upstream_samples[:k],
                              ids=node.ids[:k], needs=node.needs, payload=node.payload, label=node.label)
 
 
 def _extract(store, tokens_node, cache) -> dict:
-    from runner.graph import RunContext, resolve
-    from runner.pipeline import execute
-    from runner.options import EvalOptions
+    from runner.core.graph import RunContext, resolve
+    from runner.core.pipeline import execute
+    from runner.core.options import EvalOptions
     from runner.stages import hidden_states as hs
 
     opts = EvalOptions(layers=LAYERS, backend="torch", device="cpu", dtype="float32", batch_tokens=2048,
@@ -106,7 +106,7 @@ def incremental(ctx: Ctx, result: Result) -> None:
     tok = _tokens_node(open_store(base), target, n)
     warm = work / "warm"
     shutil.copytree(base, warm)
-    from runner.graph import RunCache
+    from runner.core.graph import RunCache
 
     cache = RunCache()
     _extract(open_store(warm), _subset(tok, cached), cache)  # loads the model, fills 900
@@ -169,9 +169,9 @@ def _big_store(n: int) -> tuple[Path, Path, list[str]]:
     os.fsync = lambda fd: None  # fixture speed only
     from dfcache.samples import SampleArray, SampleSink
     from dfcache.store import open_store
-    from runner.graph import RunContext
-    from runner.options import EvalOptions
-    from runner.pipeline import build_graph
+    from runner.core.graph import RunContext
+    from runner.core.options import EvalOptions
+    from runner.core.pipeline import build_graph
 
     store = open_store(store_dir)
     opts = EvalOptions(target=str(target), prompts=str(prompts), completions="local", backend="torch", device="cpu",

@@ -1,7 +1,7 @@
 """`size`: bytes on disk per token of hidden states, and write throughput, of the lossless codecs
 (bitshuffle-lz4, shuffle-zstd, zstd) vs no compression.
 
-Data: real hidden states of the tiny Qwen3.5 target (``runner.tiny.build_tiny_target``, random
+Data: real hidden states of the tiny Qwen3.5 target (``runner.models.tiny.build_tiny_target``, random
 weights from a fixed seed) over the built-in prompts (``runner/data/*.jsonl``) rendered with its
 chat template: each sequence is the prompts in a different random order, up to 2048 tokens, so
 a token's states always come from a new context (no byte-identical repeats for zstd to find).
@@ -35,7 +35,7 @@ def tiny_states(ctx: Ctx, tokens: int) -> tuple[np.ndarray, dict]:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from runner.tiny import build_tiny_target
+    from runner.models.tiny import build_tiny_target
 
     d = ctx.tmpdir("tiny-target")
     build_tiny_target(d)

@@ -103,10 +103,10 @@ def main() -> int:
 
     from dfcache import fingerprint_path, open_store
     from dfcache.samples import SampleArray, SampleSink, record_digest
-    from runner.graph import Node, RunCache, RunContext, resolve
+    from runner.core.graph import Node, RunCache, RunContext, resolve
     from runner.models import target as target_mod
-    from runner.options import EvalOptions
-    from runner.pipeline import execute
+    from runner.core.options import EvalOptions
+    from runner.core.pipeline import execute
     from runner.stages import hidden_states as hs
     from runner.stages import tokens as tokens_stage
 
@@ -122,7 +122,7 @@ def main() -> int:
         # ------------------------------------------------------------------ model
         from transformers.models.qwen3_5 import Qwen3_5ForCausalLM
 
-        from runner.tiny import qwen35_shape_config
+        from runner.models.tiny import qwen35_shape_config
 
         cfg = qwen35_shape_config(args.num_layers, args.hidden, args.vocab, args.seq_len)
         t = time.perf_counter()

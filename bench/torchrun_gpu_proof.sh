@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED=1 DFCACHE_HOME=${DFCACHE_HOME:-/tmp/dfh} DFCACHE_STORE=$
 L=${OUT:-.}/torchrun_proof.log
 say() { echo "=== $*" | tee -a "$L"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$L"
-python3 -c "from runner.tiny import build_tiny_target; build_tiny_target('/tmp/T')" >/dev/null 2>&1 || exit 1
+python3 -c "from runner.models.tiny import build_tiny_target; build_tiny_target('/tmp/T')" >/dev/null 2>&1 || exit 1
 # A few prompts and short completions: local greedy completions decode one token a forward, and
 # the default set (22 prompts x 256 tokens) outlasted a 120 s step on the first try.
 A="--num-prompts 4 --max-new-tokens 16"

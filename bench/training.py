@@ -7,8 +7,8 @@ samples and each layer's samples in per-sample segments) and exported from there
 to SpecForge's ``rows_*/data_{i}.ckpt`` and speculators' ``hidden_states/hs_{i}.safetensors``
 (+ its prepared dataset). Loaders, each yielding one sample per step:
 
-* dfcache concatenated (the target rows): ``HiddenStateDataset`` over ``runner.samples.StoredSamples``
-  reading the selection's concatenated copy (``runner.concat``, `dfcache concat`: the layers side
+* dfcache concatenated (the target rows): ``HiddenStateDataset`` over ``runner.core.samples.StoredSamples``
+  reading the selection's concatenated copy (``runner.core.concat``, `dfcache concat`: the layers side
   by side, a segment's rows one chunk, crc32c checked when first mapped), each item a private
   memory map of its rows (no copy); the copy is written once, not timed, as the peers' files are;
 * dfcache (INFO rows): the same over the eval's per-layer layout (copies the sample's rows of
@@ -80,8 +80,8 @@ def _write_store(root, states: np.ndarray, lengths: list[int], hidden: int, code
 
 
 def _selection(store, tok, layers, hidden):
-    from runner.options import EvalOptions
-    from runner.samples import Selection, _Listed, _Part
+    from runner.core.options import EvalOptions
+    from runner.core.samples import Selection, _Listed, _Part
 
     return Selection(store=store, options=EvalOptions(), layers=list(range(len(layers))), tokens_key=tok[0],
                      layer_keys=[p for p, _ in layers], target_dir="", num_layers=len(layers), hidden_size=hidden,
@@ -137,7 +137,7 @@ def run(ctx: Ctx) -> Result:
     import torch
 
     from dfcache.training import HiddenStateDataset
-    from runner.export import export, specforge_relpath
+    from runner.peers.export import export, specforge_relpath
 
     torch.set_num_threads(1)
     res = Result()
@@ -158,7 +158,7 @@ def run(ctx: Ctx) -> Result:
         from speculators.train.data import ArrowDataset
     except ImportError:
         ours_sp = False
-    from runner.samples import StoredSamples
+    from runner.core.samples import StoredSamples
 
     def make_ours(concatenated: bool = False):  # its own store object: nothing mapped by the export or another reader
         source = StoredSamples(str(root / "store"), tok[0], tok[1], [p for p, _ in layer_sets],
@@ -167,7 +167,7 @@ def run(ctx: Ctx) -> Result:
             source.use_concatenated(*concat_keys)
         return HiddenStateDataset(source)
 
-    from runner.concat import concat
+    from runner.core.concat import concat
 
     concat_source = make_ours().source
     concat_res = concat(concat_source, store)  # not timed, as the other layouts' writes are not

@@ -1,5 +1,5 @@
 """Reading option values off a command line, for the executable's fast paths (``dfcache ls``
-in :mod:`dfcache.__main__`, a fully cached ``run`` in :mod:`runner.fast_cli`), which answer
+in :mod:`dfcache.__main__`, a fully cached ``run`` in :mod:`runner.commands.fast_run`), which answer
 before the command-line framework is imported and must take a value exactly where it would."""
 
 from __future__ import annotations

@@ -170,7 +170,7 @@ def finish(rc: int) -> None:
     if _state["installed"]:
         signal.signal(signal.SIGINT, _exit_now)
     if received():
-        if rc != 130:  # 130: the command said it already (dfcache.cli, runner.fast_cli)
+        if rc != 130:  # 130: the command said it already (dfcache.cli, runner.commands.fast_run)
             _say_interrupted()
         _flush()
         os._exit(130)

@@ -3,7 +3,7 @@
 Imports torch (a training tool needs it; nothing on the CLI's cached path imports this module).
 Generic on purpose (dfcache knows nothing about drafters): a :class:`SampleSource` lists the
 samples of a selection and reads one sample's arrays by name; :class:`HiddenStateDataset` turns
-them into torch tensors. ``runner.samples`` builds the source for a target, backend, prompt set
+them into torch tensors. ``runner.core.samples`` builds the source for a target, backend, prompt set
 and layer list (``runner.api.hidden_state_dataset``), and that is the one place that knows how
 the eval pipeline's artifacts are laid out.
 

@@ -3,7 +3,7 @@
 Nothing here prints: progress lines go to ``log=`` (a callable taking one line) when given,
 progress bars and lines to stderr only with ``progress=True``, and transformers' own bars and
 notices are off for the length of a call that computes; the CLI prints from the same results.
-Options are the fields of :class:`runner.options.EvalOptions`, the ones the command line fills
+Options are the fields of :class:`runner.core.options.EvalOptions`, the ones the command line fills
 in (``--num-prompts 4`` is ``num_prompts=4``), and mean what the flags mean: ``server=URL``
 takes completions from that server, as ``--server`` does. Errors name these keywords in their
 fixes (``server=URL``, not ``--server URL``; runner/api_errors.py)::
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Callable
 
-from .options import EvalOptions
+from .core.options import EvalOptions
 
 TARGETS = ("prompts", "completions", "tokens", "hidden-states", "eval")
 
@@ -43,7 +43,7 @@ class NodeResult:
     fix: str | None = None
     outcome: str | None = None  # after a run: computed | pulled | cached
     # Per-sample nodes: the partition and {total, cached, remote, missing, to_pull, to_produce,
-    # pulled, produced} (runner/sampling.py); None for set-level nodes (the report).
+    # pulled, produced} (runner/core/sampling.py); None for set-level nodes (the report).
     partition: str | None = None
     samples: dict | None = None
 
@@ -112,7 +112,7 @@ def make_options(options: EvalOptions | None = None, **fields_) -> EvalOptions:
     field (whose dataclass default, the CLI's, is on), so nothing prints unless asked.
 
     ``server=URL`` means completions from that server, as ``--server`` does on the command line
-    (runner/cli.py): ``completions`` becomes ``"server"`` unless given, and ``completions="local"``
+    (runner/commands/run.py): ``completions`` becomes ``"server"`` unless given, and ``completions="local"``
     given beside ``server=`` is refused, as ``--completions local --server URL`` is.
     """
     from dfcache.errors import UsageError
@@ -121,7 +121,7 @@ def make_options(options: EvalOptions | None = None, **fields_) -> EvalOptions:
     unknown = sorted(set(fields_) - known)
     if unknown:
         raise UsageError(f"unknown option(s) {', '.join(unknown)}; the options are the fields of "
-                         "runner.options.EvalOptions.")
+                         "runner.core.options.EvalOptions.")
     base = options if options is not None else EvalOptions()
     opts = replace(base, **{"progress": False, **fields_})
     if opts.server is not None and opts.completions == "local":
@@ -163,7 +163,7 @@ def cli_args(opts: EvalOptions) -> list[str]:
         if isinstance(value, bool):
             args.append(flag if value else f"--no-{flag[2:]}")
         elif f.name == "key_versions":
-            args += [flag, ",".join(value)]  # one comma list (runner/provenance_keys.py)
+            args += [flag, ",".join(value)]  # one comma list (runner/core/provenance_keys.py)
         elif isinstance(value, list):
             for v in value:
                 args += [flag, str(v)]
@@ -299,18 +299,18 @@ def resolve_graph(upto: str, opts: EvalOptions, store=None, *, argv: list[str] |
     lines and bars (default: stderr, as the command line prints them)."""
     from dfcache.errors import UsageError
 
-    from .graph import RunContext, resolve
-    from .pipeline import build_graph
+    from .core.graph import RunContext, resolve
+    from .core.pipeline import build_graph
 
     if upto not in TARGETS:
         raise UsageError(f"unknown target {upto!r}; use {', '.join(TARGETS)}.")
     st = _open(store, opts)
     argv = _argv(upto, argv, opts, st)  # before the example fills in its paths: `--example` says them
     if opts.example:
-        from .example import apply_example
+        from .models.example import apply_example
 
         apply_example(st, opts, log=log or (lambda m: None))
-    from .cli_support import open_remotes
+    from .commands.common import open_remotes
 
     note = (lambda m: (out.write(m + "\n"), out.flush())) if out is not None else None
     ctx = RunContext(st, opts, remotes=open_remotes(opts, log=note), argv=argv, out=out, bars=bars)
@@ -326,7 +326,7 @@ def _prepare(upto: str, opts: EvalOptions, store, output: _Output):
         raise UsageError(f"unknown target {upto!r}; use {', '.join(TARGETS)}.")
     st = _open(store, opts)
     if opts.example:
-        from .example import example_built
+        from .models.example import example_built
 
         if not example_built(st):
             output.hush()  # the build saves and loads models with transformers
@@ -348,7 +348,7 @@ def plan(upto: str = "eval", *, store=None, options: EvalOptions | None = None,
     :class:`dfcache.errors.OfflineMissingError` (exit code 3 on the command line), all together.
     ``log``: a callable given each progress line (the example's build, notes about remotes).
     """
-    from .graph import check_offline
+    from .core.graph import check_offline
 
     opts = make_options(options, **fields_)
     with _Output(opts, log) as output:
@@ -406,8 +406,8 @@ def worker_result(upto: str, done, seconds: float) -> RunResult:
 
 
 def _run(upto: str, opts: EvalOptions, store, *, argv=None, log=None, out=None, output: _Output | None = None):
-    from .graph import check_offline
-    from .pipeline import execute
+    from .core.graph import check_offline
+    from .core.pipeline import execute
 
     if output is not None:
         out = output.out
@@ -426,7 +426,7 @@ def _result(upto: str, ctx, nodes, seconds: float) -> RunResult:
                for n in nodes]
     res = RunResult(upto=upto, nodes=results, computed=list(ctx.work_done), seconds=seconds)
     if upto == "eval":
-        from .report_view import show
+        from .core.report_view import show
 
         # Shown with this run's verdicts (--trained-on, --accept-retokenized): never stored.
         res.report, res.markdown, res.files = show(ctx.store, nodes[-1].key, ctx.options)
@@ -450,7 +450,7 @@ def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, laye
     ``tokens_key=KEY`` with ``layers=[...]`` selects by key instead (an imported set: `dfcache
     import` prints its tokens key).
 
-    ``concatenated=True``: read from the selection's concatenated copy (``runner.concat``, what
+    ``concatenated=True``: read from the selection's concatenated copy (``runner.core.concat``, what
     `dfcache concat` writes), written first for the samples not in it yet. The layers are then
     stored side by side once more, and an item's hidden states are a private memory map of its
     rows instead of a copy: the same items, faster to read, at the cost of the selected layers'
@@ -459,7 +459,7 @@ def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, laye
     """
     from dfcache.training import HiddenStateDataset
 
-    from .samples import resolve_selection, stored_selection
+    from .core.samples import resolve_selection, stored_selection
 
     bar = _bar_factory(progress)
     if tokens_key is not None:
@@ -470,7 +470,7 @@ def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, laye
         st = _open(store)
         source = stored_selection(st, tokens_key, list(layers), backend=fields_.pop("backend_key", None)).source()
         if concatenated:
-            from .concat import concat
+            from .core.concat import concat
 
             concat(source, st, progress=bar)
         return HiddenStateDataset(source, max_len=max_len)
@@ -480,7 +480,7 @@ def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, laye
     sel = resolve_selection(opts, store=st, layers=layers, argv=_argv("hidden-states", None, opts, st), out=out)
     source = sel.source()
     if concatenated:
-        from .concat import concat
+        from .core.concat import concat
 
         concat(source, sel.store, progress=bar)
     return HiddenStateDataset(source, max_len=max_len)

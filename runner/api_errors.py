@@ -16,9 +16,9 @@ from __future__ import annotations
 import re
 from dataclasses import fields
 
-from .options import CHOICES, EvalOptions
+from .core.options import CHOICES, EvalOptions
 
-# Flags whose field name is not the flag's spelling (runner/cli.py declares them).
+# Flags whose field name is not the flag's spelling (runner/commands/run.py declares them).
 _RENAMED = {"--target": "target", "--revision": "target_revision", "--target-revision": "target_revision",
             "--drafter": "drafters", "--layer": "layers", "--tree-budget": "tree_budgets", "--remote": "remotes",
             "--eagle-tree": "eagle_trees"}

@@ -513,8 +513,8 @@ def run_worker(upto: str, opts, store, *, worker: Worker, argv=None, log=None, o
     from dataclasses import replace
 
     from . import api
-    from .graph import check_offline
-    from .pipeline import execute
+    from .core.graph import check_offline
+    from .core.pipeline import execute
 
     _CURRENT = worker
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))

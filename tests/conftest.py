@@ -17,6 +17,6 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
     """A tiny random Qwen3.5 target + tokenizer with a chat template, built once per session."""
-    from runner.tiny import build_tiny_target
+    from runner.models.tiny import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny") / "target")

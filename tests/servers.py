@@ -328,7 +328,7 @@ class SGLangTestServer(_Server):
 
 
 # What a server serving the tiny target counts for the scripted answer "hello" ending with its stop
-# token: the tiny tokenizer's 4 ids of "hello" (runner/tiny.py builds it deterministically) and the
+# token: the tiny tokenizer's 4 ids of "hello" (runner/models/tiny.py builds it deterministically) and the
 # stop token. With it the answer's ids rebuilt from its text pass their check, as a real server's
 # would; tests/test_completion_ids.py checks the count.
 SCRIPTED_TOKENS = 5
@@ -587,10 +587,10 @@ class SilentListener:
 def run_pipeline(store_dir, upto: str = "tokens", **options):
     """Build the graph up to ``upto``, resolve it and execute it. Returns ``(ctx, {stage: node})``."""
     from dfcache import open_store
-    from runner.graph import RunContext, resolve
-    from runner.pipeline import execute
-    from runner.options import EvalOptions
-    from runner.pipeline import build_graph
+    from runner.core.graph import RunContext, resolve
+    from runner.core.pipeline import execute
+    from runner.core.options import EvalOptions
+    from runner.core.pipeline import build_graph
 
     options.setdefault("progress", False)
     ctx = RunContext(open_store(store_dir), EvalOptions(**options), argv=["run", upto])

@@ -203,12 +203,12 @@ def _a_loop(graph: dict[str, set[str]], comp: frozenset) -> str:
 # removes them and empties this list; it may only shrink (a loop found that is not inside one of
 # these fails the test).
 KNOWN_RUNNER_CYCLES = [
-    frozenset({"runner.api", "runner.concat", "runner.distributed", "runner.import_check", "runner.imports",
-               "runner.models.target", "runner.pipeline", "runner.provenance_keys", "runner.samples",
+    frozenset({"runner.api", "runner.core.concat", "runner.distributed", "runner.peers.import_check", "runner.peers.imports",
+               "runner.models.target", "runner.core.pipeline", "runner.core.provenance_keys", "runner.core.samples",
                "runner.stages.completions", "runner.stages.completions.ids", "runner.stages.completions.sources",
                "runner.stages.drafter_eval", "runner.stages.hidden_states", "runner.stages.report",
                "runner.stages.tokens"}),
-    frozenset({"runner.cli", "runner.cli_peers", "runner.trust_cli", "runner.watch"}),
+    frozenset({"runner.commands.run", "runner.commands.peers", "runner.commands.trust", "runner.commands.watch"}),
 ]
 
 
@@ -393,9 +393,9 @@ def test_runner_uses_only_public_dfcache():
 
 
 def test_graph_imports_no_stage_and_stages_are_in_one_table():
-    graph = _imports(REPO / "runner/graph.py")
+    graph = _imports(REPO / "runner/core/graph.py")
     assert not [n for n in graph if "stages" in n or "importlib" in n]
-    from runner.pipeline import STAGES
+    from runner.core.pipeline import STAGES
 
     on_disk = {p.stem if p.suffix == ".py" else p.name for p in (REPO / "runner/stages").iterdir()
                if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
@@ -405,7 +405,7 @@ def test_graph_imports_no_stage_and_stages_are_in_one_table():
 def test_key_recipes_are_the_docstrings():
     import textwrap
 
-    from runner.pipeline import STAGES
+    from runner.core.pipeline import STAGES
 
     for name, mod in STAGES.items():
         assert mod.KEY.stage == name == mod.NAME and mod.VERSION == mod.KEY.version
@@ -414,7 +414,7 @@ def test_key_recipes_are_the_docstrings():
 
 def test_key_recipe_refuses_undeclared_inputs():
     from dfcache.errors import InternalError
-    from runner.graph import KeyRecipe
+    from runner.core.graph import KeyRecipe
 
     recipe = KeyRecipe("demo", 1, inputs={"a": "x", "b": "y"}, upstream={"up": "a key"}, optional=frozenset({"b"}))
     node = recipe.node(inputs={"a": 1}, upstream={"up": "0" * 32}, needs="cpu")

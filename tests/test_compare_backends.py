@@ -18,21 +18,21 @@ import pytest
 
 from dfcache import open_store
 from dfcache.errors import BadInputError
-from runner.compare_backends import run_compare
-from runner.graph import RunContext, resolve
-from runner.pipeline import execute
+from runner.trust.compare_backends import run_compare
+from runner.core.graph import RunContext, resolve
+from runner.core.pipeline import execute
 from runner.models.target import resolve_kernel
-from runner.options import EvalOptions
-from runner.pipeline import build_graph
+from runner.core.options import EvalOptions
+from runner.core.pipeline import build_graph
 from runner.stages import hidden_states
-from runner.train_tiny import single_thread
+from runner.models.train_tiny import single_thread
 
 NOISE = 1e-2
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_target, tmp_path_factory):
-    from runner.train_tiny import make_untrained_drafter
+    from runner.models.train_tiny import make_untrained_drafter
 
     root = tmp_path_factory.mktemp("cmp")
     drafter = make_untrained_drafter(tiny_target, root / "drafter", seed=1)
@@ -46,7 +46,7 @@ def commit_fake_fla_states(store, opts):
     partitions (same samples, one segment a layer); returns the nodes and, per layer, (torch set
     key, fla set key, fla partition key)."""
     from dfcache.samples import Partition, SampleArray, SampleSet, SegmentWriter
-    from runner.sampling import set_key
+    from runner.core.sampling import set_key
 
     ctx = RunContext(store, dataclasses.replace(opts, backend="torch"), argv=[])
     nodes = resolve(ctx, build_graph(ctx, "eval"))

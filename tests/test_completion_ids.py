@@ -14,7 +14,7 @@ from servers import SCRIPTED_TOKENS, SGLangTestServer, VLLMTestServer, run_pipel
 from dfcache import open_store
 from dfcache.errors import EXIT_BAD_INPUT, CompletionIdsRefused
 from dfcache.samples import SampleSet, index_of
-from runner.completion_source import ACCEPTED, LOCAL, SERVER, VERIFIED, label_of
+from runner.core.completion_source import ACCEPTED, LOCAL, SERVER, VERIFIED, label_of
 from runner.stages.completions import read_completions
 from runner.stages.tokens import read_tokens
 
@@ -145,9 +145,9 @@ def test_completions_cached_before_checks_are_checked_by_the_tokens_stage(tiny_t
     """A store written before checks existed holds text-only completions without ``ids_check``:
     the tokens stage checks them when it makes their ids, and refuses the same way."""
     from dfcache.samples import SampleSink
-    from runner.graph import RunContext, resolve
-    from runner.options import EvalOptions
-    from runner.pipeline import build_graph, execute
+    from runner.core.graph import RunContext, resolve
+    from runner.core.options import EvalOptions
+    from runner.core.pipeline import build_graph, execute
 
     store = tmp_path / "store"
     opts = _opts(tiny_target, "http://127.0.0.1:9", max_new_tokens=8)
@@ -299,14 +299,14 @@ def _user_texts(n):
 
 
 def _ctx(store, target, url, **kw):
-    from runner.graph import RunContext
-    from runner.options import EvalOptions
+    from runner.core.graph import RunContext
+    from runner.core.options import EvalOptions
 
     return RunContext(open_store(store), EvalOptions(progress=False, **_opts(target, url, **kw)))
 
 
 def _resolved(ctx, upto):
-    from runner.graph import resolve
-    from runner.pipeline import build_graph
+    from runner.core.graph import resolve
+    from runner.core.pipeline import build_graph
 
     return resolve(ctx, build_graph(ctx, upto=upto))

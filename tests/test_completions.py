@@ -15,7 +15,7 @@ from servers import (ClosedPort, RecordingListener, ScriptedServer, SGLangTestSe
 from dfcache import open_store
 from dfcache.errors import (EXIT_BAD_INPUT, EXIT_NETWORK, CompletionIdsRefused, ConnectionRefused, NetworkError,
                             OfflineMissingError, OfflineModeIsEnabled, ServerHTTPError, ServerTimeout)
-from runner.completion_source import ACCEPTED, label_of
+from runner.core.completion_source import ACCEPTED, label_of
 from runner.stages.completions import read_completions
 from runner.stages.tokens import read_tokens
 
@@ -232,9 +232,9 @@ def test_closed_port_fails_at_once_and_wait_server_waits(tiny_target, tmp_path, 
 def test_offline_makes_no_connection(tiny_target, tmp_path, monkeypatch):
     with RecordingListener() as listener:
         # Planning reports the missing artifact with the command that produces it.
-        from runner.graph import RunContext, check_offline, resolve
-        from runner.options import EvalOptions
-        from runner.pipeline import build_graph
+        from runner.core.graph import RunContext, check_offline, resolve
+        from runner.core.options import EvalOptions
+        from runner.core.pipeline import build_graph
 
         opts = EvalOptions(**_server_opts(tiny_target, listener.url), offline=True)
         ctx = RunContext(open_store(tmp_path / "store"), opts,
@@ -292,10 +292,10 @@ def _tokenizer(target):
 
 
 def test_preflight_checks_the_server_once_before_any_work(tiny_target, tmp_path):
-    from runner.graph import RunContext, resolve
-    from runner.pipeline import execute
-    from runner.options import EvalOptions
-    from runner.pipeline import build_graph
+    from runner.core.graph import RunContext, resolve
+    from runner.core.pipeline import execute
+    from runner.core.options import EvalOptions
+    from runner.core.pipeline import build_graph
     from runner.stages import completions
 
     def plan(url):

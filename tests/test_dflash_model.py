@@ -10,10 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dfcache.errors import BadInputError
-from runner.models.dflash import (DFlashConfig, DFlashDrafter, TargetHead, check_compatible, init_drafter_weights,
-                                  iter_score_roots, load_target_head, save_drafter, score_roots,
-                                  score_roots_one_at_a_time)
-from runner.train_tiny import single_thread
+from runner.drafters.dflash import (DFlashConfig, DFlashDrafter, TargetHead, check_compatible, init_drafter_weights,
+                                    iter_score_roots, load_target_head, save_drafter, score_roots,
+                                    score_roots_one_at_a_time)
+from runner.models.train_tiny import single_thread
 
 H, V = 64, 96
 
@@ -80,7 +80,7 @@ def test_batched_equals_one_at_a_time(kw):
 @pytest.mark.parametrize("kw", [dict(), dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5)])
 def test_batched_every_root_of_a_long_sequence(kw):
     # Long enough that roots fall into groups of several blocks sharing one attention call.
-    from runner.models.dflash import _root_groups
+    from runner.drafters.dflash import _root_groups
 
     d, head = _drafter(**kw), _head()
     feats, toks = _inputs(d, T=200, seed=1)
@@ -139,7 +139,7 @@ def test_logits_written_into_the_result_are_the_bits_a_chunk_yields():
 
 
 def test_rope_written_into_a_strided_buffer_is_rope_bit_for_bit():
-    from runner.models.dflash import Rope, _rope_into
+    from runner.drafters.dflash import Rope, _rope_into
 
     rope = Rope(32, 1e6)
     gen = torch.Generator().manual_seed(3)

@@ -17,13 +17,13 @@ import pytest
 from cli_util import dfcache
 from dfcache import compute_key, open_store
 from dfcache.errors import EXIT_BAD_INPUT
-from runner.doctor import default_layer_ids, run_doctor
+from runner.trust.doctor import default_layer_ids, run_doctor
 from runner.models.resolve import chat_template_hash
 
 
 @pytest.fixture(scope="module")
 def drafter(tiny_target, tmp_path_factory):
-    from runner.train_tiny import make_untrained_drafter
+    from runner.models.train_tiny import make_untrained_drafter
 
     return make_untrained_drafter(tiny_target, tmp_path_factory.mktemp("doctor") / "drafter", seed=1)
 

@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from runner.train_tiny import single_thread
+from runner.models.train_tiny import single_thread
 
 from cli_util import dfcache  # noqa: E402  (tests/ is on sys.path under pytest's rootdir)
 
@@ -38,7 +38,7 @@ def test_tiny_eagle3_trains_and_uses_a_reduced_draft_vocabulary(eagle):
 
 def test_parity_float32_equal_on_every_block(eagle, tmp_path):
     from dfcache import open_store
-    from runner.parity import ParityOptions, run_parity
+    from runner.trust.parity import ParityOptions, run_parity
 
     with single_thread():
         res = run_parity(open_store(tmp_path / "store"), ParityOptions(

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 from dfcache.errors import BadInputError
 from runner.drafters.eagle3 import (Eagle3Config, Eagle3Drafter, Tree, draft_one_root, dynamic_tree,
                                     init_eagle3_weights, save_eagle3, score_roots, tree_accept)
-from runner.models.dflash import TargetHead
-from runner.train_tiny import single_thread
+from runner.drafters.dflash import TargetHead
+from runner.models.train_tiny import single_thread
 
 H, V, DV = 64, 96, 48
 

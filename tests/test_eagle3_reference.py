@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from runner.drafters.eagle3 import Eagle3Drafter, score_roots
-from runner.models.dflash import TargetHead
-from runner.train_tiny import single_thread
+from runner.drafters.dflash import TargetHead
+from runner.models.train_tiny import single_thread
 
 H, V, DV, T, STEPS = 64, 96, 48, 24, 3
 

@@ -2,7 +2,7 @@
 
 This is the project's correctness test (DESIGN.md §6; dflash.md §7 "Offline equals online in
 float32"). A tiny Qwen3.5 target and a drafter trained on its greedy completions run real
-DFlash decoding in the package's loop (``runner.parity.online_dflash``, which `dfcache parity`
+DFlash decoding in the package's loop (``runner.trust.parity.online_dflash``, which `dfcache parity`
 runs on users' models), written the way z-lab/dflash HEAD's ``dflash_generate`` does it:
 draft a block from the context features committed so far, verify it with a target forward,
 accept the matching prefix plus the bonus token, append the accepted positions' target features
@@ -11,7 +11,7 @@ completion and scores every candidate root with ``score_roots``; ``runner.stages
 
 The target here has gated-DeltaNet layers. The loop runs it as a serving engine does (a KV cache,
 one verify forward over each drafted block, the linear-attention state rolled back to the
-accepted token: ``runner.parity.CachedVerifier``); ``loop="recompute"`` re-runs the whole prefix
+accepted token: ``runner.trust.parity.CachedVerifier``); ``loop="recompute"`` re-runs the whole prefix
 each round instead, and in float32 both verify the same tokens and append the same features.
 Exactness runs in float32; in bf16 `dfcache parity` judges τ by an interval over prompts (the
 tests at the end).
@@ -26,11 +26,11 @@ import pytest
 import torch
 
 from runner.stages.drafter_eval import metrics
-from runner.models.dflash import DFlashDrafter, load_target_head, score_roots
-from runner.parity import greedy_continuation, online_dflash
-from runner.tiny import build_tiny_target
-from runner.train_tiny import (HELDOUT_PROMPT_IDS, TrainStats, capture_features, greedy_complete, load_prompts,
-                               make_untrained_drafter, single_thread, train_tiny_drafter)
+from runner.drafters.dflash import DFlashDrafter, load_target_head, score_roots
+from runner.trust.parity import greedy_continuation, online_dflash
+from runner.models.tiny import build_tiny_target
+from runner.models.train_tiny import (HELDOUT_PROMPT_IDS, TrainStats, capture_features, greedy_complete,
+                                      load_prompts, make_untrained_drafter, single_thread, train_tiny_drafter)
 
 MAX_NEW_TOKENS = 64
 NUM_PROMPTS = 6
@@ -93,7 +93,7 @@ def test_capture_features_are_pre_norm_layer_outputs(tiny):
 def test_loops_agree_in_float32(tiny, monkeypatch):
     """The cached loop (recorded linear-attention states, or a copy of the cache and a replay of the
     accepted tokens) and the whole-prefix loop decode the same blocks in float32."""
-    from runner.parity import CachedVerifier
+    from runner.trust.parity import CachedVerifier
 
     for run in tiny["runs"][:2]:
         args = (tiny["model"], tiny["drafter"], tiny["head"], run["prompt"], MAX_NEW_TOKENS, tiny["stop_ids"])
@@ -111,7 +111,7 @@ def test_verify_row_does_not_see_the_token_drafted_after_it(tiny):
     token is drafted for x[t] (it enters one slot later), so a draft cannot win a target tie."""
     from transformers import AutoModelForCausalLM
 
-    from runner.parity import parting_row_check
+    from runner.trust.parity import parting_row_check
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny["target_dir"]), dtype=torch.bfloat16).eval()
     drafter = DFlashDrafter.from_pretrained(tiny["drafter_dir"], dtype=torch.bfloat16)
@@ -192,7 +192,7 @@ def test_offline_equals_online_block_for_block(tiny):
 
 
 def test_batched_scoring_matches_one_at_a_time_on_real_features(tiny):
-    from runner.models.dflash import score_roots_one_at_a_time
+    from runner.drafters.dflash import score_roots_one_at_a_time
 
     run, drafter, head = tiny["runs"][0], tiny["drafter"], tiny["head"]
     seq = run["prompt"] + run["completion"]
@@ -225,7 +225,7 @@ def test_untrained_drafter_has_same_config_and_low_acceptance(tiny):
 # ---------------------------------------------------------------------------------- dfcache parity
 
 def test_compare_blocks_counts_roots_and_values():
-    from runner.parity import MethodParity, compare_blocks, within_output
+    from runner.trust.parity import MethodParity, compare_blocks, within_output
 
     # HEAD walk of a 10-token completion after a 5-token prompt; the last block is capped.
     online = within_output([(5, 3), (8, 4), (12, 4)], prompt_len=5, completion_len=10)
@@ -241,7 +241,7 @@ def test_parity_options_are_the_eval_options_checks(tmp_path):
     """Refused before any store or model is touched, with the messages `dfcache run` gives."""
     from dfcache import open_store
     from dfcache.errors import UsageError
-    from runner.parity import ParityOptions, run_parity
+    from runner.trust.parity import ParityOptions, run_parity
 
     store = open_store(tmp_path / "store")
     for bad, says in (({"tree_budgets": [4, 0]}, "--tree-budget 0"), ({"num_prompts": 0}, "--num-prompts 0"),
@@ -288,7 +288,7 @@ def parity_store(tmp_path_factory):
 
 
 def test_parity_float32_matches_every_block_chain_and_tree(tiny, parity_store):
-    from runner.parity import ParityOptions, run_parity
+    from runner.trust.parity import ParityOptions, run_parity
 
     path, open_store = parity_store
     with single_thread():
@@ -339,7 +339,7 @@ def test_parity_cli_json_reuses_the_store(tiny, parity_store, capsys):
 
 def test_parity_verdict_follows_the_interval():
     """bf16: the paired bootstrap interval of τ online − τ offline over prompts must hold 0."""
-    from runner.parity import MethodParity, ParityResult, bootstrap_mean
+    from runner.trust.parity import MethodParity, ParityResult, bootstrap_mean
 
     def result(*methods):
         return ParityResult(dtype="bfloat16", device="cpu", eval_key="k" * 32, responses=12, completions_equal=9,
@@ -409,7 +409,7 @@ def test_parity_cli_fails_with_exit_6_and_says_why(monkeypatch, tmp_path, capsys
     """The command's side of the verdict: a bf16 result whose difference interval leaves out 0."""
     import dataclasses
 
-    import runner.parity as parity
+    import runner.trust.parity as parity
     from dfcache.cli import main
     from dfcache.cli.common import state
 
@@ -441,7 +441,7 @@ def test_parity_example_uses_the_example_models(tiny, tmp_path, capsys):
 
     from dfcache.cli import main
     from dfcache.cli.common import state
-    from runner.example import DONE
+    from runner.models.example import DONE
 
     from dfcache import open_store
 

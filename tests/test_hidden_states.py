@@ -18,9 +18,9 @@ import pytest
 
 from dfcache import fingerprint_path, open_store
 from dfcache.errors import BadInputError
-from runner.graph import Node, RunCache, RunContext, RunHooks, resolve
-from runner.pipeline import execute
-from runner.options import EvalOptions
+from runner.core.graph import Node, RunCache, RunContext, RunHooks, resolve
+from runner.core.pipeline import execute
+from runner.core.options import EvalOptions
 
 REPO = Path(__file__).resolve().parents[1]
 # Lengths with repeats so that equal-length samples share batches.
@@ -277,7 +277,7 @@ def test_subset_superset_and_order_reuse_every_sample(fp32_run, tiny_target, tmp
     """A set of 4 samples, then the 5-sample superset: the plan shows 4 cached and 1 missing in
     every layer, the run computes only that sample, and the states equal extracting all 5 at
     once, bit for bit; any subset or order of them is then fully cached."""
-    from runner.graph import RunContext, resolve
+    from runner.core.graph import RunContext, resolve
     from runner.stages import hidden_states as hs
 
     lengths = LENGTHS[:5]
@@ -464,10 +464,10 @@ import transformers.integrations.hub_kernels as hub_kernels
 getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", {}).pop("fla", None)
 import transformers.models.qwen3_5.modeling_qwen3_5 as mq
 from dfcache import open_store
-from runner.graph import Node, RunCache, RunContext, RunHooks, resolve
-from runner.pipeline import execute
+from runner.core.graph import Node, RunCache, RunContext, RunHooks, resolve
+from runner.core.pipeline import execute
 from runner.models.target import implementation_of, resolve_kernel
-from runner.options import EvalOptions
+from runner.core.options import EvalOptions
 from runner.stages import hidden_states as hs
 
 store_dir, target_dir = sys.argv[1:3]
@@ -527,8 +527,8 @@ def test_planning_imports_no_torch(fp32_run, tiny_target):
     code = textwrap.dedent('''
         import sys
         from dfcache import open_store
-        from runner.graph import Node, RunContext, resolve
-        from runner.options import EvalOptions
+        from runner.core.graph import Node, RunContext, resolve
+        from runner.core.options import EvalOptions
         from runner.stages import hidden_states as hs
         from tests.test_hidden_states import write_tokens
         store = open_store(sys.argv[1])

@@ -8,10 +8,10 @@ import pytest
 
 from dfcache import open_store
 from dfcache.errors import UsageError
-from runner.graph import RunContext
-from runner.options import EvalOptions
-from runner.pipeline import build_graph
-from runner.provenance_keys import parse_key_versions
+from runner.core.graph import RunContext
+from runner.core.options import EvalOptions
+from runner.core.pipeline import build_graph
+from runner.core.provenance_keys import parse_key_versions
 
 
 def hs_nodes(store, target, **kw):

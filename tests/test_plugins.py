@@ -25,7 +25,7 @@ def test_pyproject_reader_agrees_with_tomllib():
     want = {**project.get("entry-points", {}), "console_scripts": project.get("scripts", {})}
     assert name == project["name"] == "dfcache"
     assert groups == want
-    assert groups[plugins.COMMANDS] and groups[plugins.FAST_PATHS]["run"] == "runner.fast_cli:main"
+    assert groups[plugins.COMMANDS] and groups[plugins.FAST_PATHS]["run"] == "runner.commands.fast_run:main"
 
 
 def test_entry_points_txt_reader_agrees_with_importlib_metadata():
@@ -50,7 +50,7 @@ def test_the_checkout_declares_the_runner_commands():
     """A plain checkout (these tests run from one) has the runner's commands from its own
     pyproject.toml, whatever the installed metadata says (tests/test_architecture.py checks that
     dfcache imports nothing of the runner)."""
-    assert plugins.own_entry_points()[plugins.COMMANDS] == {"runner": "runner.cli:register"}
+    assert plugins.own_entry_points()[plugins.COMMANDS] == {"runner": "runner.commands.run:register"}
 
 
 def test_a_wheel_declares_the_runner_commands_and_fast_path(tmp_path):
@@ -81,5 +81,5 @@ def test_a_wheel_declares_the_runner_commands_and_fast_path(tmp_path):
                        cwd=tmp_path, env=env)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert lines[0] == "runner.fast_cli:main"
+    assert lines[0] == "runner.commands.fast_run:main"
     assert any(line.split()[:1] == ["run"] for line in lines) and any(line.split()[:1] == ["plan"] for line in lines)

@@ -1,9 +1,9 @@
-"""runner/progress.py: the progress lines long stages print when stderr is not a terminal."""
+"""runner/core/progress.py: the progress lines long stages print when stderr is not a terminal."""
 
 import io
 import time
 
-from runner.progress import LineProgress
+from runner.core.progress import LineProgress
 
 
 def test_a_line_while_no_step_finishes_and_one_at_the_end():

@@ -15,7 +15,7 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "python.md"
 def in_example_dir(tiny_target, tmp_path):
     import torch
 
-    from runner.train_tiny import make_untrained_drafter
+    from runner.models.train_tiny import make_untrained_drafter
 
     os.symlink(tiny_target, tmp_path / "target")
     make_untrained_drafter(tiny_target, tmp_path / "drafter", layer_ids=[3, 1])
@@ -124,7 +124,7 @@ def test_runs_print_nothing_and_give_progress_to_log(tiny_target, tmp_path, capf
     import transformers.utils.logging as tlog
 
     from runner import api
-    from runner.options import EvalOptions
+    from runner.core.options import EvalOptions
 
     sel = dict(target=str(tiny_target), num_prompts=2, max_new_tokens=8, backend="torch", device="cpu",
                completions="local", layers=[1])

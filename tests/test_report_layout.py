@@ -1,4 +1,4 @@
-"""The report pages (runner/reporting.py, `run eval`'s report.html and `watch`'s) stay inside a
+"""The report pages (runner/core/reporting.py, `run eval`'s report.html and `watch`'s) stay inside a
 1400 px window, measured in a real headless Chromium: it scrolled sideways there (a summary table
 of many drafters or checkpoints, long unbroken ids and completions). Skipped, saying why, where
 Chromium is not installed (.ci/run installs Debian's package)."""
@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from runner import reporting
+from runner.core import reporting
 
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
          "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic", "--disable-dev-shm-usage"]

@@ -6,11 +6,11 @@ ids came from; the whole selection in report.json/md/html; ``show`` and ``doctor
 Real parts: the tiny Qwen3.5 target (session fixture), a tiny drafter trained on its states and
 an untrained one, a real store. The models run in this process once per selection (the fixtures);
 every command under test runs in its own process through ``python -m dfcache`` (a fully cached
-``run eval`` is answered by runner/fast_cli.py there, without torch).
+``run eval`` is answered by runner/commands/fast_run.py there, without torch).
 
 Retokenized completions: their tokens samples are written through the tokens partition the real
 graph plans for a server selection, with the documents the tokens stage records (``tokens_source``
-and ``ids_check``, the contract of runner/completion_source.py) and the ids of the local run; no
+and ``ids_check``, the contract of runner/core/completion_source.py) and the ids of the local run; no
 server is contacted, since nothing under a stored tokens sample is needed.
 """
 
@@ -87,9 +87,9 @@ def one_error(r: Run) -> str:
 def run_here(store, target, drafters, **over):
     """``api.run("eval")`` in this process (torch is imported once for the module), on one torch
     thread: these models are too small to split, and two threads on a busy 2-core machine wait
-    for each other (runner.train_tiny.single_thread)."""
+    for each other (runner.models.train_tiny.single_thread)."""
     from runner import api
-    from runner.train_tiny import single_thread
+    from runner.models.train_tiny import single_thread
 
     with single_thread():
         return api.run("eval", store=str(store), target=str(target), drafters=[str(d) for d in drafters],
@@ -108,8 +108,8 @@ def _edited(src: Path, dst: Path, **dflash) -> Path:
 def made(tiny_target, tmp_path_factory):
     """Two drafters (one trained briefly, so τ varies by prompt), a copy of the untrained one that
     declares fla in its config, and the eval of the first two over 4 prompts."""
-    from runner.train_tiny import (DEFAULT_LAYER_IDS, build_training_data, make_untrained_drafter, single_thread,
-                                   train_tiny_drafter)
+    from runner.models.train_tiny import (DEFAULT_LAYER_IDS, build_training_data, make_untrained_drafter,
+                                          single_thread, train_tiny_drafter)
 
     root = tmp_path_factory.mktemp("reports")
     with single_thread():
@@ -473,8 +473,8 @@ def test_explain_two_rows_of_one_report(made, env):
 
 
 def test_explain_refuses_what_it_cannot_compare(made, env, tmp_path_factory):
-    from runner.tiny import build_tiny_target
-    from runner.train_tiny import make_untrained_drafter
+    from runner.models.tiny import build_tiny_target
+    from runner.models.train_tiny import make_untrained_drafter
 
     store, key = made["store"], _key(made["base"])
     segment = next(c for c in cli(env, store, "show", key, "--json").json()["upstream_chain"]

@@ -443,7 +443,7 @@ _NO_EVAL = pytest.mark.skipif(not (REPO / "runner" / "stages" / "drafter_eval" /
 def test_fully_cached_eval_does_no_work_and_imports_no_torch(local_run, tiny_target, env, tmp_path_factory):
     """`run eval` twice on the store of the tokens run: the first adds hidden states, the drafter
     eval and the report; the second computes nothing and imports no torch."""
-    from runner.train_tiny import make_untrained_drafter
+    from runner.models.train_tiny import make_untrained_drafter
 
     store, tokens_run = local_run
     drafter = make_untrained_drafter(tiny_target, tmp_path_factory.mktemp("drafter") / "d", seed=1)
@@ -469,7 +469,7 @@ def test_run_prints_every_stage_and_what_happened_to_the_report(local_run, tiny_
     run that only pulled the report said "0 reused, 0 pulled, 0 computed" for every stage and never
     that it pulled the report. The labels' column is as wide as the longest label (`completions
     (local, torch/cpu/bfloat16/sdpa)`), in `run` and in `plan`."""
-    from runner.train_tiny import make_untrained_drafter
+    from runner.models.train_tiny import make_untrained_drafter
 
     store, _ = local_run
     drafter = make_untrained_drafter(tiny_target, tmp_path_factory.mktemp("drafter-lines") / "d", seed=1)
@@ -546,10 +546,10 @@ def _no_seconds(out: str) -> str:
 @_NO_EVAL
 def test_fully_cached_run_is_answered_before_typer_with_the_same_output(local_run, tiny_target, env,
                                                                          tmp_path_factory):
-    """The executable answers a fully cached `run` without typer (runner/fast_cli.py) and prints
+    """The executable answers a fully cached `run` without typer (runner/commands/fast_run.py) and prints
     what the full command line prints, byte for byte but the seconds, importing no numpy; anything
     else goes to it."""
-    from runner.train_tiny import make_untrained_drafter
+    from runner.models.train_tiny import make_untrained_drafter
 
     store, _ = local_run
     drafter = make_untrained_drafter(tiny_target, tmp_path_factory.mktemp("drafter-fast") / "d", seed=1)

@@ -201,7 +201,7 @@ def test_lacking_agrees_with_contains_many_below_and_above_the_index_size(monkey
 
 
 def test_sample_keys_memo_gives_the_keys_and_is_never_trusted_when_damaged(tmp_path, monkeypatch):
-    import runner.sampling as sampling
+    import runner.core.sampling as sampling
 
     monkeypatch.setenv("DFCACHE_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(sampling, "KEYS_MEMO_MIN", 1)

@@ -75,7 +75,7 @@ ROWS = [
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    from runner.tiny import build_tiny_tokenizer
+    from runner.models.tiny import build_tiny_tokenizer
 
     d = tmp_path_factory.mktemp("tok")
     build_tiny_tokenizer(d)
@@ -109,13 +109,13 @@ def _build(kind: str, root, tokenizer_dir, monkeypatch) -> tuple[str, object]:
 def test_target_architecture_runs_the_eval(kind, attn, expect, tokenizer_dir, tmp_path, monkeypatch):
     import torch
 
-    from runner.doctor import run_doctor
-    from runner.graph import RunContext, resolve
-    from runner.pipeline import execute
-    from runner.options import EvalOptions
-    from runner.pipeline import build_graph
+    from runner.trust.doctor import run_doctor
+    from runner.core.graph import RunContext, resolve
+    from runner.core.pipeline import execute
+    from runner.core.options import EvalOptions
+    from runner.core.pipeline import build_graph
     from runner.stages.drafter_eval import read_summary
-    from runner.train_tiny import make_untrained_drafter, single_thread
+    from runner.models.train_tiny import make_untrained_drafter, single_thread
 
     target, d = _build(kind, tmp_path, tokenizer_dir, monkeypatch)
     drafter = make_untrained_drafter(d, tmp_path / "drafter", seed=1, layer_ids=[0, 1], num_layers=1,

@@ -14,10 +14,10 @@ from servers import run_pipeline
 
 from dfcache import open_store
 from dfcache.errors import EXIT_BAD_INPUT, ModelNotFoundError, UsageError
-from runner.graph import RunContext
+from runner.core.graph import RunContext
 from runner.models.resolve import resolve_target
-from runner.options import EvalOptions
-from runner.pipeline import build_graph
+from runner.core.options import EvalOptions
+from runner.core.pipeline import build_graph
 from runner.stages.completions import read_completions
 from runner.stages.prompts import load_records
 from runner.stages.tokens import read_tokens

@@ -43,7 +43,7 @@ LAST = 5  # the tiny target has 6 layers
 @pytest.fixture(scope="module")
 def cached(tiny_target, tmp_path_factory):
     """A store holding tokens and layers 1, 3, 5 of four prompts, and a drafter needing [3, 1]."""
-    from runner.train_tiny import make_untrained_drafter
+    from runner.models.train_tiny import make_untrained_drafter
 
     root = tmp_path_factory.mktemp("training")
     drafter = make_untrained_drafter(tiny_target, root / "drafter", layer_ids=DRAFTER_LAYERS)
@@ -502,7 +502,7 @@ def test_import_check_knows_transformers_indices_the_final_norm_and_the_embeddin
 
 def test_gpu_declared_states_are_checked_on_the_cpu_within_the_cross_kernel_tolerance(cached, target_path,
                                                                                       tmp_path, capsys):
-    from runner.import_check import TOLERANCE_CROSS
+    from runner.peers.import_check import TOLERANCE_CROSS
 
     ds = api.hidden_state_dataset(store=cached["store"], layers=[1, 3], **cached["sel"])
     src = _modelopt_dir(ds, tmp_path / "mo", n=2)
@@ -529,7 +529,7 @@ def test_layer_check_tolerance_lies_between_kernel_rounding_and_the_next_layer(c
     """What TOLERANCE_CROSS rests on, measured here: bf16 states against a float32 CPU
     recomputation (another rounding, as another kernel class gives) stay under it; the nearest
     other layer stays over it; the same class recomputed is the same bits."""
-    from runner.import_check import TOLERANCE_CROSS, candidates, distance, recompute
+    from runner.peers.import_check import TOLERANCE_CROSS, candidates, distance, recompute
     from runner.models.target import KernelSpec
 
     ds = api.hidden_state_dataset(store=cached["store"], layers=[1, 3, LAST], **cached["sel"])
@@ -768,7 +768,7 @@ def test_concatenated_items_are_the_same_items_as_maps_of_their_rows(cached, tmp
 
 
 def test_concat_writes_only_what_is_missing_and_resumes_after_an_interrupt(cached, tmp_path, monkeypatch):
-    from runner import concat as concat_mod
+    from runner.core import concat as concat_mod
 
     store_dir = _store_copy(cached, tmp_path)
     monkeypatch.setattr(concat_mod, "SEGMENT_BYTES", 1)  # a segment per sample: commits to count
@@ -842,7 +842,7 @@ def test_concat_command_prints_and_json_and_refuses_an_uncached_selection(cached
     code = cli_main(["--store", str(store_dir), "gc", "--stage", "concatenated_hidden_states", "--yes"])
     capsys.readouterr()
     assert code == 0
-    from runner.concat import concat
+    from runner.core.concat import concat
 
     plain = api.hidden_state_dataset(store=store_dir, drafters=[str(cached["drafter"])], **cached["sel"])
     again = api.hidden_state_dataset(store=store_dir, drafters=[str(cached["drafter"])], **cached["sel"])

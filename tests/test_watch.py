@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from runner.checkpoints import (expand_drafter_arg, glob_checkpoints, incomplete_reason, step_from_name,
-                                training_checkpoints)
-from runner.watch import Readiness
+from runner.drafters.checkpoints import (expand_drafter_arg, glob_checkpoints, incomplete_reason, step_from_name,
+                                         training_checkpoints)
+from runner.commands.watch import Readiness
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = (2, 6, 12)
@@ -69,7 +69,7 @@ def save_checkpoint(src: Path, dest: Path, step: int) -> Path:
 
 @pytest.fixture(scope="module")
 def training(tiny_target, tmp_path_factory):
-    from runner.train_tiny import DEFAULT_LAYER_IDS, build_training_data, single_thread, train_tiny_drafter
+    from runner.models.train_tiny import DEFAULT_LAYER_IDS, build_training_data, single_thread, train_tiny_drafter
 
     root = tmp_path_factory.mktemp("training")
     with single_thread():
@@ -403,8 +403,8 @@ def _tiny_checkpoint(path: Path, t: float) -> Path:
 
 
 def _watch_once(run: Path, clock, sleep, out_dir: Path):
-    from runner.options import EvalOptions
-    from runner.watch import Watch
+    from runner.core.options import EvalOptions
+    from runner.commands.watch import Watch
 
     seen: list = []
 

@@ -1,1 +1,4 @@
-"""Drafter families: what each needs from the target, how it drafts from cached features, how its checkpoints are recognised, and its reference online loop (family.py)."""
+"""Drafter families: where a family plugs in. ``family`` is the interface (what a family needs from
+the target, how its checkpoints are recognised and planned, how it loads); ``dflash`` and
+``eagle3`` (with ``eagle3_config``, JSON only) are the families' models and batched offline
+scoring; ``checkpoints`` reads which directories a ``--drafter`` value names."""

@@ -37,7 +37,7 @@ from torch import nn
 
 from dfcache.errors import BadInputError
 
-from ..models.dflash import RMSNorm, Rope, TargetHead, _read_config, _read_tensors, _safetensors_files
+from .dflash import RMSNorm, Rope, TargetHead, _read_config, _read_tensors, _safetensors_files
 from .eagle3_config import Eagle3Config, default_layer_ids, is_eagle3_config
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "default_layer_ids", "score_roots", "draft_one_root",

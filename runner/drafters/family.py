@@ -53,7 +53,7 @@ class DFlash:
 
     @staticmethod
     def load(path, device, dtype):
-        from ..models.dflash import DFlashDrafter
+        from .dflash import DFlashDrafter
 
         return DFlashDrafter.from_pretrained(path, device=device, dtype=dtype)
 

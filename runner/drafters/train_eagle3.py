@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ..models.dflash import load_target_head
+from .dflash import load_target_head
 from .eagle3 import Eagle3Config, Eagle3Drafter, _attend, _expand_kv, init_eagle3_weights, save_eagle3
 
 DEFAULT_LAYER_IDS = (1, 3, 5)  # the tiny DFlash drafter's: `--example` extracts them once for both
@@ -59,7 +59,7 @@ def train_tiny_eagle3(target_dir: str | Path, out_dir: str | Path, *, steps: int
                       layer_ids: Sequence[int] = DEFAULT_LAYER_IDS, draft_vocab_size: int = 256,
                       max_new_tokens: int = 64, lr: float = 3e-3, data=None, stats: list | None = None) -> Path:
     """Train and save (SpecForge's layout) a one-layer EAGLE-3 drafter for the tiny target."""
-    from ..train_tiny import build_training_data, single_thread
+    from ..models.train_tiny import build_training_data, single_thread
 
     t0 = time.perf_counter()
     target_dir = Path(target_dir)

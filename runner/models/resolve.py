@@ -103,7 +103,7 @@ def check_config_object(model_dir: Path) -> None:
     except (ValueError, RecursionError) as e:
         raise BadInputError(f"{f} is not valid JSON ({e}); repair or re-download the model.") from None
     if not isinstance(cfg, dict):
-        from ..values import json_kind
+        from ..core.values import json_kind
 
         raise BadInputError(f"{f} is a JSON {json_kind(cfg)}, not an object; a model's config.json is one "
                             "object of its settings: repair or re-download the model.")

@@ -105,7 +105,7 @@ def read_model_info(target_dir: str | os.PathLike) -> ModelInfo:
     except (OSError, ValueError, RecursionError) as e:
         raise BadInputError(f"{path} is not valid JSON ({e}); repair or re-download the model.") from None
     if not isinstance(cfg, dict):
-        from ..values import json_kind
+        from ..core.values import json_kind
 
         raise BadInputError(f"{path} is a JSON {json_kind(cfg)}, not an object; a model's config.json is one "
                             "object of its settings: repair or re-download the model.")

@@ -28,7 +28,7 @@ import xxhash
 from dfcache.errors import BadInputError
 from dfcache.keys import messages_digest  # record_digest({"messages": ...}), spelled out for speed
 
-from ..graph import KeyRecipe, Node, RunContext
+from ..core.graph import KeyRecipe, Node, RunContext
 
 KEY = KeyRecipe("prompts", 2, inputs={}, sample='record_digest({"messages": messages})')
 NAME = KEY.stage
@@ -303,7 +303,7 @@ def build(ctx: RunContext) -> Node:
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
     from dfcache.samples import SampleSink
 
-    from ..summaries import prompt_set_name
+    from ..core.summaries import prompt_set_name
 
     for node in nodes:
         # The set's name in the summary: `dfcache ls --by selection` shows one line per set.

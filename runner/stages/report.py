@@ -18,12 +18,12 @@ needs nothing under it.
 Output: documents ``report`` (the stored facts of the JSON documented in docs/metrics.md: the
 numbers, the whole selection, each row's completion sources; no verdict), ``markdown`` (the same,
 as text), ``html`` (a self-contained page: plots, selection, per-prompt block views;
-``runner/reporting.py``; the summary table and banner are put in when it is shown) and
+``runner/core/reporting.py``; the summary table and banner are put in when it is shown) and
 ``prompts`` (per prompt: id, record digest, each row's τ; what ``dfcache explain`` compares);
 uint8 arrays ``png_histogram``, ``png_position`` and, when two or more drafters have a training
 step, ``png_tau_by_step`` (PNG bytes).
 
-Shown (runner/report_view.py): what depends on options outside the key (``--trained-on``,
+Shown (runner/core/report_view.py): what depends on options outside the key (``--trained-on``,
 ``--accept-retokenized``) is decided when a run prints the report, and the files under
 ``<store>/reports/<key[:12]>/`` are written then, as that run shows them, so a cached run shows
 them by path without re-plotting (and without importing matplotlib or torch).
@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import os
 
-from .. import report_view
-from ..graph import KeyRecipe, Node, RunContext
+from ..core import report_view
+from ..core.graph import KeyRecipe, Node, RunContext
 
 # version 2: steps, report.html, tau_by_step.png; 3: "latest" is the highest step; 4: "definitions", the
 # legend; 5: per-sample evals; 6: self-describing (the selection, each row's completion sources and
 # drafter identity, the "prompts" document), and no verdict stored: trained_on/backend_mismatch and
-# the warnings moved to when the report is shown (runner/report_view.py), as the trust rules ask.
+# the warnings moved to when the report is shown (runner/core/report_view.py), as the trust rules ask.
 KEY = KeyRecipe("report", 6, inputs={
     "drafters": "display names, in --drafter order",
     "steps": "training steps, same order (null where unknown)",
@@ -68,7 +68,7 @@ def make_report(summaries: list[dict], keys: list[str], steps: list | None = Non
     """The stored report: facts only. ``rows``: per drafter, what the selection adds to its row
     (path, fingerprint, completion sources, its eval's key inputs). The verdicts (a backend
     mismatch under --trained-on, the refusal of unaccepted retokenized ids) are added when the
-    report is shown (runner/report_view.py), never stored."""
+    report is shown (runner/core/report_view.py), never stored."""
     drafters = []
     for i, (s, key) in enumerate(zip(summaries, keys)):
         chain = s["chain"]
@@ -117,7 +117,7 @@ def markdown_table(report: dict) -> str:
 
 def _plots(report: dict) -> dict[str, bytes]:
     """PNG bytes by artifact array name."""
-    from .. import reporting
+    from ..core import reporting
 
     plt = reporting.pyplot()
     drafters = report["drafters"]
@@ -149,7 +149,7 @@ def html_page(store, report: dict, pngs: dict[str, bytes], target_dir: str | Non
     drafters without a step, such as references). The banner, the warnings and the summary table
     are left to when the page is shown (``report_view.SHOW_MARK``): a row's backend-mismatch mark
     depends on --trained-on."""
-    from .. import reporting
+    from ..core import reporting
     from .drafter_eval import read_responses
     from .tokens import read_tokens
 
@@ -213,11 +213,11 @@ def _segments_provenance(store, partition: str, keys: list[str]) -> list[dict]:
 
 
 def completion_sources(store, tokens_node: Node) -> tuple[dict[str, int], dict[str, list[str]]]:
-    """Per label (runner/completion_source.py), how many of the set's tokens samples have it, and
+    """Per label (runner/core/completion_source.py), how many of the set's tokens samples have it, and
     the first prompt ids of each label that is not exact."""
     from dfcache.samples import SampleSet
 
-    from ..completion_source import EXACT, label_of
+    from ..core.completion_source import EXACT, label_of
 
     counts: dict[str, int] = {}
     ids: dict[str, list[str]] = {}

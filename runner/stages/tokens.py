@@ -31,10 +31,10 @@ computes hidden states or evals from stored tokens: the verdict is each run's, n
 Output, per sample: array ``ids`` (int32, prompt then completion) and the document
 ``{"finish_reason", "tokens_source", "eos_appended", "prompt_len", "completion_len"}``, plus
 ``ids_check`` for retokenized ids (``{"ok", "ids", "server_count", "round_trip", "problem",
-"replacement_chars", "reasoning_put_back"}``, facts only): what ``runner.completion_source.label_of``
+"replacement_chars", "reasoning_put_back"}``, facts only): what ``runner.core.completion_source.label_of``
 reads to label a report row.
 
-Imported samples (`dfcache import`, runner/imports.py) are tokens samples too, of a root
+Imported samples (`dfcache import`, runner/peers/imports.py) are tokens samples too, of a root
 partition (inputs as above plus ``imported``, no upstream; a sample named by the digest of its
 ids and loss mask) with one more array, ``loss_mask`` int8 (the peer's own mask).
 """
@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING
 
 from dfcache.errors import BadInputError
 
-from ..graph import KeyRecipe, Node, RunContext
-from ..summaries import samples_origin
+from ..core.graph import KeyRecipe, Node, RunContext
+from ..core.summaries import samples_origin
 from ..models.resolve import check_chat_template, resolved_target
 
 if TYPE_CHECKING:  # numpy is imported where arrays are made: planning a cached graph needs none

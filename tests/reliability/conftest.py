@@ -32,7 +32,7 @@ from zygote import Zygote  # noqa: E402
 # Preloaded by the light fork server: everything `dfcache` and the store writers import.
 LIGHT = ["dfcache.cli", "dfcache.cli._ls", "dfcache.cli._show", "dfcache.cli._verify", "dfcache.cli._gc",
          "dfcache.cli._transfer", "dfcache.store",
-         "dfcache.maintenance", "dfcache.transfer", "runner.cli", "runner.graph", "runner.pipeline",
+         "dfcache.maintenance", "dfcache.transfer", "runner.commands.run", "runner.core.graph", "runner.core.pipeline",
          "numpy", "ml_dtypes", "zarr", "numcodecs", "typer", "tqdm", "children",
          # what typer and the entry-point scan import lazily on every command
          "pydantic", "importlib.metadata", "typer._adapters", "email.message", "zipfile", "tempfile", "csv"]
@@ -40,7 +40,7 @@ HEAVY = LIGHT + ["torch", "transformers", "runner.models.target", "runner.stages
                  # transformers imports these lazily, at the first from_pretrained: ~4 s per process
                  "transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.auto.modeling_auto",
                  "transformers.tokenization_utils_fast", "safetensors.torch", "runner.stages.completions.sources",
-                 "runner.stages.hidden_states", "runner.stages.drafter_eval", "runner.models.dflash",
+                 "runner.stages.hidden_states", "runner.stages.drafter_eval", "runner.drafters.dflash",
                  "runner.stages.drafter_eval.metrics"]
 
 

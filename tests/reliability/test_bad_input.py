@@ -87,7 +87,7 @@ def model_dir(keep: tuple[str, ...] = (), config: bytes | None = None) -> Callab
 def drafter(edit: Callable[[dict], None] = lambda cfg: None, weights: Callable[[Path], None] | None = None
             ) -> Callable[[Ctx], None]:
     def setup(ctx: Ctx) -> None:
-        from runner.train_tiny import make_untrained_drafter
+        from runner.models.train_tiny import make_untrained_drafter
 
         d = ctx.tmp / "drafter"
         make_untrained_drafter(Path(ctx.target), d, seed=1)
@@ -621,7 +621,7 @@ def test_example_built_on_a_full_disk_is_one_clear_error(heavy_zygote, tmp_path,
 _BUILD = r"""
 import os, signal, sys
 from pathlib import Path
-from runner.example import _build_once, _new_build_dir
+from runner.models.example import _build_once, _new_build_dir
 
 where = Path(sys.argv[2])
 if sys.argv[1] == "killed":  # a build stopped half-way, then SIGKILLed by the test
@@ -641,7 +641,7 @@ def test_a_killed_example_build_is_cleaned_by_the_next_build_and_a_live_one_is_n
     """A build killed half-way leaves `example/.drafter-trained.*.tmp/`; the next build removes it
     (it holds no lock), never the directory of a build still running (it holds its lock), and
     builds its own model."""
-    from runner.example import DONE, _build_once
+    from runner.models.example import DONE, _build_once
 
     where = tmp_path / "example"
     killed = subprocess.Popen([sys.executable, "-c", _BUILD, "killed", str(where)], stdout=subprocess.PIPE,

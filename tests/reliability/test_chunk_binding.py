@@ -154,7 +154,7 @@ def test_run_eval_refuses_hidden_states_swapped_between_layers(heavy_zygote, bas
     """The issue's case: swap the first chunk file between the layer-1 and layer-3 hidden states,
     drop the evals and the report so they are computed again from the states: `run eval` exits 5
     naming the artifact and the fix, writes nothing; the fix works and gives the first run's τ."""
-    from runner.train_tiny import make_untrained_drafter
+    from runner.models.train_tiny import make_untrained_drafter
 
     store = copy_store(base_store, tmp_path / "store")
     drafter = make_untrained_drafter(base_store["args"][1], tmp_path / "drafter", seed=1, layer_ids=(1, 3))

@@ -37,7 +37,7 @@ def _as_fla_cuda(store, key: str) -> tuple[str, str]:
 
 
 def test_fla_cuda_states_evaluate_on_the_cpu(heavy_zygote, base_store, tmp_path):
-    from runner.train_tiny import make_untrained_drafter
+    from runner.models.train_tiny import make_untrained_drafter
 
     store = copy_store(base_store, tmp_path / "store")
     drafter = tmp_path / "drafter"

@@ -138,7 +138,7 @@ def test_sigint_while_requests_are_in_flight_in_the_pool(env, zygote, base_store
 
 @pytest.mark.parametrize("where,pause", [
     ("the fast path of a fully cached run", "import:runner.api"),
-    ("after the result was printed, while the process ends", "late:runner.cli_support"),
+    ("after the result was printed, while the process ends", "late:runner.commands.common"),
 ])
 def test_sigint_in_a_fully_cached_run(where, pause, env, zygote, base_store, tmp_path, figures):
     """A fully cached `run` (answered before the command-line framework is loaded): interrupted

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 from dfcache.errors import BadInputError, UsageError
 
-from ...graph import KeyRecipe, Node, RunContext
+from ...core.graph import KeyRecipe, Node, RunContext
 from ...models.resolve import check_chat_template, context_window, require_weights, resolved_target
 from .. import prompts as prompts_stage
 
@@ -174,7 +174,7 @@ def _produce_one(ctx: RunContext, node: Node) -> None:
     source.prepare()  # readiness and model check, once, before any generation request
     verify = None if source.kind == "local" else _Verifier(ctx, node)
     try:
-        from ...summaries import prompt_set_name
+        from ...core.summaries import prompt_set_name
 
         summary = f"{prompt_set_name(node.payload['prompts'])}: {node.summary}"  # the set: ls --by selection
         with SampleSink(ctx.store, node.partition, summary=summary, provenance=source.provenance,

@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING
 
 from dfcache.errors import BadInputError, NetworkError, ServerHTTPError, UsageError
 
-from ...graph import RunCache
-from ...values import int_list
+from ...core.graph import RunCache
+from ...core.values import int_list
 
 if TYPE_CHECKING:  # dfcache.http (http.client, ssl) is imported where a server is talked to
     from dfcache.http import HttpClient

@@ -56,9 +56,9 @@ from pathlib import Path
 from dfcache.errors import BadInputError, ModelNotFoundError
 from dfcache.keys import fingerprint_path
 
+from ...core.graph import KeyRecipe, Node, RunContext
+from ...core.values import int_list, json_kind
 from ...drafters.family import eagle_trees, tree_label
-from ...graph import KeyRecipe, Node, RunContext
-from ...values import int_list, json_kind
 
 # version 3: CPU scoring runs in passes of 64 roots (dflash.CPU_BATCH_ROOTS), not 256; the attention
 # groups follow the passes, so CPU logits moved at float rounding (2e-6 on the bench drafter) and an
@@ -98,7 +98,7 @@ class DrafterRef:
     mask_token_id: int
     trained_on: str | None
     hidden_size: int | None = None
-    step: int | None = None  # training step (runner/checkpoints.py), when the checkpoint says
+    step: int | None = None  # training step (runner/drafters/checkpoints.py), when the checkpoint says
     # What the checkpoint's config declares (dflash_config.trained_on_backend): covered by its
     # fingerprint, so a stored report may hold it. ``trained_on`` above is the run's view
     # (--trained-on, else this), a verdict input decided when results are shown, never stored.
@@ -171,7 +171,7 @@ def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
     if not opts.drafters:
         raise BadInputError("run eval needs at least one drafter: pass --drafter DIR (repeatable), or "
                             "--example for the embedded one.")
-    from ...checkpoints import expand_drafter_arg, incomplete_reason
+    from ...drafters.checkpoints import expand_drafter_arg, incomplete_reason
 
     refs = []
     for value in opts.drafters:  # a directory, a glob, or a training-output directory
@@ -279,7 +279,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
     from dfcache.samples import SampleSet, SampleSink
 
     from .metrics import RootScores, candidate_roots, effective_completion_len, evaluate_response
-    from ...models.dflash import DFlashDrafter, load_target_head
+    from ...drafters.dflash import DFlashDrafter, load_target_head
     from ...models.resolve import eos_token_ids
     from ..tokens import read_tokens
 
@@ -307,7 +307,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         states = [SampleSet(ctx.store, ln.partition.key, [ln.sample_keys[i] for i in todo])
                   for ln in node.payload["layers"]]
         bar = ctx.progress(len(todo), desc=f"eval {ref.name}", unit="resp")
-        from ...summaries import samples_origin
+        from ...core.summaries import samples_origin
 
         tp = node.payload["tokens"].payload
         origin = samples_origin(ctx.store, tp.get("completions") if isinstance(tp, dict) else None)
@@ -366,7 +366,7 @@ def score_response(drafter, head, feats, seq, roots: list[int], k: int):
     import torch
 
     from .metrics import RootScores
-    from ...models.dflash import iter_score_roots
+    from ...drafters.dflash import iter_score_roots
 
     ids = torch.as_tensor(seq.astype("int64") if hasattr(seq, "astype") else list(seq), dtype=torch.long)
     # Reduce each chunk of roots to argmax/top-k at once: [R, B-1, V] logits of a long response

@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING
 from dfcache.errors import BadInputError, UsageError
 from dfcache.keys import fingerprint_path
 
-from ...graph import KeyRecipe, Node, RunContext
-from ...summaries import samples_origin
+from ...core.graph import KeyRecipe, Node, RunContext
+from ...core.summaries import samples_origin
 from ...models.target import KernelSpec, kernel_problem, check_layer_ids, read_model_info, resolve_kernel
-from ...provenance_keys import key_version_inputs
+from ...core.provenance_keys import key_version_inputs
 
 if TYPE_CHECKING:  # numpy is imported where arrays are made: planning a cached graph needs none
     import numpy as np

@@ -131,9 +131,9 @@ def imported_sets(store, keys: list[str]) -> list[tuple[str, dict, list[int], li
 
 
 def _target_dir(store, set_key: str, target: str | None, provenance: dict, declared: str | None) -> str:
-    from .graph import RunContext
-    from .models.resolve import resolved_target
-    from .options import EvalOptions
+    from ..core.graph import RunContext
+    from ..models.resolve import resolved_target
+    from ..core.options import EvalOptions
 
     name = target or provenance.get("target_dir")
     if not name:
@@ -152,9 +152,9 @@ def recompute(store, keys: list[str], n: int, *, target: str | None = None, prog
     """Recompute ``n`` samples of each imported set among ``keys`` (see the module docstring)."""
     import torch
 
-    from .stages.hidden_states.extract import _storage_view
-    from .models.target import KernelSpec, kernel_problem, load_target
-    from .samples import stored_selection
+    from ..stages.hidden_states.extract import _storage_view
+    from ..models.target import KernelSpec, kernel_problem, load_target
+    from ..core.samples import stored_selection
 
     out: list[SetAgreement] = []
     for set_key, backend, layers, layer_keys, prov in imported_sets(store, keys):

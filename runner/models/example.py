@@ -21,7 +21,7 @@ from typing import Callable
 
 from dfcache.errors import StoreWriteError, UsageError
 
-from .options import EvalOptions
+from ..core.options import EvalOptions
 
 EXAMPLE_DEFAULTS = dict(prompts="builtin:coding", num_prompts=8, max_new_tokens=64, dtype="float32",
                         backend="torch", device="cpu", completions="local", tree_budgets=[4, 8])

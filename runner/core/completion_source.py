@@ -46,7 +46,7 @@ def label_of(doc: dict) -> str:
     if source == "local":
         return LOCAL
     if isinstance(source, str) and source.startswith("imported"):
-        return IMPORTED  # tokens_source "imported from specforge" and the like (runner/imports.py)
+        return IMPORTED  # tokens_source "imported from specforge" and the like (runner/peers/imports.py)
     check = doc.get("ids_check")
     if not isinstance(check, dict):
         return UNCHECKED

@@ -107,7 +107,7 @@ class EvalOptions:
             raise UsageError(f"--tree-budget {min(int(b) for b in self.tree_budgets)}: budgets are positive "
                              "numbers of drafted nodes.")
         if self.eagle_trees:
-            from .drafters.family import eagle_trees
+            from ..drafters.family import eagle_trees
 
             eagle_trees(self)  # TOPK,STEPS,TOKENS each positive (UsageError otherwise)
         if self.max_new_tokens is not None and self.max_new_tokens > MAX_NEW_TOKENS:

@@ -53,7 +53,7 @@ class ConcatResult:
 
 
 def concat_partition(source):
-    """The partition of a :class:`runner.samples.StoredSamples`'s layers concatenated, in its order."""
+    """The partition of a :class:`runner.core.samples.StoredSamples`'s layers concatenated, in its order."""
     from dfcache.samples import Partition
 
     layers = list(source.layers) if source.layers is not None else None

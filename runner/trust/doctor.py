@@ -10,7 +10,7 @@ thinking mode.
 
 Nothing here imports torch or transformers: configs and tokenizers are read as JSON and
 safetensors headers (and the one MASK embedding row) are read directly
-(:mod:`runner.safetensors_header`), so the doctor answers in well under a second.
+(:mod:`runner.models.safetensors_header`), so the doctor answers in well under a second.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 
 from dfcache.errors import BadInputError, ModelNotFoundError
 
-from .models.resolve import chat_template_hash, chat_template_text, resolve_target
-from .safetensors_header import read_rows, tensor_index
+from ..models.resolve import chat_template_hash, chat_template_text, resolve_target
+from ..models.safetensors_header import read_rows, tensor_index
 
 SEVERITIES = ("error", "warning", "info")
 _EMBED_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight",

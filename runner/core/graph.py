@@ -10,7 +10,7 @@ importing torch; ``produce`` writes one artifact per node through ``ctx.store``.
 stage that share a ``group`` are produced by one call (all missing hidden-state layers come from
 one forward pass).
 
-This module imports no stage: stages import it, and ``runner/pipeline.py`` holds the table of
+This module imports no stage: stages import it, and ``runner/core/pipeline.py`` holds the table of
 stages and runs them.
 
 Resolution order for every node: the local store, then each remote in order, then compute.
@@ -53,7 +53,7 @@ class Node:
     payload: Any = None  # stage-private, never keyed (e.g. a resolved local path)
     status: str = ""  # cached | remote | compute (cpu) | compute (gpu) | network | not needed
     remote: Any = None  # the remote store it was found in
-    # Per-sample nodes (see runner/sampling.py); None for set-level nodes (a report).
+    # Per-sample nodes (see runner/core/sampling.py); None for set-level nodes (a report).
     partition: Any = None  # dfcache.samples.Partition
     upstream_samples: list[str] | None = None  # per position of the prompt set
     sample_keys: list[str] | None = None
@@ -241,7 +241,7 @@ class RunContext:
 
     def progress(self, total: int | None, desc: str, unit: str = "it", unit_scale: bool = False):
         """A bar on a terminal; elsewhere, with ``options.progress_every`` set (the command line
-        sets it unless --no-progress), a line every so many seconds (runner/progress.py)."""
+        sets it unless --no-progress), a line every so many seconds (runner/core/progress.py)."""
         every = getattr(self.options, "progress_every", None)
         if not self.options.progress and every is not None:
             from .progress import LineProgress
@@ -292,7 +292,7 @@ def resolve(ctx: RunContext, nodes: list[Node]) -> list[Node]:
     """Give every node its status without doing any work.
 
     Set-level nodes: stored locally, in a remote, or to produce. Per-sample nodes: where each
-    sample is, then what this run must pull and produce (runner/sampling.py): a stored report
+    sample is, then what this run must pull and produce (runner/core/sampling.py): a stored report
     needs nothing under it; a sample nobody downstream needs is left alone."""
     from .sampling import assign_demand, locate
 

@@ -1,4 +1,4 @@
-"""Train a tiny DFlash drafter for the tiny target (``runner/tiny.py``), on CPU, in seconds.
+"""Train a tiny DFlash drafter for the tiny target (``runner/models/tiny.py``), on CPU, in seconds.
 
 Used by tests and by ``--example`` runs that need a drafter whose acceptance is well above
 chance, so the evaluator's numbers mean something. The recipe is SpecForge's DFlash recipe cut
@@ -32,8 +32,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from runner.models.dflash import (DFlashConfig, DFlashDrafter, init_drafter_weights, load_target_head,
-                                  save_drafter)
+from runner.drafters.dflash import DFlashConfig, DFlashDrafter, init_drafter_weights, load_target_head, save_drafter
 
 __all__ = ["tiny_drafter_config", "train_tiny_drafter", "make_untrained_drafter", "load_prompts",
            "capture_features", "greedy_complete", "greedy_complete_batch", "TrainingSequence",

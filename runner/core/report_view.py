@@ -17,8 +17,8 @@ The files under ``<store>/reports/<key[:12]>/`` are written here too: the PNGs o
 they were written for (a stamp, ``.shown.json``, written after them and compared first, so a
 fully cached run that shows what the files already say reads one small file and writes nothing).
 
-Standard library only (and runner.completion_source): a fully cached ``run eval`` is answered
-through here by runner/fast_cli.py, which must not import numpy, torch or typer.
+Standard library only (and runner.core.completion_source): a fully cached ``run eval`` is answered
+through here by runner/commands/fast_run.py, which must not import numpy, torch or typer.
 """
 
 from __future__ import annotations

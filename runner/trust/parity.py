@@ -6,7 +6,7 @@ context features committed so far, verify it with a target forward, accept the m
 plus the bonus token, append the accepted positions' target features to the context, repeat.
 :func:`reference_draft` computes a draft the way ``DFlashDraftModel.forward`` does (keys/values =
 cat(context, block), RoPE at absolute positions), independently of the batched attention code in
-:mod:`runner.models.dflash` that the offline eval uses; only the weights are shared.
+:mod:`runner.drafters.dflash` that the offline eval uses; only the weights are shared.
 
 The target is driven by a verifier. :class:`CachedVerifier` (``--online-loop cache``, the
 default) runs it as SGLang and vLLM do: one prefill forward, then one forward over each drafted
@@ -118,7 +118,7 @@ def reference_draft(drafter, head, ctx_features, block_ids, start: int):
 
 def target_pass(model, ids, layer_ids):
     """One full target forward: (greedy next token at every position [T], features [T, n*H])."""
-    from .train_tiny import capture_features
+    from ..models.train_tiny import capture_features
 
     logits, feats = capture_features(model, ids, layer_ids)
     return logits.argmax(-1).cpu(), feats
@@ -151,7 +151,7 @@ class _Verifier:
     name = ""
 
     def __init__(self, model, layer_ids, block_size: int, rebind=None) -> None:
-        from .train_tiny import _decoder_layers
+        from ..models.train_tiny import _decoder_layers
 
         self.model = model
         self.layer_ids = list(layer_ids)
@@ -340,7 +340,7 @@ def online_dflash(model, drafter, head, prompt: list[int], max_new_tokens: int, 
     """
     import torch
 
-    from .stages.drafter_eval.metrics import chain_accept
+    from ..stages.drafter_eval.metrics import chain_accept
 
     B = drafter.block_size
     verifier = make_verifier(loop, model, drafter.target_layer_ids, B, rebind)
@@ -382,8 +382,8 @@ def online_eagle3(model, drafter, head, prompt: list[int], max_new_tokens: int,
     receives ``blocks`` ([OnlineBlock]), ``context`` and ``loop``."""
     import torch
 
-    from .drafters.eagle3 import draft_one_root
-    from .stages.drafter_eval.metrics import chain_accept
+    from ..drafters.eagle3 import draft_one_root
+    from ..stages.drafter_eval.metrics import chain_accept
 
     verifier = make_verifier(loop, model, drafter.target_layer_ids, depth + 1, rebind)
     P = len(prompt)
@@ -423,7 +423,7 @@ def serving_features_walk(model, drafter, head, prompt: list[int], completion: l
     where the features come from: what a "serving features" eval mode would compute."""
     import torch
 
-    from .stages.drafter_eval.metrics import chain_accept
+    from ..stages.drafter_eval.metrics import chain_accept
 
     B = drafter.block_size
     seq = list(prompt) + list(completion)
@@ -457,7 +457,7 @@ def online_ddtree(model, drafter, head, prompt: list[int], max_new_tokens: int, 
     """
     import torch
 
-    from .stages.drafter_eval.metrics import build_ddtree, topk_log_probs
+    from ..stages.drafter_eval.metrics import build_ddtree, topk_log_probs
 
     B = drafter.block_size
     verifier = make_verifier(loop, model, drafter.target_layer_ids, B, rebind)
@@ -736,7 +736,7 @@ class _Alignment:
 
 
 def _example_models(store, opts: ParityOptions) -> None:
-    from .example import example_models
+    from ..models.example import example_models
 
     where = store.local_dir("example")
     if where is None:
@@ -749,9 +749,9 @@ def _example_models(store, opts: ParityOptions) -> None:
 def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
     """Run the eval graph and the online loops on the same prompts; compare them block by block."""
     log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-    from .graph import RunContext, check_offline, resolve
-    from .options import EvalOptions
-    from .pipeline import build_graph, execute
+    from ..core.graph import RunContext, check_offline, resolve
+    from ..core.options import EvalOptions
+    from ..core.pipeline import build_graph, execute
 
     # The online side runs where the states are: an explicit device (the eval options also take auto).
     if opts.device not in ("cpu", "cuda"):
@@ -786,7 +786,7 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
     execute(ctx, nodes)
     ev = next(n for n in nodes if n.stage == "drafter_eval")
     tokens_node = next(n for n in nodes if n.stage == "tokens")
-    from .stages.drafter_eval import read_responses
+    from ..stages.drafter_eval import read_responses
 
     responses = read_responses(store, ev)
     if not responses:
@@ -797,13 +797,13 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
 
     from dfcache.samples import SampleSet
 
-    from .models.dflash import DFlashDrafter, load_target_head
-    from .models.resolve import eos_token_ids
-    from .models.target import KernelSpec
-    from .stages.drafter_eval import read_context, score_response
-    from .stages.drafter_eval.metrics import candidate_roots
-    from .stages.hidden_states import get_target
-    from .stages.tokens import read_tokens
+    from ..drafters.dflash import DFlashDrafter, load_target_head
+    from ..models.resolve import eos_token_ids
+    from ..models.target import KernelSpec
+    from ..stages.drafter_eval import read_context, score_response
+    from ..stages.drafter_eval.metrics import candidate_roots
+    from ..stages.hidden_states import get_target
+    from ..stages.tokens import read_tokens
 
     backend = KernelSpec(**hs[0].inputs["backend"])
     target_dir = tokens_node.payload["target_dir"]
@@ -813,7 +813,7 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
     ref = ev.payload["drafter"]
     eagle3 = ref.family == "eagle3"
     if eagle3:  # runner/drafters/: its own drafter, online loop and batched scoring; no DDTree
-        from .drafters.eagle3 import Eagle3Drafter
+        from ..drafters.eagle3 import Eagle3Drafter
 
         drafter = Eagle3Drafter.from_pretrained(Path(opts.drafter).expanduser(), device=dev, dtype=dtype)
         drafter.layer_ids, drafter.block_size = list(ref.target_layer_ids), ref.block_size
@@ -872,7 +872,7 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
                 stop = min(max(max(roots), n_aligned), len(seq))
                 stored_feats = read_context(states, 0, stop, head.hidden_size).to(device=dev)
                 if eagle3:
-                    from .stages.drafter_eval import score_eagle3
+                    from ..stages.drafter_eval import score_eagle3
 
                     scores, _ = score_eagle3(drafter, head, stored_feats.to(dtype), seq, roots, B - 1, [], P,
                                              resp["completion_len"])

@@ -36,7 +36,7 @@ import numpy as np
 
 from dfcache.errors import BadInputError, UsageError
 
-from .samples import Selection
+from ..core.samples import Selection
 
 FORMATS = ("specforge", "speculators")
 MANIFEST = "dfcache-export.json"

@@ -37,7 +37,7 @@ def parse_key_versions(value: str | None) -> list[str]:
 
 def installed_version(dist: str) -> str | None:
     if dist == "cuda":
-        from .models.target import _torch_build
+        from ..models.target import _torch_build
 
         return _torch_build().get("cuda")
     import importlib.metadata  # here: the default keys read no package metadata

@@ -4,7 +4,7 @@ Typer, click and pydantic cost more than the whole of a run whose every artifact
 (docs/benchmarks.md, ``noop-eval``). ``dfcache/__main__.py`` calls :func:`main` first; it reads
 the command line itself, resolves the graph through :func:`runner.api.resolve_graph` (the same
 keys, the same store lookups), and when every node is cached prints the result through the
-functions ``dfcache run`` itself prints with (:mod:`runner.cli_support`), so the output is the
+functions ``dfcache run`` itself prints with (:mod:`runner.commands.common`), so the output is the
 same bytes but for the seconds it reports.
 
 It answers only what it understands completely and what needs no work: a ``run`` command line
@@ -31,7 +31,7 @@ _GLOBAL = ("--json", "--offline", "--no-progress")  # --store too; --debug and -
 _INT = re.compile(r"[0-9]+\Z")
 _FLOAT = re.compile(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)\Z")
 
-# The options of `run` this path takes, in the order runner.cli declares them (fix messages
+# The options of `run` this path takes, in the order runner.commands.run declares them (fix messages
 # rebuild the command line in that order): flag -> (EvalOptions field, kind). A flag with two
 # spellings (--revision, --target-revision) gives its first one in fix messages, as click does.
 _OPTIONS: list[tuple[tuple[str, ...], str, str]] = [
@@ -129,14 +129,14 @@ def parse(argv: list[str]) -> dict | None:
 
 
 def _arg(v) -> str:
-    # As runner.cli._arg spells values in fix messages.
+    # As runner.commands.run._arg spells values in fix messages.
     if isinstance(v, float):
         return str(int(v)) if v.is_integer() else repr(v)
     return str(v)
 
 
 def run_argv(p: dict) -> list[str]:
-    """The ``run`` arguments fix messages name, as runner.cli._run_argv rebuilds them: global
+    """The ``run`` arguments fix messages name, as runner.commands.run._run_argv rebuilds them: global
     options given before the command, ``run TARGET``, then the command's own options given on the
     command line in declaration order, then the global options given after it."""
     def globals_at(where: str) -> list[str]:
@@ -187,7 +187,7 @@ def main(argv: list[str]) -> int | None:
         return 130
     except Exception:  # noqa: BLE001 - not ours (_NotMine), or an error the full CLI reports properly
         return None
-    from .cli_support import print_run
+    from .common import print_run
 
     real_stderr.write(said.getvalue())
     real_stderr.flush()
@@ -201,7 +201,7 @@ def _resolve(p: dict, loc: str, stderr):
     from dfcache import config
     from dfcache.store.layout import STORE_MARKER
 
-    from .options import EvalOptions
+    from ..core.options import EvalOptions
 
     root = os.path.abspath(os.path.expanduser(loc))
     if not os.path.isfile(os.path.join(root, STORE_MARKER)):
@@ -215,7 +215,7 @@ def _resolve(p: dict, loc: str, stderr):
     opts.json = json_out
     opts.progress = not (no_progress or json_out) and stderr.isatty()
     opts.validate()
-    from .cli_support import quiet_libraries
+    from .common import quiet_libraries
 
     quiet_libraries(bars=opts.progress, notices=opts.progress or not no_progress)
     started = time.perf_counter()
@@ -223,12 +223,12 @@ def _resolve(p: dict, loc: str, stderr):
 
     store = open_store(root, create=False)
     if opts.example:
-        from .example import example_built
+        from ..models.example import example_built
 
         if not example_built(store):
             raise _NotMine  # building the example models is work
-    from . import api
-    from .distributed import discover
+    from .. import api
+    from ..distributed import discover
 
     if discover(None).distributed:
         raise _NotMine

@@ -16,7 +16,7 @@ Nothing in the files says which layers, model or kernels made them: the user dec
 target (``--target``), the layer ids in file order (``--layer``, dfcache numbering: output of
 decoder layer k) and the backend class (``--backend``, ``--device``). The declared layers are
 checked before anything is written: one sample is recomputed on the CPU and each column must be
-nearest to its declared layer, not to a neighbour (runner/import_check.py); a declaration that
+nearest to its declared layer, not to a neighbour (runner/peers/import_check.py); a declaration that
 does not hold is refused (exit 6) naming the layers the columns hold. ``--no-check`` skips it and
 marks the import unchecked. The files are loaded with
 ``torch.load(weights_only=True)`` (no arbitrary unpickling). Samples go into the store's
@@ -50,8 +50,8 @@ import xxhash
 
 from dfcache.errors import BadInputError, UsageError
 
-from .graph import RunContext
-from .options import EvalOptions
+from ..core.graph import RunContext
+from ..core.options import EvalOptions
 
 FORMATS = ("specforge", "speculators", "modelopt")
 # Keyed in the imported tokens partition (tokens_partition): never changes, whatever the check.
@@ -78,7 +78,7 @@ class ImportResult:
     reused: int = 0  # samples that were in the store already (from any earlier import)
     notes: list[str] = field(default_factory=list)
     provenance: str = CHECKED
-    layer_check: dict | None = None  # runner.import_check.LayerCheck.to_dict(), or {"checked": False}
+    layer_check: dict | None = None  # runner.peers.import_check.LayerCheck.to_dict(), or {"checked": False}
 
     def to_dict(self) -> dict:
         return {"format": self.format, "samples": self.samples, "tokens_key": self.tokens_key,
@@ -203,10 +203,10 @@ def import_dir(fmt: str, root: str | Path, opts: EvalOptions, store, *, layers: 
     """Import the samples under ``root``; see the module docstring. Raises BadInputError (exit 6)
     after committing the good samples when any were refused, and before writing anything when the
     declared layers do not hold on a recomputed sample (``check``; ``log``: its progress line)."""
-    from .models.resolve import resolved_target
-    from .models.target import check_layer_ids, read_model_info, resolve_kernel
-    from .stages import hidden_states as hs_stage
-    from .stages import tokens as tokens_stage
+    from ..models.resolve import resolved_target
+    from ..models.target import check_layer_ids, read_model_info, resolve_kernel
+    from ..stages import hidden_states as hs_stage
+    from ..stages import tokens as tokens_stage
 
     if fmt not in FORMATS:
         raise UsageError(f"--format {fmt!r} is not one of {', '.join(FORMATS)}.")
@@ -283,11 +283,11 @@ def import_dir(fmt: str, root: str | Path, opts: EvalOptions, store, *, layers: 
 
 def _check_layers(fmt, root: Path, good, masks, layers: list[int], width: int, info, target, declared, log):
     """Recompute the shortest good sample's first tokens and check each column's layer (see
-    runner/import_check.py); raises the refusal (exit 6) before anything is written."""
-    from .import_check import (CHECK_TOKENS, TOLERANCE_CROSS, TOLERANCE_SAME, LayerCheck, candidates,
-                               check_columns, recompute, refusal)
-    from .models.resolve import require_weights
-    from .models.target import KernelSpec
+    runner/peers/import_check.py); raises the refusal (exit 6) before anything is written."""
+    from .import_check import (CHECK_TOKENS, TOLERANCE_CROSS, TOLERANCE_SAME, LayerCheck, candidates, check_columns,
+                               recompute, refusal)
+    from ..models.resolve import require_weights
+    from ..models.target import KernelSpec
 
     i = min(range(len(good)), key=lambda j: (len(good[j][1]), j))
     path, ids, _ = good[i]
@@ -337,7 +337,7 @@ def tokens_partition(target, fmt_free: bool = True):
     so the same sample imported again, from any directory or set, is the same sample."""
     from dfcache.samples import Partition
 
-    from .stages import tokens as tokens_stage
+    from ..stages import tokens as tokens_stage
 
     inputs = {"target": target.fingerprint, "tokenizer": target.tokenizer_fingerprint,
               "chat_template": target.chat_template_hash, "enable_thinking": False, "imported": PROVENANCE}

@@ -39,7 +39,7 @@ CHECK_TOKENS = 256
 # Recomputed with the declared class itself (torch on the CPU, the files' dtype and attention):
 # the stored rows are a one-sample forward's bits (stages/hidden_states/extract.py), and on the
 # tiny target a recomputed sample, whole or its first 64 tokens, was bitwise equal in bf16 and
-# fp32 (distance 0). The bounds are `verify --recompute`'s (runner/recompute.py), so the two
+# fp32 (distance 0). The bounds are `verify --recompute`'s (runner/peers/recompute.py), so the two
 # checks agree on what "the same class" tolerates.
 TOLERANCE_SAME = {"bfloat16": 1e-2, "float32": 1e-4}
 # Recomputed on the CPU for states declared from a GPU class (fla or torch on CUDA): the kernels
@@ -139,7 +139,7 @@ def recompute(target_dir, backend, ids: np.ndarray, cands: list[Candidate]) -> d
     """Each candidate's states for ``ids`` [t] (float32 [t, hidden]), one forward on ``backend``."""
     import torch
 
-    from .models.target import load_target
+    from ..models.target import load_target
 
     model = load_target(target_dir, backend)
     layers = [c.layer for c in cands if c.layer is not None]

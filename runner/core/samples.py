@@ -170,7 +170,7 @@ class StoredSamples(_ByLocation):
                       tensors=tensors)
 
     def use_concatenated(self, partition: str, keys: list[str]) -> None:
-        """Read hidden states from the selection's concatenated copy (runner.concat): each sample's
+        """Read hidden states from the selection's concatenated copy (runner.core.concat): each sample's
         layers side by side in one chunk, so an item in the main process is a private map of its rows."""
         self.concatenated = (partition, list(keys))
         if self._handles is not None:
@@ -400,8 +400,8 @@ def resolve_selection(opts: EvalOptions, *, store, layers: list[int] | None = No
     end, as speculators' layout wants. ``out``: where notes go (default: stderr).
     """
     from .graph import RunContext, resolve, topo_order
-    from .models.target import read_model_info
-    from .stages import completions, drafter_eval, hidden_states, prompts, tokens
+    from ..models.target import read_model_info
+    from ..stages import completions, drafter_eval, hidden_states, prompts, tokens
 
     ctx = RunContext(store, opts, remotes=[], argv=argv or ["run", "hidden-states"], out=out)
     tok = tokens.build(ctx, completions.build(ctx, prompts.build(ctx)))
@@ -492,7 +492,7 @@ class _Part:
 def _import_selection(store, m, layers: list[int]) -> Selection:
     from dfcache.samples import index_of
 
-    from .imports import read_import
+    from ..peers.imports import read_import
 
     doc = read_import(store, m.key)
     have = list(doc["layers"])

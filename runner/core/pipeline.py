@@ -2,7 +2,7 @@
 
 ``prompts → completions → tokens → hidden_states[layer] → drafter_eval → report``
 
-``STAGES`` is the one place that names the stages; ``runner.graph`` (what a node and a run are)
+``STAGES`` is the one place that names the stages; ``runner.core.graph`` (what a node and a run are)
 imports none of them, so stages import the graph and nothing imports back. ``build_graph(ctx,
 upto)`` wires the stages; it resolves inputs and computes every key without doing any work (and
 without importing torch). ``execute(ctx, nodes)`` produces what is missing, in dependency order.
@@ -15,7 +15,7 @@ from types import ModuleType
 from dfcache.errors import InternalError, UsageError
 
 from .graph import Node, RunContext, topo_order
-from .stages import completions, drafter_eval, hidden_states, prompts, report, tokens
+from ..stages import completions, drafter_eval, hidden_states, prompts, report, tokens
 
 STAGES: dict[str, ModuleType] = {m.NAME: m for m in (prompts, completions, tokens, hidden_states, drafter_eval,
                                                      report)}

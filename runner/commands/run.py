@@ -15,8 +15,8 @@ import typer
 from dfcache.cli.common import get_store, progress_enabled, state
 from dfcache.errors import UsageError
 
-from .cli_support import _print_plan, open_remotes, print_run, quiet_libraries  # noqa: F401  (public here too)
-from .options import EvalOptions
+from .common import _print_plan, open_remotes, print_run, quiet_libraries  # noqa: F401  (public here too)
+from ..core.options import EvalOptions
 
 RUN_TARGETS = {"eval": "eval", "prompts": "prompts", "completions": "completions", "tokens": "tokens",
                "hidden-states": "hidden-states", "hidden_states": "hidden-states"}
@@ -106,7 +106,7 @@ def _make_command(mode: str):
 
 
 def _key_versions(value: str | None) -> list[str]:
-    from .provenance_keys import parse_key_versions
+    from ..core.provenance_keys import parse_key_versions
 
     return parse_key_versions(value)
 
@@ -166,8 +166,8 @@ def register(app: typer.Typer) -> None:
     state.recomputers["import"] = _recompute_hidden_states
     app.command("plan", context_settings={"allow_interspersed_args": True})(_make_command("plan"))
     app.command("run", context_settings={"allow_interspersed_args": True})(_make_command("run"))
-    from .cli_peers import register as register_peers
-    from .trust_cli import register as register_trust_tools
+    from .peers import register as register_peers
+    from .trust import register as register_trust_tools
     from .watch import register as register_watch
 
     register_peers(app)
@@ -176,7 +176,7 @@ def register(app: typer.Typer) -> None:
 
 
 def _recompute_hidden_states(store, keys, n, **kw) -> dict:
-    from .recompute import verify_hook  # imports torch only when asked to recompute
+    from ..peers.recompute import verify_hook  # imports torch only when asked to recompute
 
     return verify_hook(store, keys, n, **kw)
 
@@ -187,8 +187,8 @@ def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None
     A run is one worker of a distributed run under torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or with
     ``--shard I/N``: it makes its share, and only the worker that speaks for the job prints the
     summary (docs/distributed.md); other torchrun ranks print nothing and return (None, None)."""
-    from . import api
-    from .graph import check_offline
+    from .. import api
+    from ..core.graph import check_offline
 
     opts.validate()  # before anything is opened; RunContext checks again for Python callers
     quiet_libraries(bars=opts.progress, notices=opts.progress or not state.no_progress)
@@ -201,7 +201,7 @@ def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None
         if opts.offline:
             check_offline(ctx, nodes)
         return ctx, nodes
-    from .distributed import discover, run_worker
+    from ..distributed import discover, run_worker
 
     worker = discover(shard)
     done = run_worker(upto, opts, get_store(), worker=worker, argv=argv, log=log)

@@ -19,7 +19,7 @@ _NOT_SELECTION = ("target", "tree_budget", "end_rule", "max_blocks", "trained_on
 
 
 def _selection_params() -> list[inspect.Parameter]:
-    from .cli import _make_command
+    from .run import _make_command
 
     sig = inspect.signature(_make_command("options"), eval_str=True)
     return [p for p in sig.parameters.values() if p.name not in _NOT_SELECTION]
@@ -33,22 +33,22 @@ def _with_params(func, extra: list[inspect.Parameter]):
 
 
 def _options(ctx: typer.Context, kw: dict):
-    from .cli import _make_command
+    from .run import _make_command
 
     return _make_command("options")(ctx, target="hidden-states", tree_budget=None, end_rule="within",
                                     max_blocks=None, trained_on=None, **kw)
 
 
 def _argv(ctx: typer.Context) -> list[str]:
-    from .cli import _run_argv
+    from .run import _run_argv
 
     return _run_argv(ctx, "hidden-states")
 
 
 def export_command(ctx: typer.Context, **kw) -> None:
     """Write a selection's cached hidden states in SpecForge's or speculators' layout."""
-    from .export import export
-    from .samples import resolve_selection
+    from ..peers.export import export
+    from ..core.samples import resolve_selection
 
     fmt, out = kw.pop("format"), kw.pop("out")
     opts = _options(ctx, kw)
@@ -77,8 +77,8 @@ def export_command(ctx: typer.Context, **kw) -> None:
 
 def concat_command(ctx: typer.Context, **kw) -> None:
     """Store a selection's layers concatenated once more, for training reads with no copy."""
-    from .concat import STAGE, concat
-    from .samples import resolve_selection
+    from ..core.concat import STAGE, concat
+    from ..core.samples import resolve_selection
 
     opts = _options(ctx, kw)
     store = get_store(create=False)
@@ -118,8 +118,8 @@ def import_command(
     from dfcache.cli.common import state
     from dfcache.errors import BadInputError
 
-    from .imports import import_dir
-    from .options import EvalOptions
+    from ..peers.imports import import_dir
+    from ..core.options import EvalOptions
 
     if store is not None:
         state.store_location = store
@@ -132,7 +132,7 @@ def import_command(
 
         progress = lambda n, what: tqdm(total=n, desc=f"import {fmt} ({what})", unit="sample",  # noqa: E731
                                         file=sys.stderr, leave=False)
-    from .cli_support import quiet_libraries
+    from .common import quiet_libraries
 
     quiet_libraries(bars=progress is not None, notices=not (no_progress or state.no_progress))
     log = None if (no_progress or state.no_progress) else (lambda m: print(m, file=sys.stderr, flush=True))
@@ -168,7 +168,7 @@ def _print_import(res) -> None:
     for note in res.notes:
         print(f"note: {note}")
     if res.layer_check and res.layer_check.get("checked"):
-        from .import_check import summary_of
+        from ..peers.import_check import summary_of
 
         print(summary_of(res.layer_check))
     print(f"read them: runner.api.hidden_state_dataset(tokens_key={res.tokens_key[:12]!r}, "

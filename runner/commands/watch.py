@@ -1,6 +1,6 @@
 """`dfcache watch DIR`: evaluate a training run's checkpoints as they appear, τ by step.
 
-Each poll lists DIR's checkpoints (``runner/checkpoints.py``: ``checkpoint-N``, ``step_N``, ...,
+Each poll lists DIR's checkpoints (``runner/drafters/checkpoints.py``: ``checkpoint-N``, ``step_N``, ...,
 or the directories a glob matches), takes those that are completely written and not yet
 evaluated, and evaluates them through the normal eval graph: prompts, completions, tokens and
 hidden states are resolved like ``run eval`` does, so the target side is computed once (or
@@ -34,9 +34,9 @@ import typer
 from dfcache.cli.common import emit_json, get_store, state
 from dfcache.errors import BadInputError, DfcacheError, UsageError
 
-from .checkpoints import (Checkpoint, glob_checkpoints, incomplete_reason, is_glob, newest_mtime, snapshot,
-                          training_checkpoints)
-from .options import EvalOptions
+from ..drafters.checkpoints import (Checkpoint, glob_checkpoints, incomplete_reason, is_glob, newest_mtime, snapshot,
+                                    training_checkpoints)
+from ..core.options import EvalOptions
 
 FILES = ("watch.json", "watch.md", "tau_by_step.png", "histograms.png", "report.html")
 SETTLE_SLACK = 1.0  # seconds `--once` may wait past one interval, for the clock's rounding
@@ -152,7 +152,7 @@ class Watch:
 
     def check_inputs(self) -> None:
         """Bad DIR or --reference: exit 6 before any work."""
-        from .stages.drafter_eval import read_drafter
+        from ..stages.drafter_eval import read_drafter
 
         if not is_glob(self.directory):
             d = Path(self.directory).expanduser()
@@ -207,9 +207,9 @@ class Watch:
     # ------------------------------------------------------------------ evaluation
 
     def evaluate(self, ready: list[Checkpoint]) -> list[Evaluated]:
-        from .graph import RunContext, check_offline, resolve, topo_order
-        from .pipeline import execute
-        from .stages import completions, drafter_eval, hidden_states, prompts, tokens
+        from ..core.graph import RunContext, check_offline, resolve, topo_order
+        from ..core.pipeline import execute
+        from ..stages import completions, drafter_eval, hidden_states, prompts, tokens
 
         refs = []
         for c in ready:
@@ -314,7 +314,7 @@ class Watch:
     # ------------------------------------------------------------------ the report
 
     def write_report(self) -> dict[str, Path]:
-        from . import reporting
+        from ..core import reporting
 
         records = self.ordered()
         points = [_point(r) for r in records]
@@ -365,9 +365,9 @@ class Watch:
         return "\n".join(lines) + f"\n\nEnd rule: {self.end_rule()} (see docs/metrics.md)."
 
     def html(self, records, latest, best, chosen, files: dict[str, bytes]) -> str:
-        from . import reporting
-        from .stages import drafter_eval
-        from .stages.tokens import read_tokens
+        from ..core import reporting
+        from ..stages import drafter_eval
+        from ..stages.tokens import read_tokens
 
         headers = ["step", "checkpoint", "τ chain"] + [f"τ tree-{b}" for b in self.budgets] + \
             ["blocks", "tokens/block", "responses", "key"]
@@ -472,7 +472,7 @@ def fmt(v) -> str:
 
 
 def _point(r: Evaluated):
-    from .reporting import Point
+    from ..core.reporting import Point
 
     s = r.summary
     return Point(r.name, r.step, s["chain"]["tau"], {b: t["tau"] for b, t in s["tree"].items()},
@@ -488,7 +488,7 @@ _DROPPED = ("ctx", "target", "drafter", "example")  # of run's options: DIR and 
 
 
 def _command():
-    from . import cli
+    from . import run as cli
 
     options_of = cli._make_command("options")
 
@@ -504,7 +504,7 @@ def _command():
         opts = options_of(ctx, target="eval", drafter=None, example=False, **kw)
         if not interval >= 0:
             raise UsageError(f"--interval {interval:g}: give a number of seconds (0 or more).")
-        from .cli import _run_argv, open_remotes
+        from .run import _run_argv, open_remotes
 
         # Fix messages quote this command line: `watch DIR ...` in place of `run eval ...`.
         marker = "\0watch-dir"

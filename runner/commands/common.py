@@ -1,8 +1,8 @@
 """What `dfcache plan` and `dfcache run` do around the graph without the command-line framework:
 the remotes to consult, keeping libraries quiet, and printing results.
 
-Apart from runner.cli (typer) so that a fully cached run can be answered by
-:mod:`runner.fast_cli` before typer, click or pydantic are imported (docs/benchmarks.md,
+Apart from runner.commands.run (typer) so that a fully cached run can be answered by
+:mod:`runner.commands.fast_run` before typer, click or pydantic are imported (docs/benchmarks.md,
 ``noop-eval``); both print through the functions here, so their output is the same bytes.
 """
 
@@ -12,7 +12,7 @@ import sys
 
 from dfcache.console import emit_json
 
-from .options import EvalOptions
+from ..core.options import EvalOptions
 
 
 def open_remotes(opts: EvalOptions, log=None) -> list:

@@ -21,12 +21,12 @@ import dataclasses
 
 from dfcache.errors import UsageError
 
-from .graph import RunContext, check_offline, resolve, topo_order
-from .options import EvalOptions
+from ..core.graph import RunContext, check_offline, resolve, topo_order
+from ..core.options import EvalOptions
 
 
 def _backend_graph(ctx: RunContext, tokens_node, drafters, layers):
-    from .stages import drafter_eval, hidden_states
+    from ..stages import drafter_eval, hidden_states
 
     hs = hidden_states.build(ctx, tokens_node, layers)
     evals = [drafter_eval.build(ctx, tokens_node, hs, d) for d in drafters]
@@ -36,8 +36,8 @@ def _backend_graph(ctx: RunContext, tokens_node, drafters, layers):
 def run_compare(store, opts: EvalOptions, backends: list[str], *, completions_backend: str | None = None,
                 remotes=None, argv=None) -> dict:
     """Plan every backend's nodes first (so an impossible one fails before work), then run them."""
-    from .pipeline import build_graph, execute
-    from .stages import drafter_eval, hidden_states
+    from ..core.pipeline import build_graph, execute
+    from ..stages import drafter_eval, hidden_states
 
     backends = list(dict.fromkeys(backends))
     if len(backends) < 2:
@@ -77,7 +77,7 @@ def run_compare(store, opts: EvalOptions, backends: list[str], *, completions_ba
 def summarize(store, tokens_key: str, plans, drafters, layers) -> dict:
     from dfcache.diff import diff_arrays
 
-    from .stages.drafter_eval import read_summary
+    from ..stages.drafter_eval import read_summary
 
     labels = []
     rows = {d.name: {"drafter": d.name, "trained_on": d.trained_on, "evals": {}} for d in drafters}

@@ -1,7 +1,7 @@
 """`dfcache doctor`, `dfcache parity`, `dfcache compare-backends`, `dfcache explain`: the trust tools
 on the command line.
 
-Registered by ``runner.cli.register``. ``doctor`` and ``explain`` import neither torch nor
+Registered by ``runner.commands.run.register``. ``doctor`` and ``explain`` import neither torch nor
 transformers; ``parity`` and ``compare-backends`` run models and import them when they start working.
 """
 
@@ -26,7 +26,7 @@ def _bars(json_out: bool) -> bool:
 
 
 def quiet_libraries(*, bars: bool, notices: bool) -> None:
-    from .cli_support import quiet_libraries as quiet
+    from .common import quiet_libraries as quiet
 
     quiet(bars=bars, notices=notices)
 
@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
                completions_from: Optional[str] = typer.Option(None, "--completions-from", help="Key (or prefix) of cached completions, tokens or an eval, to check template and thinking mode."),
                json_out: bool = typer.Option(False, "--json", help="Print the checks as JSON.")) -> None:
         """Check that a drafter and a target belong together; exit 6 on any error."""
-        from .doctor import format_report, run_doctor
+        from ..trust.doctor import format_report, run_doctor
 
         store = get_store(create=False) if completions_from else None
         rep = run_doctor(target, drafter, target_revision=revision, store=store, completions_from=completions_from)
@@ -61,7 +61,7 @@ def register(app: typer.Typer) -> None:
         """Why two τ differ: the key inputs that differ, the prompt overlap, per-prompt τ deltas."""
         from dfcache.errors import UsageError
 
-        from .explain import explain as run_explain, format_explain
+        from ..trust.explain import explain as run_explain, format_explain
 
         if top < 1:
             raise UsageError(f"--top {top}: give a positive number of prompts.")
@@ -90,7 +90,7 @@ def register(app: typer.Typer) -> None:
                max_mismatches: int = typer.Option(5, "--show-mismatches", help="How many first mismatches to list."),
                json_out: bool = typer.Option(False, "--json")) -> None:
         """Real greedy speculative decoding vs the offline eval from the store, block by block."""
-        from .parity import ParityOptions, format_parity, run_parity
+        from ..trust.parity import ParityOptions, format_parity, run_parity
 
         popts = ParityOptions(target=target, drafter=drafter, prompts=prompts, num_prompts=num_prompts,
                               max_new_tokens=max_new_tokens, dtype=dtype, device=device, backend=backend,
@@ -146,9 +146,9 @@ def register(app: typer.Typer) -> None:
         from dfcache.config import offline_from_env
         from dfcache.errors import UsageError
 
-        from .cli import open_remotes
-        from .compare_backends import format_compare, run_compare
-        from .options import EvalOptions
+        from .run import open_remotes
+        from ..trust.compare_backends import format_compare, run_compare
+        from ..core.options import EvalOptions
 
         if server is not None and completions == "local":
             completions = "server"
