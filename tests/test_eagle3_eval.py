@@ -43,10 +43,13 @@ def test_parity_float32_equal_on_every_block(eagle, tmp_path):
     with single_thread():
         res = run_parity(open_store(tmp_path / "store"), ParityOptions(
             target=str(eagle["target"]), drafter=str(eagle["drafter"]), prompts="builtin:reasoning",
-            num_prompts=2, max_new_tokens=32, backend="torch"), log=lambda m: None)
+            num_prompts=2, max_new_tokens=32, backend="torch", eagle_trees=["1,4,5", "3,4,10"]), log=lambda m: None)
     d = res.to_dict()
     assert d["ok"] and d["completions_equal"] == 2 and d["mismatches"] == []
-    assert [(m["method"], m["blocks"] == m["matched"]) for m in d["methods"]] == [("chain", True)]
+    assert [(m["method"], m["blocks"] == m["matched"]) for m in d["methods"]] == [
+        ("chain", True), ("eagle-1x4x5", True), ("eagle-3x4x10", True)]
+    # a tree of top-1 is the chain of its depth; a wider tree accepts at least as much here
+    assert res.tau_online["eagle-3x4x10"] >= res.tau_online["eagle-1x4x5"] > 1.2
     assert d["blocks"] >= 8 and res.tau_online == res.tau_offline
     assert res.tau_online["chain"] > 1.2  # the trained drafter is accepted
     a = d["alignment"]

@@ -83,6 +83,7 @@ def register(app: typer.Typer) -> None:
                backend: str = typer.Option("auto", "--backend", help="auto|fla|torch, for both sides."),
                attn_implementation: str = typer.Option("sdpa", "--attn-implementation", help="sdpa|eager|flash_attention_2"),
                tree_budget: Optional[List[int]] = typer.Option(None, "--tree-budget", help="Also check DDTree with this budget (repeatable)."),
+               eagle_tree: Optional[List[str]] = typer.Option(None, "--eagle-tree", metavar="TOPK,STEPS,TOKENS", help="EAGLE-3 drafters: also check EAGLE's dynamic tree (SGLang's topk, num-steps, num-draft-tokens; repeatable)."),
                enable_thinking: bool = typer.Option(False, "--enable-thinking/--no-enable-thinking"),
                online_loop: str = typer.Option("cache", "--online-loop", help="cache: the target as a serving engine runs it (KV cache, one verify forward a block); recompute: the whole prefix re-run each round."),
                trace: Optional[str] = typer.Option(None, "--trace", help="Write one JSON line per online chain block to this file."),
@@ -97,7 +98,8 @@ def register(app: typer.Typer) -> None:
                               attn_implementation=attn_implementation, tree_budgets=list(tree_budget or []),
                               enable_thinking=enable_thinking, show_mismatches=max_mismatches,
                               progress=_bars(json_out), online_loop=online_loop,
-                              example=example, trace=trace, serving_features=serving_features)
+                              example=example, trace=trace, serving_features=serving_features,
+                              eagle_trees=list(eagle_tree or []))
         # transformers' own "Loading weights" bars and notices follow ours (--no-progress, no terminal)
         quiet_libraries(bars=popts.progress, notices=popts.progress or not state.no_progress)
         res = run_parity(get_store(), popts)

@@ -414,6 +414,53 @@ def online_eagle3(model, drafter, head, prompt: list[int], max_new_tokens: int,
     return _completion(out, P, start, max_length, stop_ids), blocks, {}
 
 
+def online_eagle_tree(model, drafter, head, prompt: list[int], max_new_tokens: int, stop_ids, tree: list[int], *,
+                      rebind=None, loop: str = "cache"):
+    """Greedy EAGLE-3 decoding with its dynamic tree (``tree`` = [topk, steps, draft tokens], SGLang's
+    names): (completion, [(root, value)] per block). Each round drafts the tree from the committed
+    features (``runner.drafters.eagle3.dynamic_tree``) and follows it along the target's greedy
+    path one token a forward, as ``online_ddtree`` does (a tree-masked verify accepts the same path)."""
+    import torch
+
+    from ..drafters.eagle3 import dynamic_tree
+
+    topk, steps, tokens = tree
+    verifier = make_verifier(loop, model, drafter.target_layer_ids, steps + 1, rebind)
+    P = len(prompt)
+    out = list(prompt) + [0] * (max_new_tokens + steps + 1)
+    max_length = P + max_new_tokens
+    blocks = []
+    with torch.no_grad():
+        rows = verifier.prefill(list(prompt))
+        out[P] = int(rows.post[-1])
+        ctx, start = rows.feats, P
+        while start < max_length:
+            t = dynamic_tree(drafter, head, ctx, out, start, topk, steps, tokens)
+            children: dict[int, dict[int, int]] = {}
+            for i, (tok, parent) in enumerate(zip(t.tokens, t.parents)):
+                children.setdefault(parent, {}).setdefault(tok, i)
+            path, node, feats = [out[start]], -1, []
+            while True:
+                rows = verifier.verify(path[-1:])
+                verifier.accept(path[-1:])
+                feats.append(rows.feats)
+                nxt = int(rows.post[-1])
+                child = children.get(node, {}).get(nxt)
+                if child is None:
+                    break
+                node = child
+                path.append(nxt)
+            acc = len(path) - 1
+            out[start:start + acc + 1] = path
+            out[start + acc + 1] = nxt
+            ctx = torch.cat([ctx] + [f.to(ctx.device) for f in feats])
+            blocks.append((start, acc + 1))
+            start += acc + 1
+            if _stopped(out, P, start, stop_ids):
+                break
+    return _completion(out, P, start, max_length, stop_ids), blocks
+
+
 def serving_features_walk(model, drafter, head, prompt: list[int], completion: list[int], *, rebind=None,
                           loop: str = "cache") -> list[tuple[int, int]]:
     """The chain walk over a fixed ``completion`` (within-output rule) with the drafter's context
@@ -565,6 +612,7 @@ class ParityOptions:
     example: bool = False  # the embedded example's target and trained drafter (built once)
     trace: str | None = None  # write one JSON line per online chain block to this file
     serving_features: bool = False  # also walk the cached completions with verify-forward features
+    eagle_trees: list[str] = field(default_factory=list)  # EAGLE-3: dynamic trees "TOPK,STEPS,TOKENS"
 
 
 # The interval parity judges bf16 by: a 95% percentile bootstrap over prompts, with a fixed seed so
@@ -765,7 +813,7 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
                         num_prompts=opts.num_prompts, completions="local", max_new_tokens=opts.max_new_tokens,
                         backend=opts.backend, device=opts.device, dtype=opts.dtype, tree_budgets=budgets,
                         enable_thinking=opts.enable_thinking, progress=opts.progress,
-                        attn_implementation=opts.attn_implementation,
+                        attn_implementation=opts.attn_implementation, eagle_trees=list(opts.eagle_trees),
                         # the offline side runs where the online loop does: float32 parity is exact
                         # only on one device's numerics
                         eval_device=opts.device).validate()
@@ -825,6 +873,10 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
     stops = eos_token_ids(target_dir)
     B = drafter.block_size
     methods = [MethodParity("chain")] + [MethodParity(f"tree-{b}") for b in budgets]
+    from ..drafters.family import tree_label
+
+    etrees = ev.inputs.get("eagle_trees", []) if eagle3 else []
+    methods += [MethodParity(tree_label(t)) for t in etrees]
     served = MethodParity("serving-features") if opts.serving_features else None
     completions_equal, comp_mismatch, partings = 0, [], []
     align = _Alignment()
@@ -921,6 +973,14 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
                 compare_blocks(served, resp["id"], serving_features_walk(target.model, drafter, head, prompt, stored,
                                                                          rebind=target.rebind, loop=opts.online_loop),
                                off, 0)
+            for m, t in zip(methods[1 + len(budgets):], etrees):
+                comp_t, tblocks = online_eagle_tree(target.model, drafter, head, prompt, opts.max_new_tokens, stops, t,
+                                                    rebind=target.rebind, loop=opts.online_loop)
+                on_t = within_output(tblocks, P, len(comp_t))
+                off_t = _walk(P, resp["eagle_tree"][m.method])
+                compare_blocks(m, resp["id"], on_t, off_t, opts.show_mismatches)
+                on_walks[m.method].append(on_t)
+                off_walks[m.method].append(off_t)
             for m, bud in zip(methods[1:], budgets):
                 comp_t, tblocks = online_ddtree(target.model, drafter, head, prompt, opts.max_new_tokens, stops, bud,
                                                 rebind=target.rebind, loop=opts.online_loop)
