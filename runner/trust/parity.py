@@ -789,7 +789,7 @@ def _example_models(store, opts: ParityOptions) -> None:
     where = store.local_dir("example")
     if where is None:
         raise UsageError("parity --example needs a local store directory (--store PATH).")
-    models = example_models(where, log=lambda m: print(m, file=sys.stderr, flush=True))
+    models = example_models(where, log=lambda m: print(m, file=sys.stderr, flush=True), eagle3=False)
     opts.target = opts.target or str(models["target"])
     opts.drafter = opts.drafter or str(models["trained"])
 
