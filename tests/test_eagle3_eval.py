@@ -91,3 +91,22 @@ def test_unknown_family_and_foreign_vocab_are_exit_6_before_any_work(eagle, tmp_
                 "--num-prompts", "1", store=store)
     assert r.code == 6, r.err
     assert "vocab" in r.err and "Traceback" not in r.err
+
+
+def test_doctor_runs_the_eagle3_checks(eagle, tmp_path):
+    import shutil
+
+    r = dfcache("doctor", "--target", eagle["target"], "--drafter", eagle["drafter"], "--json")
+    assert r.code == 0, r.err
+    found = {f["check"]: f for f in json.loads(r.out)["checks"]}
+    assert found["family"]["found"].startswith("EAGLE-3")
+    assert found["d2t map"]["severity"] == "info" and found["fc width"]["severity"] == "info"
+    bad = tmp_path / "bad"
+    shutil.copytree(eagle["drafter"], bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [1, 3, 9]}
+    cfg["vocab_size"] = 1000
+    (bad / "config.json").write_text(json.dumps(cfg))
+    r = dfcache("doctor", "--target", eagle["target"], "--drafter", bad, "--json")
+    errors = {f["check"] for f in json.loads(r.out)["checks"] if f["severity"] == "error"}
+    assert {"layer ids", "vocabulary"} <= errors
