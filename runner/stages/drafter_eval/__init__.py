@@ -188,8 +188,7 @@ def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
             raise BadInputError(f"--drafter {value}: none of its {len(found)} checkpoint(s) is complete yet; "
                                 "wait for the trainer to finish writing one (or use dfcache watch).")
         for c in complete:
-            ref = read_drafter(str(c.path), opts.trained_on, target_info=lambda: _target_info(ctx),
-                               eagle_steps=getattr(opts, "eagle_steps", None))
+            ref = read_drafter_in(ctx, str(c.path))
             ref.step = c.step
             refs.append(ref)
     names = [r.name for r in refs]
@@ -197,6 +196,13 @@ def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
         if names.count(r.name) > 1:
             r.name = f"{r.name}#{i + 1}"
     return refs
+
+
+def read_drafter_in(ctx: RunContext, path_str: str) -> DrafterRef:
+    """:func:`read_drafter` for this run: its --trained-on, --eagle-steps and target (a family's
+    plan may depend on the target: EAGLE-3's default layers, widths and vocabulary)."""
+    return read_drafter(path_str, ctx.options.trained_on, target_info=lambda: _target_info(ctx),
+                        eagle_steps=getattr(ctx.options, "eagle_steps", None))
 
 
 def _target_info(ctx: RunContext):
