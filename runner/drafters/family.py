@@ -1,23 +1,21 @@
-"""The drafter-family interface: what a family needs from the target, how it drafts from cached
-features, how its checkpoints are recognised and validated, and its reference online loop.
-
-A family is one object of :data:`FAMILIES`; the eval stage, ``parity`` and ``doctor`` reach a
-drafter only through it:
+"""The drafter-family interface: what a family needs from the target, how its checkpoints are
+recognised and validated, how it loads; the stage and ``parity`` dispatch on ``DrafterRef.family``.
 
 * ``recognises(config)``: planning reads ``config.json`` as JSON (no torch) and asks each family
   in turn; :func:`family_of` refuses a checkpoint no family claims (exit 6, naming the families
   and what the config says it is).
-* ``plan(path, config, target)``: the planning fields (:class:`Plan`): the target layers whose
-  outputs it reads (``layers``; resolved against the target's depth where a family has a default),
-  whether it needs the target's final-layer state (``final_state``; none of today's families),
-  the draft depth, the block size the report uses (depth + 1), and the key inputs that only this
-  family has. Every check that needs no weights runs here, before any work.
-* ``load(path, device, dtype)``: the torch model; ``score(model, head, feats, seq, roots, ...)``
-  the drafts of every root of one response from cached features, batched (``RootScores``).
-* ``online(model, head, target, prompt, ...)``: its greedy speculative-decoding loop (parity).
-
-DFlash's fields and keys are exactly those of ``runner.stages.drafter_eval`` before families
-existed: its plan adds no key input.
+* ``plan(path, config, target)`` (EAGLE-3): the planning fields (:class:`Plan`): the target layers
+  whose outputs it reads (``layers``; resolved against the target's depth where the family has a
+  default), whether it needs the target's final-layer state (``final_state``; no family yet), the
+  block size the report uses (draft depth + 1) and the key inputs only this family has. Every
+  check that needs no weights (and the d2t map, read with numpy) runs here, before any work.
+  DFlash's planning is ``runner.stages.drafter_eval.read_drafter``'s, unchanged: it adds no key input.
+* ``load(path, device, dtype)``: the torch model.
+* Drafting from cached features, batched over all roots of a response: DFlash
+  ``runner.drafters.dflash.iter_score_roots``, EAGLE-3 ``runner.drafters.eagle3.score_roots`` and
+  ``dynamic_tree`` (reduced to RootScores / accepted lengths in ``runner.stages.drafter_eval``).
+* The reference online loops for ``parity``: ``runner.trust.parity.online_dflash`` /
+  ``online_ddtree`` and ``online_eagle3`` / ``online_eagle_tree``.
 """
 
 from __future__ import annotations
