@@ -122,7 +122,8 @@ def family_of(path: Path, raw: dict):
             return fam
     known = "; ".join(f"{f.name}: {f.what}" for f in FAMILIES.values())
     raise BadInputError(f"drafter {path}: config.json is of no drafter family dfcache knows ({describe_config(raw)}). "
-                        f"Known families: {known}. Pass a checkpoint of one of them.")
+                        f"Known families: {known}. Pass a checkpoint of one of them (a DFlash config.json "
+                        "has dflash_config with the target_layer_ids, mask_token_id and block_size it was trained with).")
 
 
 def d2t_problem(path: Path, cfg: Eagle3Config) -> str | None:

@@ -95,7 +95,7 @@ class DrafterRef:
     fingerprint: str
     block_size: int
     target_layer_ids: list[int]
-    mask_token_id: int
+    mask_token_id: int | None  # None: a family without a MASK token (EAGLE-3)
     trained_on: str | None
     hidden_size: int | None = None
     step: int | None = None  # training step (runner/drafters/checkpoints.py), when the checkpoint says
@@ -141,7 +141,7 @@ def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
                            target_hidden=info.hidden_size if info else None,
                            target_vocab=info.vocab_size if info else None, steps=eagle_steps)
         return DrafterRef(path=path, name=path.name, fingerprint=fingerprint_path(path), block_size=plan.block_size,
-                          target_layer_ids=plan.layers, mask_token_id=-1, trained_on=trained_on,
+                          target_layer_ids=plan.layers, mask_token_id=None, trained_on=trained_on,
                           hidden_size=None, family="eagle3", plan=plan)
     dcfg = cfg.get("dflash_config") or {}
     if not isinstance(dcfg, dict):
