@@ -127,33 +127,29 @@ def family_of(path: Path, raw: dict):
 
 
 def d2t_problem(path: Path, cfg: Eagle3Config) -> str | None:
-    """Read only the ``d2t`` tensor (numpy, no torch) and check it maps into the target vocabulary."""
-    import numpy as np
+    """Read only the ``d2t`` tensor (its safetensors bytes: no torch, no numpy, which a cached run
+    never imports) and check it maps the draft vocabulary into the target's."""
+    from ..models.safetensors_header import read_ints, tensor_index
 
-    from safetensors import safe_open
-
-    files = sorted(Path(path).glob("*.safetensors"))
-    for f in files:
-        try:
-            with safe_open(str(f), framework="numpy") as sf:
-                names = set(sf.keys())
-                hit = next((n for n in ("d2t", "model.d2t") if n in names), None)
-                if hit is None:
-                    continue
-                d2t = sf.get_tensor(hit).astype(np.int64)
-        except Exception as e:  # a file the loader cannot read is refused by the weight check
-            return f"cannot read {f.name} ({e}); re-download or re-save the checkpoint."
-        if d2t.shape != (cfg.draft_vocab_size,):
-            return (f"d2t has shape {d2t.shape}, not ({cfg.draft_vocab_size},) = draft_vocab_size; "
+    try:
+        index = tensor_index(path)
+        info = index.get("d2t") or index.get("model.d2t")
+        d2t = read_ints(info) if info is not None else None
+    except (OSError, ValueError, KeyError) as e:
+        return f"cannot read its d2t tensor ({e}); re-download or re-save the checkpoint."
+    if d2t is None:
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            return (f"draft_vocab_size {cfg.draft_vocab_size} != vocab_size {cfg.vocab_size} but no d2t tensor; "
                     "re-save the checkpoint with its vocab maps.")
-        mapped = np.arange(cfg.draft_vocab_size) + d2t
-        if mapped.min() < 0 or mapped.max() >= cfg.vocab_size:
-            return (f"d2t maps draft ids to target ids {int(mapped.min())}..{int(mapped.max())}, outside the "
-                    f"target vocabulary 0..{cfg.vocab_size - 1}; pass the drafter trained for this target.")
         return None
-    if cfg.draft_vocab_size != cfg.vocab_size:
-        return (f"draft_vocab_size {cfg.draft_vocab_size} != vocab_size {cfg.vocab_size} but no d2t tensor; "
+    if len(d2t) != cfg.draft_vocab_size:
+        return (f"d2t has {len(d2t)} entries, not draft_vocab_size = {cfg.draft_vocab_size}; "
                 "re-save the checkpoint with its vocab maps.")
+    mapped = [i + o for i, o in enumerate(d2t)]
+    lo, hi = min(mapped), max(mapped)
+    if lo < 0 or hi >= cfg.vocab_size:
+        return (f"d2t maps draft ids to target ids {lo}..{hi}, outside the target vocabulary "
+                f"0..{cfg.vocab_size - 1}; pass the drafter trained for this target.")
     return None
 
 
