@@ -42,10 +42,48 @@ def run(ctx: Ctx) -> Result:
                 r.target, r.direction = 10.0, ">="
             rows.append(r.judge())
             details["runs"][f"{T}x{n_threads}"] = det
+        # EAGLE's dynamic tree (top-k 4, 5 steps, 16 draft tokens), batched vs per root: printed
+        torch.set_num_threads(threads)
+        r, det = _compare_trees(ctx, E, drafter, head, max(64, T // 2), reps)
+        rows.insert(0, r)
+        details["runs"]["tree"] = det
     finally:
         torch.set_num_threads(threads)
     rows.reverse()
     return Result(rows, details)
+
+
+def _compare_trees(ctx: Ctx, E, drafter, head, T: int, reps: int):
+    import time
+
+    import torch
+
+    gen = torch.Generator().manual_seed(T)
+    feats = torch.randn(T, 3 * head.hidden_size, generator=gen)
+    ids = torch.randint(4, head.vocab_size, (T,), generator=gen)
+    roots = list(range(1, T))
+    out = {}
+
+    def batched() -> float:
+        t = time.perf_counter()
+        out["batched"] = E.dynamic_trees(drafter, head, feats, ids, roots, 4, 5, 16)
+        return time.perf_counter() - t
+
+    def one() -> float:
+        t = time.perf_counter()
+        out["one"] = [E.dynamic_tree(drafter, head, feats, ids.tolist(), p, 4, 5, 16) for p in roots]
+        return time.perf_counter() - t
+
+    times = alternate({"batched": batched, "one_at_a_time": one}, max(1, reps - 1), log=ctx.log)
+    same = sum((a.tokens, a.parents) == (b.tokens, b.parents) for a, b in zip(out["batched"], out["one"]))
+    if same != len(roots):
+        raise AssertionError(f"batched and per-root EAGLE trees differ at {len(roots) - same} of {len(roots)} roots")
+    m = {k: med(v) for k, v in times.items()}
+    row = Row(NAME, f"EAGLE-3 dynamic trees (top-k 4, 5 steps, 16 tokens) of all roots: dynamic_trees vs per root "
+              f"({T - 1} roots)", ms(m["batched"]), ms(m["one_at_a_time"]), m["one_at_a_time"] / m["batched"],
+              note=f"speed-up; the same tree at all {same} roots")
+    return row.judge(), {"tokens": T, "roots": len(roots), "trees_equal": same,
+                         "seconds": {k: summary(v) for k, v in times.items()}}
 
 
 def make_drafter(E, d):

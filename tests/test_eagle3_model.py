@@ -153,3 +153,16 @@ def test_config_errors_name_the_field():
     with pytest.raises(BadInputError, match="num_hidden_layers=2"):
         Eagle3Config.from_dict({"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": H, "num_hidden_layers": 2,
                                 "num_attention_heads": 4, "intermediate_size": 8, "vocab_size": V})
+
+
+def test_batched_trees_equal_the_per_root_trees():
+    from runner.drafters.eagle3 import dynamic_trees
+
+    d, head = _drafter(), _head()
+    feats, toks = _inputs()
+    roots = list(range(1, 39))
+    for topk, steps, n in ((1, 4, 5), (3, 4, 10), (4, 3, 16)):
+        got = dynamic_trees(d, head, feats, toks, roots, topk, steps, n, chunk=5)
+        for p, tree in zip(roots, got):
+            ref = dynamic_tree(d, head, feats, toks.tolist(), p, topk, steps, n)
+            assert (tree.tokens, tree.parents) == (ref.tokens, ref.parents), (topk, steps, n, p)

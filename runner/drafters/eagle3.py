@@ -378,6 +378,75 @@ def dynamic_tree(drafter: Eagle3Drafter, head: TargetHead, features: torch.Tenso
                                               for j in keep])
 
 
+@torch.no_grad()
+def dynamic_trees(drafter: Eagle3Drafter, head: TargetHead, features: torch.Tensor, token_ids: torch.Tensor,
+                  roots: Sequence[int], topk: int, num_steps: int, num_draft_tokens: int,
+                  chunk: int = CHUNK_ROOTS) -> list[Tree]:
+    """:func:`dynamic_tree` of every root, batched: the first-step keys of all positions once, then
+    per chunk of roots one pass per step over all frontier nodes (roots x topk), each attending to
+    its root's context keys and its own ancestors' keys. Same trees as the per-root function."""
+    roots = _check(drafter, head, features, token_ids, roots)
+    if not roots:
+        return []
+    c = drafter.config
+    dev = drafter.device
+    ids = token_ids.to(dev)
+    q0, k0, v0, r0 = drafter.context_kv(head, features[:max(roots)].to(dev), ids[1:max(roots) + 1])
+    groups = c.num_attention_heads // c.num_key_value_heads
+    K0, V0 = _expand_kv(k0, groups), _expand_kv(v0, groups)
+    scale = 1.0 / math.sqrt(c.head_dim)
+    k = min(topk, c.draft_vocab_size)
+    out: list[Tree] = []
+    for a in range(0, len(roots), chunk):
+        rows = torch.tensor(roots[a:a + chunk], device=dev) - 1
+        R = rows.shape[0]
+        h = drafter.finish(_attend(q0[rows], K0, V0, rows + 1, [], [], scale), r0[rows])
+        top = torch.topk(torch.log_softmax(drafter.logits(h), -1), k)            # [R, k]
+        scores = [top.values]                                                     # per step: [R, n]
+        tokens = [drafter.to_target(top.indices)]
+        parents = [torch.full((R, k), -1, dtype=torch.long, device=dev)]         # candidate index, -1: root
+        f_tok, f_idx = tokens[0], torch.arange(k, device=dev).expand(R, k)        # frontier: token, candidate idx
+        f_score, f_h = top.values, h[:, None, :].expand(R, k, h.shape[-1])      # its score, its parent's h
+        f_k = f_v = None                                                          # ancestors' keys [R, k, d, nh, hd]
+        base = k
+        ctx = (rows + 1).repeat_interleave(k)
+        for step in range(1, num_steps):
+            n = R * k
+            pos = (rows + step).repeat_interleave(k)  # node of depth step: position root - 1 + step
+            qn, kn, vn, rn = drafter.qkv(drafter.embed(head, f_tok.reshape(n)), f_h.reshape(n, -1), pos)
+            kn, vn = _expand_kv(kn, groups), _expand_kv(vn, groups)
+            anc_k = [] if f_k is None else [f_k[:, :, d].reshape(n, *kn.shape[1:]) for d in range(f_k.shape[2])]
+            anc_v = [] if f_v is None else [f_v[:, :, d].reshape(n, *vn.shape[1:]) for d in range(f_v.shape[2])]
+            hn = drafter.finish(_attend(qn, K0, V0, ctx, anc_k + [kn], anc_v + [vn], scale), rn)
+            tn = torch.topk(torch.log_softmax(drafter.logits(hn), -1), k)          # [n, k]
+            cand = (f_score.reshape(n, 1) + tn.values).reshape(R, k * k)
+            scores.append(cand)
+            tokens.append(drafter.to_target(tn.indices).reshape(R, k * k))
+            parents.append(f_idx.repeat_interleave(k, dim=1))
+            # the next frontier: the best k of the k*k (ties: the earlier candidate, as sorted() is stable)
+            order = torch.sort(-cand, dim=1, stable=True).indices[:, :k]         # [R, k]
+            par = order // k                                                      # which frontier node
+            new_k = torch.cat([f_k, kn.view(R, k, 1, *kn.shape[1:])], 2) if f_k is not None else kn.view(R, k, 1, *kn.shape[1:])
+            new_v = torch.cat([f_v, vn.view(R, k, 1, *vn.shape[1:])], 2) if f_v is not None else vn.view(R, k, 1, *vn.shape[1:])
+            gather = par[:, :, None, None, None].expand(R, k, *new_k.shape[2:])
+            f_k, f_v = torch.gather(new_k, 1, gather), torch.gather(new_v, 1, gather)
+            f_h = torch.gather(hn.view(R, k, -1), 1, par[:, :, None].expand(R, k, hn.shape[-1]))
+            f_tok = torch.gather(tokens[-1], 1, order)
+            f_score = torch.gather(cand, 1, order)
+            f_idx = base + order
+            base += k * k
+        all_s, all_t, all_p = torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1)
+        keep_n = max(num_draft_tokens - 1, 0)
+        keep = torch.sort(-all_s, dim=1, stable=True).indices[:, :keep_n].sort(dim=1).values
+        for r in range(R):
+            kept = keep[r].tolist()
+            where = {j: i for i, j in enumerate(kept)}
+            t = all_t[r, kept].tolist()
+            p = all_p[r, kept].tolist()
+            out.append(Tree(t, [where.get(x, -1) if x >= 0 else -1 for x in p]))
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Saving and tiny checkpoints
 # --------------------------------------------------------------------------------------------

@@ -389,7 +389,7 @@ def score_eagle3(drafter, head, feats, seq, roots: list[int], depth: int, trees:
     import torch
 
     from .metrics import RootScores
-    from ...drafters.eagle3 import dynamic_tree, score_roots, tree_accept
+    from ...drafters.eagle3 import dynamic_trees, score_roots, tree_accept
 
     ids = torch.as_tensor(seq.astype("int64") if hasattr(seq, "astype") else list(seq), dtype=torch.long)
     toks, _ = score_roots(drafter, head, feats, ids, roots, depth)
@@ -399,12 +399,10 @@ def score_eagle3(drafter, head, feats, seq, roots: list[int], depth: int, trees:
     seq_l = [int(t) for t in ids.tolist()]
     end = prompt_len + n
     out = {}
-    for topk, steps, tokens in trees:
-        acc = {}
-        for p in roots:
-            tree = dynamic_tree(drafter, head, feats, seq_l, p, topk, steps, tokens)
-            acc[p] = tree_accept(tree, seq_l[p + 1:min(p + 1 + steps, end)])
-        out[tree_label((topk, steps, tokens))] = acc
+    for topk, steps, tokens in trees:  # every root's tree in batched passes (dynamic_trees)
+        built = dynamic_trees(drafter, head, feats, ids, roots, topk, steps, tokens)
+        out[tree_label((topk, steps, tokens))] = {p: tree_accept(t, seq_l[p + 1:min(p + 1 + steps, end)])
+                                                  for p, t in zip(roots, built)}
     return scores, out
 
 
