@@ -57,15 +57,28 @@ def test_parity_float32_equal_on_every_block(eagle, tmp_path):
 
 
 def test_run_eval_side_by_side_with_a_family_column(eagle, tmp_path):
+    from runner.models.train_tiny import make_untrained_drafter
+
+    dflash = make_untrained_drafter(eagle["target"], tmp_path / "dflash")  # layers 1, 3, 5 like the EAGLE-3 one
     store = tmp_path / "store"
-    r = dfcache("run", "eval", "--target", eagle["target"], "--drafter", eagle["drafter"], "--completions", "local",
-                "--num-prompts", "2", "--max-new-tokens", "24", "--dtype", "float32", "--backend", "torch",
-                "--eagle-steps", "3", "--eagle-tree", "2,3,6", "--json", store=store)
+    args = ("run", "eval", "--target", eagle["target"], "--drafter", dflash, "--drafter", eagle["drafter"],
+            "--completions", "local", "--num-prompts", "2", "--max-new-tokens", "24", "--dtype", "float32",
+            "--backend", "torch", "--eagle-steps", "3", "--eagle-tree", "2,3,6", "--tree-budget", "4")
+    r = dfcache(*args, "--json", store=store)
     assert r.code == 0, r.err
     out = json.loads(r.out)
-    rep = out.get("report") or out
-    text = json.dumps(rep)
-    assert '"family": "eagle3"' in text and "eagle-2x3x6" in text
+    rep = out.get("report", out)
+    rows = {d["family"]: d for d in rep["drafters"]}
+    assert set(rows) == {"dflash", "eagle3"}
+    assert set(rows["eagle3"]["tau_eagle_tree"]) == {"eagle-2x3x6"} and rows["eagle3"]["block_size"] == 4
+    assert rows["dflash"]["tau_tree"].keys() == {"4"} and "tau_eagle_tree" not in rows["dflash"]
+    # one set of hidden states serves both families; the table has the family column
+    md = dfcache(*args, store=store)
+    assert md.code == 0, md.err
+    head = next(line for line in md.out.splitlines() if line.startswith("| drafter"))
+    assert "| family |" in head and "τ eagle-2x3x6" in head and "τ tree-4" in head
+    assert "| eagle3 |" in md.out and "| dflash |" in md.out
+    assert "0 node(s) did work" in md.out + md.err
 
 
 def test_unknown_family_and_foreign_vocab_are_exit_6_before_any_work(eagle, tmp_path):
