@@ -8,6 +8,7 @@ BENCHMARKS = {
     "write": "bench.write",
     "read": "bench.read",
     "size": "bench.size",
+    "fp8": "bench.fp8",
     "noop-eval": "bench.noop_eval",
     "ls": "bench.ls",
     "samples": "bench.samples",

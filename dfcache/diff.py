@@ -171,6 +171,58 @@ def diff_arrays(ra, rb, name: str) -> ArrayDiff:
                      equal_kind="bits" if same_dtype else "values", rows=rows, nonfinite=nonfinite)
 
 
+class _Dequantized:
+    """An FP8 array (dfcache.fp8) as the bf16 rows its readers get: FP8 states diff against bf16 ones."""
+
+    def __init__(self, reader) -> None:
+        from .fp8 import hidden_width
+
+        self.reader = reader
+        self.shape = (reader.shape[0], hidden_width(reader.shape[1]))
+        self.dtype = "bfloat16"
+        self.chunk_rows = reader.chunk_rows
+
+    def read_raw(self, start: int, stop: int) -> np.ndarray:
+        from .fp8 import dequantize
+
+        return dequantize(self.reader.read_raw(start, stop))
+
+
+def _logical(reader):
+    from .fp8 import FP8_DTYPE
+
+    return _Dequantized(reader) if reader.dtype == FP8_DTYPE else reader
+
+
+class _SetRows:
+    """Samples of one partition laid end to end in the given order (one array's rows), as
+    :func:`diff_arrays` walks them; FP8 rows dequantized."""
+
+    def __init__(self, store, partition: str, keys: list[str], name: str) -> None:
+        from .samples import SampleSet
+
+        parts = SampleSet(store, partition, keys).read_many(name)
+        self._raw = np.concatenate(parts) if parts else np.zeros((0, 0), np.uint16)
+        if self._raw.dtype.name == "bfloat16":
+            self._raw = self._raw.view(np.uint16)
+        self.dtype = "bfloat16" if self._raw.dtype == np.uint16 else str(self._raw.dtype)
+        self.shape = self._raw.shape
+        self.chunk_rows = max(1, len(self._raw))
+
+    def read_raw(self, start: int, stop: int) -> np.ndarray:
+        return self._raw[start:stop]
+
+
+def diff_sample_sets(store, a: tuple[str, list[str]], b: tuple[str, list[str]], name: str) -> ArrayDiff:
+    """Compare array ``name`` of two lists of samples, ``(partition, sample keys)`` each, over the same
+    rows (the same upstream samples in the same order): FP8 states against bf16 ones, two backends'."""
+    ra, rb = _SetRows(store, *a, name), _SetRows(store, *b, name)
+    if tuple(ra.shape) != tuple(rb.shape):
+        raise BadInputError(f"array {name} holds {list(ra.shape)} rows in partition {a[0][:12]} but {list(rb.shape)} "
+                            f"in {b[0][:12]}: they are not the same samples. Compare samples of the same tokens.")
+    return diff_arrays(ra, rb, name)
+
+
 def diff_artifacts(store, key_a: str, key_b: str, *, arrays: list[str] | None = None) -> DiffReport:
     """Compare the same-named arrays of two committed artifacts (full keys).
 
@@ -206,7 +258,7 @@ def diff_artifacts(store, key_a: str, key_b: str, *, arrays: list[str] | None = 
     report = DiffReport(key_a=key_a, key_b=key_b, stage_a=ma.stage, stage_b=mb.stage,
                         inputs_differ=_inputs_differ(ma.inputs, mb.inputs))
     for name in names:
-        ra, rb = art_a.array(name), art_b.array(name)
+        ra, rb = _logical(art_a.array(name)), _logical(art_b.array(name))
         if tuple(ra.shape) != tuple(rb.shape):
             raise BadInputError(f"array {name} has shape {list(ra.shape)} in {key_a[:12]} but "
                                 f"{list(rb.shape)} in {key_b[:12]}: they hold different rows and cannot be "

@@ -21,6 +21,8 @@ The tree (exit code in brackets)::
     │                                                      quota, read-only, permissions)
     ├── IntegrityError (OSError)                     [5]  digest mismatch, corrupt or partial artifact
     │   ├── UntrustedManifestError                        a manifest that fails validation
+    │   │   └── UnknownCodecError                    [2]  arrays of a dtype or codec this dfcache does
+    │   │                                                  not read (a newer one wrote them: upgrade)
     │   └── NotRegularFile                                a store file that is a directory, a FIFO,
     │                                                      a socket, a device (or a link where none may be)
     ├── BadInputError (ValueError)                   [6]  prompts, model, checkpoint, layer ids
@@ -177,6 +179,18 @@ class IntegrityError(DfcacheError, OSError):
 
 class UntrustedManifestError(IntegrityError):
     """A manifest (usually from a remote) failed validation and was not used."""
+
+
+class UnknownCodecError(UntrustedManifestError):
+    """An artifact whose arrays use a dtype or codec this dfcache does not read (FP8 states read
+    by an older dfcache): exit 2 naming it, never its bytes taken for numbers. A manifest still,
+    so listings that skip refused manifests skip it too. Its fix (upgrade) is its own whoever
+    catches it: ``with_fix`` keeps it."""
+
+    exit_code = EXIT_USAGE
+
+    def with_fix(self, fix: str | None):
+        return self
 
 
 class NotRegularFile(IntegrityError):

@@ -90,7 +90,9 @@ def selection_groups(entries) -> list[dict]:
 
 def _backend_text(b) -> str:
     # as dfcache.maintenance.backend_summary spells it in `ls`
-    return "/".join(str(b.get(k, "?")) for k in ("kernel", "device", "dtype")) if b else "-"
+    if not b:
+        return "-"
+    return "/".join(str(b.get(k, "?")) for k in ("kernel", "device")) + f"/{b.get('states') or b.get('dtype', '?')}"
 
 
 def selection_output(entries, *, json_out: bool, url: str, stage: str | None, errors: int) -> str:

@@ -22,7 +22,8 @@ def backend_summary(m: Manifest) -> str:
     b = m.backend
     if not b:
         return "-"
-    parts = [str(b.get("kernel", "?")), str(b.get("device", "?")), str(b.get("dtype", "?"))]
+    # lossy states show their codec where the dtype is (fp8-e4m3 states are quantized bf16 ones)
+    parts = [str(b.get("kernel", "?")), str(b.get("device", "?")), str(b.get("states") or b.get("dtype", "?"))]
     return "/".join(parts)
 
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .errors import KeyMaterialError, UntrustedManifestError
+from .errors import KeyMaterialError, UnknownCodecError, UntrustedManifestError
 from .keys import KEY_PATTERN, compute_key, segment_key
 
 FORMAT_VERSION = 1
@@ -22,11 +22,16 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}$")
 STAGE_PATTERN = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 DIGEST_PATTERN = re.compile(r"^[0-9a-f]{32}$")
 
+# FP8 hidden states (dfcache/fp8.py): per row, H float8_e4m3fn codes then the row's float32 scale
+FP8_DTYPE = "float8_e4m3fn_scaled"
+SCALE_BYTES = 4
+
 # Logical dtypes and how they are stored (zarr v3 has no bfloat16: its bits go in uint16).
 STORAGE_DTYPE = {
     "bfloat16": "uint16", "float16": "float16", "float32": "float32", "float64": "float64",
     "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
     "uint8": "uint8", "uint16": "uint16", "uint32": "uint32", "uint64": "uint64", "bool": "bool",
+    FP8_DTYPE: "uint8",
 }
 ITEMSIZE = {"bool": 1, "int8": 1, "uint8": 1, "float16": 2, "int16": 2, "uint16": 2, "float32": 4, "int32": 4,
             "uint32": 4, "float64": 8, "int64": 8, "uint64": 8}  # of the storage dtypes, without numpy
@@ -125,6 +130,17 @@ def _bad(msg: str, key: str | None) -> UntrustedManifestError:
                                   fix="Delete it and recompute, or pull it again from a trusted remote.")
 
 
+def _refuse_unknown(name: str, dtype: Any, codec: Any, key: str | None) -> None:
+    """A dtype or codec this dfcache does not read: a newer dfcache's (exit 2, named), or junk (5)."""
+    what, value = ("dtype", dtype) if dtype not in STORAGE_DTYPE else ("codec", codec)
+    if isinstance(value, str) and NAME_PATTERN.match(value):
+        raise UnknownCodecError(f"artifact {key} stores array {name} with {what} {value!r}, which this dfcache does "
+                                "not read (a newer dfcache wrote it).", key=key,
+                                fix=f"Upgrade dfcache to read it, or use states stored with a codec it reads "
+                                    f"({', '.join(CODECS)}).")
+    raise _bad(f"array {name} has {what} {str(value)[:40]!r}", key)
+
+
 def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -170,16 +186,16 @@ def validate_manifest(data: Any, *, expect_key: str | None = None) -> Manifest:
         if (not isinstance(shape, list) or not 1 <= len(shape) <= MAX_NDIM
                 or not all(_int(s) and 0 <= s < 1 << 40 for s in shape)):
             raise _bad(f"array {name} has shape {shape!r}", k)
-        if dtype not in STORAGE_DTYPE:
-            raise _bad(f"array {name} has dtype {dtype!r}", k)
+        if dtype not in STORAGE_DTYPE or spec.get("codec", "none") not in CODECS:
+            _refuse_unknown(name, dtype, spec.get("codec", "none"), k)
+        if dtype == FP8_DTYPE and (len(shape) != 2 or shape[1] < SCALE_BYTES):
+            raise _bad(f"array {name} of {dtype} has shape {shape} (rows of codes and a 4-byte scale)", k)
         cr = spec.get("chunk_rows")
         if not _int(cr) or not 1 <= cr <= 1 << 30:
             raise _bad(f"array {name} has chunk_rows {cr!r}", k)
         nbytes = math.prod(shape) * ITEMSIZE[STORAGE_DTYPE[dtype]]  # exact; numpy is not needed to list a store
         if nbytes > MAX_ARRAY_BYTES or spec.get("nbytes") != nbytes:
             raise _bad(f"array {name} claims {spec.get('nbytes')!r} bytes for shape {shape}", k)
-        if spec.get("codec", "none") not in CODECS:
-            raise _bad(f"array {name} has codec {spec.get('codec')!r}", k)
         digest = spec.get("digest")
         if not isinstance(digest, str) or not DIGEST_PATTERN.match(digest):
             raise _bad(f"array {name} has no valid digest", k)

@@ -98,7 +98,10 @@ def _in_worker() -> bool:
 
 
 def to_torch(arr: np.ndarray, dtype: str) -> torch.Tensor:
-    """A stored array as a tensor of its stored dtype (bf16 arrive as their uint16 bits), no copy."""
+    """A stored array as a tensor of its stored dtype (bf16 arrive as their uint16 bits, float8_e4m3fn
+    as their uint8 bits), no copy."""
+    if dtype == "float8_e4m3fn":
+        return torch.from_numpy(np.ascontiguousarray(arr).view(np.uint8)).view(torch.float8_e4m3fn)
     if dtype == "bfloat16":
         bits = np.ascontiguousarray(arr)
         if bits.dtype != np.uint16:
@@ -118,13 +121,25 @@ class HiddenStateDataset(Dataset):
 
     Picklable, and safe under ``DataLoader(num_workers>0)`` with fork or spawn: the source reopens its store
     in each process.
+
+
+    FP8 states (``--compression fp8-e4m3``, :mod:`dfcache.fp8`) come as a source's
+    ``float8_e4m3fn`` array ``X`` ``[n, G x H]`` with ``X_scales`` ``[n, G]`` (one float32 per token
+    and layer). ``fp8="bf16"`` (default) hands ``X`` on dequantized to bf16, as hs-connectors'
+    reader dequantizes (``code.to(bf16) * scale.to(bf16)``), and drops ``X_scales``;
+    ``fp8="raw"`` hands on ``X`` as ``torch.float8_e4m3fn`` and ``X_scales`` as float32.
     """
 
-    def __init__(self, source: SampleSource, *, max_len: int | None = None) -> None:
+    FP8_MODES = ("bf16", "raw")
+
+    def __init__(self, source: SampleSource, *, max_len: int | None = None, fp8: str = "bf16") -> None:
         if max_len is not None and max_len < 1:
             raise ValueError(f"max_len={max_len}: give a positive number of tokens (or None).")
+        if fp8 not in self.FP8_MODES:
+            raise ValueError(f"fp8={fp8!r}: give 'bf16' (dequantized, the default) or 'raw' (codes and scales).")
         self.source = source
         self.max_len = max_len
+        self.fp8 = fp8
 
     def __len__(self) -> int:
         return len(self.source)
@@ -151,8 +166,17 @@ class HiddenStateDataset(Dataset):
         else:
             sample = self.source.read(i)
         item: dict = {}
-        for name, arr in sample.arrays.items():
-            dtype = sample.dtypes.get(name, arr.dtype.name)
+        arrays = dict(sample.arrays)
+        dtypes = dict(sample.dtypes)
+        for name in [n for n, d in dtypes.items() if d == "float8_e4m3fn"]:
+            if self.fp8 == "bf16":  # dequantized: what a bf16 reader of these states gets
+                from .fp8 import dequantize_codes
+
+                arrays[name] = dequantize_codes(arrays[name], arrays.pop(f"{name}_scales"))
+                dtypes[name] = "bfloat16"
+                dtypes.pop(f"{name}_scales", None)
+        for name, arr in arrays.items():
+            dtype = dtypes.get(name, arr.dtype.name)
             t = sample.tensors.get(name)
             if t is not None:
                 t = t.view(torch.bfloat16) if dtype == "bfloat16" else t

@@ -304,6 +304,10 @@ def resolve_graph(upto: str, opts: EvalOptions, store=None, *, argv: list[str] |
 
     if upto not in TARGETS:
         raise UsageError(f"unknown target {upto!r}; use {', '.join(TARGETS)}.")
+    if upto in ("prompts", "completions", "tokens"):  # --compression is the hidden states'
+        from dfcache.fp8 import check_applies
+
+        check_applies(opts.compression, stage=upto, dtype=opts.dtype)
     st = _open(store, opts)
     argv = _argv(upto, argv, opts, st)  # before the example fills in its paths: `--example` says them
     if opts.example:
@@ -437,7 +441,7 @@ def _result(upto: str, ctx, nodes, seconds: float) -> RunResult:
 @_python_errors
 def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, layers: list[int] | None = None,
                          max_len: int | None = None, tokens_key: str | None = None, concatenated: bool = False,
-                         progress=None, log: Callable[[str], None] | None = None, **fields_):
+                         progress=None, log: Callable[[str], None] | None = None, fp8: str = "bf16", **fields_):
     """A :class:`dfcache.training.HiddenStateDataset` over the stored states of a selection.
 
     The selection is what ``dfcache run hidden-states`` would use with the same options
@@ -456,6 +460,9 @@ def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, laye
     rows instead of a copy: the same items, faster to read, at the cost of the selected layers'
     bytes again on disk. ``progress``: ``True`` for a bar on stderr while the copy is written, or a
     tqdm-like factory ``progress(n)``; default none. ``log``: a callable given progress lines.
+
+    FP8 states (``compression="fp8-e4m3"``): items are dequantized to bf16, or with ``fp8="raw"``
+    the float8_e4m3fn codes and ``hidden_states_scales`` [1, n, layers] (see HiddenStateDataset).
     """
     from dfcache.training import HiddenStateDataset
 
@@ -472,8 +479,9 @@ def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, laye
         if concatenated:
             from .core.concat import concat
 
+            _concat_fp8_refused(source)
             concat(source, st, progress=bar)
-        return HiddenStateDataset(source, max_len=max_len)
+        return HiddenStateDataset(source, max_len=max_len, fp8=fp8)
     opts = make_options(options, **fields_)
     st = _open(store, opts)
     out = _Output(replace(opts, progress=False), log).out
@@ -482,8 +490,17 @@ def hidden_state_dataset(*, store=None, options: EvalOptions | None = None, laye
     if concatenated:
         from .core.concat import concat
 
+        _concat_fp8_refused(source)
         concat(source, sel.store, progress=bar)
-    return HiddenStateDataset(source, max_len=max_len)
+    return HiddenStateDataset(source, max_len=max_len, fp8=fp8)
+
+
+def _concat_fp8_refused(source) -> None:
+    if getattr(source, "fp8", False):
+        from dfcache.errors import UsageError
+
+        raise UsageError("concatenated=True is not available for FP8 states (their per-layer scales have no "
+                         "concatenated layout yet); read them per layer (concatenated=False).")
 
 
 def _bar_factory(progress):

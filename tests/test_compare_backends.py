@@ -120,3 +120,29 @@ def test_tau_side_by_side_with_per_layer_diffs(setup, tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0
     assert json.loads(out.strip().splitlines()[-1]) == json.loads(json.dumps(res))
+
+
+def test_codec_axis_gives_tau_on_fp8_states_beside_bf16_with_per_layer_error(setup, tmp_path):
+    """Issue 33: one backend, states stored exact and FP8, the same drafter and budgets on each."""
+    from dfcache.errors import UsageError
+    from runner.trust.compare_backends import format_compare
+
+    root, drafter, opts = setup
+    opts = dataclasses.replace(opts, dtype="bfloat16")
+    store = open_store(tmp_path / "s")
+    with single_thread():
+        res = run_compare(store, opts, ["torch"], codecs=["none", "fp8-e4m3"])
+    assert res["axis"] == "codec"
+    assert res["backends"] == ["torch/cpu/bfloat16/sdpa", "torch/cpu/bfloat16/sdpa+fp8-e4m3"]
+    (d,) = res["drafters"]
+    exact, lossy = (d["evals"][b] for b in res["backends"])
+    assert exact["key"] != lossy["key"] and all(1.0 <= e["tau_chain"] <= 8.0 for e in (exact, lossy))
+    assert set(exact["tau_tree"]) == set(lossy["tau_tree"]) == {"2"}
+    assert [x["layer"] for x in res["layers"]] == [1, 3, 5]
+    for x in res["layers"]:
+        assert 0 < x["rel_l2"] < 0.05 and 0.99 < x["cos_min"] < 1.0 and x["equal"] < 1.0
+    text = format_compare(res)
+    assert "codecs over the same tokens" in text and "τ chain fp8-e4m3" in text and "Δ fp8-e4m3" in text
+    for backends, codecs in ((["torch", "fla"], ["none", "fp8-e4m3"]), (["torch"], ["none", "zstd"])):
+        with pytest.raises(UsageError):
+            run_compare(store, opts, backends, codecs=codecs)

@@ -262,6 +262,48 @@ def test_export_speculators_without_datasets_is_bad_input_naming_the_extra(cache
     assert err.count("error:") == 1 and not out.exists()
 
 
+def test_fp8_states_export_in_speculators_fp8_layout_and_their_reader_gives_our_bf16(cached, tmp_path, capsys):
+    """Issue 33: FP8 states go out as stored (codes and scales, no requantization); hs-connectors'
+    FP8Transfer (speculators' FP8 backend reader) dequantizes them to the dataset's bf16 bit for bit."""
+    pytest.importorskip("datasets")
+    from hs_connectors import FP8Transfer
+
+    fp8 = ["--compression", "fp8-e4m3"]
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert cli_main(["--store", str(cached["store"]), "run", "hidden-states", "--layer", "1", "--layer", "3",
+                         "--layer", str(LAST), "--no-progress", *_cli_sel(cached), *fp8]) == 0
+    finally:
+        torch.set_num_threads(before)
+    capsys.readouterr()
+    out = tmp_path / "sp8"
+    assert _export(cached, "speculators", out, "--json", *fp8) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["written"] == 4 and any("FP8" in n for n in res["notes"])
+    ours = api.hidden_state_dataset(store=cached["store"], layers=DRAFTER_LAYERS + [LAST], compression="fp8-e4m3",
+                                    **cached["sel"])
+    exact = api.hidden_state_dataset(store=cached["store"], layers=DRAFTER_LAYERS + [LAST], **cached["sel"])
+    theirs = FP8Transfer(out / "hidden_states")
+    from safetensors import safe_open
+
+    with safe_open(str(out / "hidden_states" / "hs_0.safetensors"), framework="pt") as f:
+        assert sorted(f.keys()) == ["hidden_states", "hidden_states_scales", "token_ids"]
+        assert f.get_tensor("hidden_states").dtype == torch.float8_e4m3fn
+        assert f.get_tensor("hidden_states").shape[1:] == (3, 128)
+        assert f.get_tensor("hidden_states_scales").shape[1:] == (3, 1)
+    for i in range(4):
+        item, mine = theirs.get_cached(i), ours[i]["hidden_states"][0]
+        n = mine.shape[0]
+        assert _same(item["hidden_states"].reshape(n, -1), mine)
+        assert not _same(mine, exact[i]["hidden_states"][0])  # lossy: not the bf16 states
+        assert _same(item["token_ids"], ours[i]["input_ids"][0])
+    sf = tmp_path / "sf8"  # SpecForge has no FP8 layout: dequantized bf16
+    assert _export(cached, "specforge", sf, *fp8) == 0
+    d = torch.load(sf / "rows_0-2000" / "data_0.ckpt", weights_only=True)
+    assert _same(d["hidden_states"][0], ours[0]["hidden_states"][0][:, :256])
+
+
 def test_export_refuses_a_foreign_or_other_selection_directory(cached, tmp_path, capsys):
     foreign = tmp_path / "foreign"
     foreign.mkdir()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import typer
 
+from ..fp8 import FP8_DTYPE, FP8_E4M3, hidden_width
 from ..maintenance import backend_summary, upstream_chain
 from .common import KeyArg, emit_json, examples, get_store, human_bytes, state
 
@@ -35,7 +36,10 @@ def show(key: KeyArg) -> None:
         print(f"  {k}: {v}")
     print("arrays:")
     for name, a in sorted(m.arrays.items()):
-        print(f"  {name}: {a.dtype} {a.shape} chunks of {a.chunk_rows} rows, codec {a.codec}, "
+        codec = a.codec if a.dtype != FP8_DTYPE else f"{FP8_E4M3}+{a.codec}" if a.codec != "none" else FP8_E4M3
+        what = (f"{FP8_DTYPE} {a.shape} (bf16 rows of {hidden_width(a.shape[1])} as FP8 codes and a float32 scale "
+                f"per row)" if a.dtype == FP8_DTYPE else f"{a.dtype} {a.shape}")
+        print(f"  {name}: {what} chunks of {a.chunk_rows} rows, codec {codec}, "
               f"{human_bytes(a.nbytes)}, digest {a.digest[:12]}")
     if m.blobs:
         print("documents: " + ", ".join(sorted(m.blobs)))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._lazy import LazyModule
 from ..errors import ArtifactNotFoundError, IntegrityError, UsageError
+from ..fp8 import FP8_DTYPE
 from ..manifest import STORAGE_DTYPE, ArraySpec, Manifest
 from . import _pagecache
 from . import format as fmt
@@ -438,8 +439,13 @@ class ArrayReader:
         return (ck, sig) if _settled(st) else True
 
     def read(self, start: int = 0, stop: int | None = None) -> np.ndarray:
-        """Rows [start, stop) in the logical dtype (bf16 as ml_dtypes.bfloat16)."""
+        """Rows [start, stop) in the logical dtype (bf16 as ml_dtypes.bfloat16; FP8 states
+        dequantized to bf16, ``read_raw`` gives their packed rows, see dfcache/fp8.py)."""
         raw = self.read_raw(start, stop)
+        if self.dtype == FP8_DTYPE:
+            from .. import fp8
+
+            return fp8.dequantize(raw).view(fmt.np_logical_dtype("bfloat16"))
         if self.dtype == "bfloat16":
             return raw.view(fmt.np_logical_dtype("bfloat16"))
         return raw

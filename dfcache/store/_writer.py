@@ -19,7 +19,7 @@ from .. import __version__
 from .._lazy import LazyModule
 from ..errors import UsageError
 from ..keys import KEY_PATTERN
-from ..manifest import CODECS, NAME_PATTERN, STORAGE_DTYPE, ArraySpec, BlobSpec, Manifest, validate_manifest
+from ..manifest import CODECS, FP8_DTYPE, NAME_PATTERN, STORAGE_DTYPE, ArraySpec, BlobSpec, Manifest, validate_manifest
 from . import format as fmt
 from ._backend import Staging
 from ._pools import thread_pool
@@ -86,6 +86,8 @@ class ArrayWriter:
         got = fmt.logical_dtype_of(data) if data.dtype.name != "uint16" else "uint16"
         if self.dtype == "bfloat16" and got in ("bfloat16", "uint16"):
             data = data.view(np.uint16)
+        elif self.dtype == FP8_DTYPE and got == "uint8":
+            pass  # packed FP8 rows (dfcache/fp8.py): codes and scale bytes
         elif got != self.dtype:
             raise UsageError(f"array {self.name} is {self.dtype}; got {got} rows.")
         if data.shape[1:] != self.row_shape:

@@ -53,7 +53,7 @@ def _make_command(mode: str):
         eval_device: str = typer.Option("auto", "--eval-device", help="auto|cuda|cpu: where drafters are evaluated (auto: CUDA where usable, else CPU), whatever device made the states."),
         dtype: str = typer.Option("bfloat16", "--dtype", help="bfloat16|float32"),
         batch_tokens: int = typer.Option(16384, "--batch-tokens", help="Tokens per extraction batch."),
-        compression: str = typer.Option("none", "--compression", help="none|zstd|shuffle-zstd|bitshuffle-lz4 (lossless) for hidden states: shuffle-zstd is the smallest, bitshuffle-lz4 the fastest."),
+        compression: str = typer.Option("none", "--compression", help="none|zstd|shuffle-zstd|bitshuffle-lz4 (lossless) for hidden states: shuffle-zstd is the smallest, bitshuffle-lz4 the fastest; fp8-e4m3[+LOSSLESS] stores bf16 states as FP8 with a per-token scale (lossy, keyed apart)."),
         attn_implementation: str = typer.Option("sdpa", "--attn-implementation", help="sdpa|eager|flash_attention_2: the target's attention kernels (keyed with the backend)."),
         key_versions: Optional[str] = typer.Option(None, "--key-versions", help="Comma list of packages (fla,transformers,torch,...) whose exact versions join the hidden-state key (opt-in)."),
         tree_budget: Optional[List[int]] = typer.Option(None, "--tree-budget", help="DDTree budget (repeatable)."),

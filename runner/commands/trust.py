@@ -121,7 +121,8 @@ def register(app: typer.Typer) -> None:
         revision: Optional[str] = typer.Option(None, "--revision", "--target-revision"),
         drafter: List[str] = typer.Option(..., "--drafter", help="DFlash drafter checkpoint (repeatable)."),
         trained_on: Optional[str] = typer.Option(None, "--trained-on", help="fla|torch: what the drafters were trained on."),
-        backend: List[str] = typer.Option(..., "--backend", help="fla|torch, at least two; the first is the reference."),
+        backend: List[str] = typer.Option(..., "--backend", help="fla|torch, at least two (or one with several --codec); the first is the reference."),
+        codec: Optional[List[str]] = typer.Option(None, "--codec", help="How states are stored, e.g. --codec none --codec fp8-e4m3: τ and per-layer error of lossy states vs exact ones (one --backend)."),
         completions_backend: Optional[str] = typer.Option(None, "--completions-backend", help="Whose local completions all backends share (default: the first --backend)."),
         prompts: str = typer.Option("builtin:coding", "--prompts"),
         num_prompts: Optional[int] = typer.Option(None, "--num-prompts"),
@@ -171,7 +172,7 @@ def register(app: typer.Typer) -> None:
                            attn_implementation=attn_implementation, eval_device=eval_device)
         quiet_libraries(bars=opts.progress, notices=opts.progress or not (no_progress or state.no_progress))
         res = run_compare(get_store(), opts, list(backend), completions_backend=completions_backend,
-                          remotes=open_remotes(opts),
+                          remotes=open_remotes(opts), codecs=list(codec or []) or None,
                           argv=["compare-backends", "--target", target] + [a for d in drafter for a in ("--drafter", d)])
         if _json(json_out):
             emit_json(res)

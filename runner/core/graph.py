@@ -234,6 +234,7 @@ class RunContext:
         self.cache = cache if cache is not None else RunCache()
         self.hooks = hooks if hooks is not None else RunHooks()
         self.last_extract_stats = None  # the hidden-states stage's last ExtractStats (bench, tests)
+        self.last_lossy_check_s = 0.0  # seconds its lossy-vs-exact comparison took after extracting (bench)
         self.work_done: list[str] = []  # keys produced in this run (tests and --json read it)
 
     def log(self, message: str) -> None:

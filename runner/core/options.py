@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass, field
 
 from dfcache.errors import UsageError
+from dfcache.fp8 import check_applies, compression_choices
 
 MAX_NEW_TOKENS = 2**31 - 1  # token ids and counts are stored as int32
 
@@ -20,7 +21,7 @@ CHOICES = {  # option -> (its flag, allowed values)
     "device": ("--device", ("auto", "cuda", "cpu")),
     "eval_device": ("--eval-device", ("auto", "cuda", "cpu")),
     "dtype": ("--dtype", ("bfloat16", "float32")),
-    "compression": ("--compression", ("none", "zstd", "shuffle-zstd", "bitshuffle-lz4")),
+    "compression": ("--compression", compression_choices()),
     "attn_implementation": ("--attn-implementation", ("sdpa", "eager", "flash_attention_2")),
     "end_rule": ("--end-rule", ("within", "continuation")),
 }
@@ -58,7 +59,8 @@ class EvalOptions:
     device: str = "auto"  # auto|cuda|cpu
     dtype: str = "bfloat16"  # bfloat16|float32
     batch_tokens: int = 16384
-    compression: str = "none"  # none|zstd|shuffle-zstd|bitshuffle-lz4 (dfcache.store.format codecs)
+    # none|zstd|shuffle-zstd|bitshuffle-lz4 (lossless, not keyed), fp8-e4m3[+lossless] (lossy, keyed): dfcache.fp8
+    compression: str = "none"
     # eval
     tree_budgets: list[int] = field(default_factory=list)
     max_blocks: int | None = None
@@ -87,6 +89,7 @@ class EvalOptions:
             value = getattr(self, name)
             if value not in allowed:
                 raise UsageError(f"{flag} {value!r} is not one of {', '.join(allowed)}.")
+        check_applies(self.compression, stage="hidden_states", dtype=self.dtype)  # fp8-* on float32 states
         if self.end_rule == "continuation":
             # Refused rather than keyed: it needs the target's greedy tokens past the end of every
             # completion, which no completion source stores yet; accepting it changed the keys and

@@ -218,7 +218,8 @@ def selection_lines(report: dict) -> list[str]:
         f"completions: {source}; ids {sources_text(c.get('ids') or {})}; temperature {c.get('temperature')}, "
         f"top_p {c.get('top_p')}, seed {'-' if c.get('seed') is None else c['seed']}, max {c.get('max_new_tokens')} new tokens, thinking "
         f"{'on' if c.get('enable_thinking') else 'off'}, chat template {short(c.get('chat_template'))}",
-        f"hidden states: {hb.get('kernel')}/{hb.get('device')}/{hb.get('dtype')}/{hb.get('attn_implementation')}, "
+        f"hidden states: {hb.get('kernel')}/{hb.get('device')}/{hb.get('dtype')}/{hb.get('attn_implementation')}"
+        f"{' stored ' + hb['states'] + ' (lossy)' if hb.get('states') else ''}, "
         f"layers {h.get('layers')}" + (f", {h['model_class']}" if h.get("model_class") else "")
         + ("; " + ", ".join(f"{k} {_join(v)}" for k, v in sorted(versions.items())) if versions else ""),
         f"eval: end rule {e.get('end_rule')}, tree budgets {e.get('tree_budgets') or '-'}, max blocks "

@@ -35,6 +35,9 @@ import numpy as np
 import xxhash
 
 from dfcache.errors import BadInputError, OfflineMissingError
+from dfcache.fp8 import FP8_DTYPE, hidden_width
+from dfcache.fp8 import dequantize as fp8_dequantize
+from dfcache.fp8 import unpack as fp8_unpack
 from dfcache.keys import canonical_encode, compute_key
 from dfcache.training import Sample
 
@@ -102,6 +105,7 @@ class StoredSamples(_ByLocation):
         self.has_loss_mask = bool(len(docs)) and "loss_mask" in h["tokens"].segment(0)[0].artifact.manifest.arrays
         self.widths: list[int] = []
         self.dtype = None
+        self.fp8 = False  # FP8 layers (dfcache.fp8): read as codes + per-layer scales, the dataset dequantizes
         for ss in h["layers"]:
             seg, pos = ss.segment(0) if len(ss) else (None, 0)
             spec = seg.artifact.manifest.arrays["hidden"] if seg is not None else None
@@ -112,6 +116,8 @@ class StoredSamples(_ByLocation):
                                     "layers extracted with one --dtype.")
             self.dtype = spec.dtype
             self.widths.append(int(spec.shape[1]))
+        if self.dtype == FP8_DTYPE:
+            self.fp8, self.widths = True, [hidden_width(w) for w in self.widths]
         self._keys = [xxhash.xxh3_128_hexdigest(canonical_encode(
             {"hidden_states": [keys[i] for keys in self.layer_sample_keys], "tokens": t}))
             for i, t in enumerate(self.tokens_keys)]
@@ -164,6 +170,12 @@ class StoredSamples(_ByLocation):
         ids = self.read_tokens(index)
         mask = self.loss_mask(index)
         tensors: dict = {}
+        if self.fp8:
+            codes, scales = self.read_fp8(index)
+            return Sample(key=self._keys[index], arrays={"input_ids": ids, "loss_mask": mask, "hidden_states": codes,
+                                                         "hidden_states_scales": scales},
+                          dtypes={"input_ids": "int64", "loss_mask": "int64", "hidden_states": "float8_e4m3fn",
+                                  "hidden_states_scales": "float32"})
         return Sample(key=self._keys[index],
                       arrays={"input_ids": ids, "loss_mask": mask, "hidden_states": self._hidden(index, alloc, tensors)},
                       dtypes={"input_ids": "int64", "loss_mask": "int64", "hidden_states": self.dtype},
@@ -217,13 +229,29 @@ class StoredSamples(_ByLocation):
 
         return read_side_by_side(where, "hidden", out, mapped=True)
 
+    def read_fp8(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """One sample's FP8 layers side by side: codes [n, layers x H] (uint8, float8_e4m3fn bits)
+        and scales [n, layers] (float32, one per token and layer)."""
+        sets = self._open()["layers"]
+        n = int(self._lengths[index])
+        codes = np.empty((n, sum(self.widths)), np.uint8)
+        scales = np.empty((n, len(sets)), np.float32)
+        col = 0
+        for j, (ss, w) in enumerate(zip(sets, self.widths)):
+            c, s = fp8_unpack(ss.read_raw(index, "hidden", mapped=True))
+            codes[:, col:col + w] = c.view(np.uint8)
+            scales[:, j] = s
+            col += w
+        return codes, scales
+
     def read_tokens(self, index: int) -> np.ndarray:
         """One sample's token ids (int64)."""
         return self._open()["tokens"].read_raw(index, "ids", mapped=True).astype(np.int64)
 
     def read_layers(self, index: int) -> list[np.ndarray]:
         """One sample's rows of each layer, separately (storage dtype: bf16 as uint16 bits)."""
-        return [ss.read_raw(index, "hidden") for ss in self._open()["layers"]]
+        layers = [ss.read_raw(index, "hidden") for ss in self._open()["layers"]]
+        return [fp8_dequantize(x) for x in layers] if self.fp8 else layers  # FP8: the bf16 its readers get
 
 
 class ArtifactSamples(_ByLocation):

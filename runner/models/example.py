@@ -194,5 +194,7 @@ def apply_example(store, opts: EvalOptions, log: Callable[[str], None] = print) 
         opts.drafters = [str(models["trained"]), str(models["untrained"]), str(models["eagle3"])]
     defaults = EvalOptions()
     for name, value in EXAMPLE_DEFAULTS.items():
+        if name == "dtype" and opts.compression.startswith("fp8-"):
+            continue  # FP8 states are quantized bf16 ones: the example's float32 would refuse them
         if getattr(opts, name) == getattr(defaults, name):
             setattr(opts, name, value)

@@ -77,6 +77,12 @@ class KernelSpec:
         d.pop("note")
         return d
 
+    @classmethod
+    def from_key(cls, backend: dict) -> "KernelSpec":
+        """The class of a hidden-state key's ``backend``, whose ``states`` (a lossy codec such as
+        fp8-e4m3, keyed there: dfcache/fp8.py) is how the rows were stored, not how the target ran."""
+        return cls(**{k: v for k, v in backend.items() if k != "states"})
+
     @property
     def label(self) -> str:
         return f"{self.kernel}/{self.device}/{self.dtype}/{self.attn_implementation}"

@@ -16,6 +16,12 @@ Layouts (read from the peers' own code; docs/peers.md has the sources):
   beside it the prepared dataset speculators trains from (``datasets.save_to_disk``: columns
   ``input_ids``, ``loss_mask``, ``seq_len``, torch format), since its loss mask lives there. Its
   layer ids are dfcache's plus one (``aux_hidden_state_layer_ids``), recorded in the manifest.
+  FP8 states (``--compression fp8-e4m3``) go out in speculators' FP8 layout (hs-connectors'
+  ``FP8HiddenStatesConnector``, read by its ``FP8Transfer``): ``hidden_states`` float8_e4m3fn
+  ``[n, len(layers), hidden]`` and ``hidden_states_scales`` float32, as stored (no requantization):
+  ``[n, len(layers), 1]``, one scale per token and layer, where their writer makes one per token
+  (``[n, 1, 1]``); their reader's ``fp8.to(bf16) * scale.to(bf16)`` broadcasts either, and gives
+  dfcache's bf16 bit for bit. SpecForge has no FP8 layout: it gets them dequantized to bf16.
 
 Every file is written to a temporary name in its directory and renamed into place, so a file
 that exists is complete; ``dfcache-export.json`` (the selection, the files, ``complete``) is
@@ -42,6 +48,7 @@ FORMATS = ("specforge", "speculators")
 MANIFEST = "dfcache-export.json"
 EXPORT_VERSION = 1
 SPECFORGE_GROUP = 2000  # SpecForge's --file-group-size default
+SCALES_KEY = "hidden_states_scales"  # hs_connectors.fp8_utils.SCALES_KEY: the scales of FP8 hidden_states
 _UMASK = os.umask(0o022)
 os.umask(_UMASK)
 
@@ -171,7 +178,12 @@ def export(sel: Selection, fmt: str, out: str | os.PathLike, *, progress=None) -
         bar.close()
     if fmt == "speculators":
         res.bytes_written += _write_prepared_dataset(src, out)
-    if src.dtype != "bfloat16":
+    if getattr(src, "fp8", False):
+        res.notes.append("the states are FP8 (fp8-e4m3) as stored: " + (
+            "hidden_states are float8_e4m3fn with hidden_states_scales [n, layers, 1] (one per token and layer), "
+            "which speculators' FP8 reader (hs_connectors.FP8Transfer) dequantizes" if fmt == "speculators" else
+            "SpecForge has no FP8 layout, so they are written dequantized to bfloat16"))
+    elif src.dtype != "bfloat16":
         res.notes.append(f"the states are {src.dtype} as stored (extracted with --dtype {src.dtype}); the peers "
                          "train from bfloat16.")
     manifest["complete"] = True
@@ -182,17 +194,27 @@ def export(sel: Selection, fmt: str, out: str | os.PathLike, *, progress=None) -
 def _write_sample(fmt: str, src, i: int, path: Path) -> None:
     import torch
 
+    from dfcache.fp8 import dequantize_codes
     from dfcache.training import to_torch
 
     s = src.read(i)
     ids = torch.from_numpy(s.arrays["input_ids"])
+    fp8 = getattr(src, "fp8", False)
     if fmt == "specforge":
+        hs = to_torch(s.arrays["hidden_states"], src.dtype) if not fp8 else \
+            to_torch(dequantize_codes(s.arrays["hidden_states"], s.arrays["hidden_states_scales"]), "bfloat16")
         record = {"input_ids": ids, "loss_mask": torch.from_numpy(s.arrays["loss_mask"]),
-                  "hidden_states": to_torch(s.arrays["hidden_states"], src.dtype).unsqueeze(0)}
+                  "hidden_states": hs.unsqueeze(0)}
         torch.save(record, path)
         return
     from safetensors.torch import save_file
 
+    if fp8:  # speculators' FP8 layout: codes [n, layers, hidden], scales [n, layers, 1]
+        n, layers = s.arrays["hidden_states_scales"].shape
+        codes = to_torch(s.arrays["hidden_states"], "float8_e4m3fn").reshape(n, layers, -1)
+        scales = torch.from_numpy(np.ascontiguousarray(s.arrays["hidden_states_scales"])).reshape(n, layers, 1)
+        save_file({"hidden_states": codes, SCALES_KEY: scales, "token_ids": ids}, str(path))
+        return
     stacked = np.stack(src.read_layers(i), axis=1)  # [n, layers, hidden]
     save_file({"hidden_states": to_torch(stacked, src.dtype), "token_ids": ids}, str(path))
 

@@ -158,7 +158,7 @@ def recompute(store, keys: list[str], n: int, *, target: str | None = None, prog
 
     out: list[SetAgreement] = []
     for set_key, backend, layers, layer_keys, prov in imported_sets(store, keys):
-        bc = KernelSpec(**backend)
+        bc = KernelSpec.from_key(backend)
         problem = kernel_problem(bc)
         if problem:
             raise BadInputError(f"recomputing the import {set_key[:12]} needs its declared backend {bc.label}: "

@@ -9,6 +9,10 @@ default the first ``--backend``; server completions are backend-independent anyw
 class over those tokens, one eval per (drafter, backend), and ``dfcache diff`` figures per layer
 between the first backend and each other one.
 
+``--codec`` (issue 33) is the other axis: one backend, its states stored exact (``none``) and
+lossy (``fp8-e4m3``), the same drafters and budgets on each, and the per-layer numeric error of the
+lossy states against the exact ones: what FP8 storage costs in τ on the user's own drafters.
+
 Everything is the normal graph: cached artifacts are reused, missing ones are produced where
 this machine can (states of a backend it cannot run, e.g. fla on a CPU machine, must already be
 in the store or a remote; planning says so before any work). The evals run on the device the
@@ -34,14 +38,26 @@ def _backend_graph(ctx: RunContext, tokens_node, drafters, layers):
 
 
 def run_compare(store, opts: EvalOptions, backends: list[str], *, completions_backend: str | None = None,
-                remotes=None, argv=None) -> dict:
-    """Plan every backend's nodes first (so an impossible one fails before work), then run them."""
+                remotes=None, argv=None, codecs: list[str] | None = None) -> dict:
+    """Plan every backend's (or codec's) nodes first (so an impossible one fails before work), then run them."""
+    from dfcache.fp8 import check_applies
+
     from ..core.pipeline import build_graph, execute
     from ..stages import drafter_eval, hidden_states
 
     backends = list(dict.fromkeys(backends))
-    if len(backends) < 2:
-        raise UsageError("compare-backends needs at least two backends, e.g. --backend fla --backend torch.")
+    codecs = list(dict.fromkeys(codecs or [opts.compression]))
+    lossy = [check_applies(c, stage="hidden_states", dtype=opts.dtype)[0] for c in codecs]
+    if len(codecs) > 1:
+        if len(backends) != 1:
+            raise UsageError("compare one axis at a time: several --codec with one --backend, or several --backend "
+                             "with at most one --codec.")
+        if len(set(lossy)) != len(lossy):
+            raise UsageError(f"--codec {' '.join(codecs)}: lossless codecs store the same states; compare states that "
+                             "differ, e.g. --codec none --codec fp8-e4m3.")
+    elif len(backends) < 2:
+        raise UsageError("compare-backends needs at least two backends, e.g. --backend fla --backend torch, or one "
+                         "backend and two codecs, e.g. --backend torch --codec none --codec fp8-e4m3.")
     for b in backends:
         if b not in ("fla", "torch"):
             raise UsageError(f"--backend {b!r}: compare fla and torch (auto would pick one of them).")
@@ -57,11 +73,11 @@ def run_compare(store, opts: EvalOptions, backends: list[str], *, completions_ba
     drafters = drafter_eval.resolve_drafters(base)
     layers = hidden_states.requested_layers(base, drafters)
     plans = []
-    for b in backends:
+    for b, codec in [(b, c) for b in backends for c in codecs]:
         # fla states exist on CUDA only: --device (say cpu for the torch side) does not apply to them.
         dev = "auto" if b == "fla" else opts.device
-        ctx = RunContext(store, dataclasses.replace(opts, backend=b, device=dev), remotes=remotes, argv=argv,
-                         cache=base.cache)
+        ctx = RunContext(store, dataclasses.replace(opts, backend=b, device=dev, compression=codec), remotes=remotes,
+                         argv=argv, cache=base.cache)
         hs, evals = _backend_graph(ctx, tokens_node, drafters, layers)
         plans.append((b, ctx, hs, evals))
     all_nodes = topo_order([e for _, _, _, evals in plans for e in evals])
@@ -71,11 +87,13 @@ def run_compare(store, opts: EvalOptions, backends: list[str], *, completions_ba
         nodes = topo_order(evals)
         resolve(ctx, nodes)
         execute(ctx, nodes)
-    return summarize(store, tokens_node.key, plans, drafters, layers)
+    res = summarize(store, tokens_node.key, plans, drafters, layers)
+    res["axis"] = "codec" if len(codecs) > 1 else "backend"
+    return res
 
 
 def summarize(store, tokens_key: str, plans, drafters, layers) -> dict:
-    from dfcache.diff import diff_arrays
+    from dfcache.diff import diff_sample_sets
 
     from ..stages.drafter_eval import read_summary
 
@@ -93,7 +111,8 @@ def summarize(store, tokens_key: str, plans, drafters, layers) -> dict:
     diffs = []
     for (b, _ctx, hs, _e), label in zip(plans[1:], labels[1:]):
         for k in layers:
-            a = diff_arrays(_Rows(store, ref_hs[k]), _Rows(store, hs[k]), "hidden")
+            a = diff_sample_sets(store, (ref_hs[k].partition.key, ref_hs[k].sample_keys),
+                                 (hs[k].partition.key, hs[k].sample_keys), "hidden")
             diffs.append({"layer": k, "a": ref_label, "b": label, "key_a": ref_hs[k].key, "key_b": hs[k].key,
                           "rel_l2": a.rel_l2, "max_abs": a.max_abs, "cos_mean": a.cos_mean, "cos_min": a.cos_min,
                           "equal": a.equal})
@@ -106,42 +125,31 @@ def summarize(store, tokens_key: str, plans, drafters, layers) -> dict:
             "layers": diffs}
 
 
-class _Rows:
-    """A layer node's states of the whole set, laid end to end in set order, as the row reader
-    ``dfcache.diff.diff_arrays`` walks (both sides hold the same tokens, so the same rows)."""
-
-    def __init__(self, store, node) -> None:
-        import numpy as np
-
-        from dfcache.samples import SampleSet
-
-        ss = SampleSet(store, node.partition.key, node.sample_keys)
-        parts = ss.read_many("hidden", raw=True)
-        self._raw = np.concatenate(parts) if parts else np.zeros((0, 0), np.uint16)
-        self.dtype = ss.segment(0)[0].artifact.manifest.arrays["hidden"].dtype if len(ss) else "float32"
-        self.shape = self._raw.shape
-        self.chunk_rows = max(1, len(self._raw))
-
-    def read_raw(self, start: int, stop: int):
-        return self._raw[start:stop]
-
-
 def _label(hs: dict) -> str:
     b = next(iter(hs.values())).inputs["backend"]
-    return f"{b['kernel']}/{b['device']}/{b['dtype']}/{b['attn_implementation']}"
+    return f"{b['kernel']}/{b['device']}/{b['dtype']}/{b['attn_implementation']}" + (f"+{b['states']}" if b.get("states")
+                                                                                    else "")
 
 
 def _f(v, digits=3) -> str:
     return "-" if v is None else f"{v:.{digits}f}"
 
 
+def _short(res: dict, label: str) -> str:
+    """A column's name: the kernel family (backend axis) or how the states are stored (codec axis)."""
+    if res.get("axis") == "codec":
+        return label.split("+", 1)[1] if "+" in label else label.split("/")[2]
+    return label.split("/")[0]
+
+
 def format_compare(res: dict) -> str:
     labels = res["backends"]
     budgets = sorted({int(b) for d in res["drafters"] for e in d["evals"].values() for b in e["tau_tree"]})
-    lines = [f"backends over the same tokens ({res['tokens'][:12]}); reference {res['reference']}", ""]
-    head = ["drafter"] + [f"τ chain {lab.split('/')[0]}" for lab in labels] + \
-           [f"Δ {lab.split('/')[0]}" for lab in labels[1:]] + \
-           [f"τ tree-{b} {lab.split('/')[0]}" for b in budgets for lab in labels]
+    what = "codecs" if res.get("axis") == "codec" else "backends"
+    lines = [f"{what} over the same tokens ({res['tokens'][:12]}); reference {res['reference']}", ""]
+    head = ["drafter"] + [f"τ chain {_short(res, lab)}" for lab in labels] + \
+           [f"Δ {_short(res, lab)}" for lab in labels[1:]] + \
+           [f"τ tree-{b} {_short(res, lab)}" for b in budgets for lab in labels]
     lines.append("| " + " | ".join(head) + " |")
     lines.append("|" + "---|" * len(head))
     for d in res["drafters"]:

@@ -853,7 +853,7 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
     from ..stages.hidden_states import get_target
     from ..stages.tokens import read_tokens
 
-    backend = KernelSpec(**hs[0].inputs["backend"])
+    backend = KernelSpec.from_key(hs[0].inputs["backend"])
     target_dir = tokens_node.payload["target_dir"]
     target = get_target(ctx, target_dir, backend)
     dtype = torch.float32 if opts.dtype == "float32" else torch.bfloat16

@@ -417,10 +417,15 @@ def _as_tensor(samples, j: int, stop: int):
     """Rows [0, stop) of sample j's states, as a torch tensor in the stored dtype."""
     import numpy as np
     import torch
+    from dfcache import fp8
+    from dfcache.fp8 import FP8_DTYPE
 
     seg, pos = samples.segment(j)
     a, _ = seg.rows(pos, "hidden")
-    raw = seg.reader("hidden").read_raw(a, a + stop)
+    reader = seg.reader("hidden")
+    raw = reader.read_raw(a, a + stop)
+    if reader.dtype == FP8_DTYPE:  # lossy FP8 states: the bf16 a reader of them gets
+        raw = fp8.dequantize(raw)
     if raw.dtype == np.uint16:
         return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(raw)

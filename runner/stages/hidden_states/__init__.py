@@ -9,7 +9,8 @@ Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
         layer         k: output of decoder layer k = HF hidden_states[k+1], before the final norm
                       (the last layer too)
         backend       the KernelSpec: {kernel: fla|torch, device: cuda|cpu, dtype: bfloat16|float32,
-                      attn_implementation: sdpa|...}
+                      attn_implementation: sdpa|...}, plus states: fp8-e4m3 for lossy FP8 states
+                      (only then)
         versions      {package: installed version} for each --key-versions package (only some runs
                       have it)
     upstream:
@@ -22,7 +23,9 @@ calls :func:`produce` once with every layer that misses samples, and one forward
 computes, for the missing samples only, every layer that misses them, stopping after the deepest.
 
 Output, per sample: array ``hidden`` [tokens, hidden_size], the model's dtype exactly (bf16 stored
-as its uint16 bits, or fp32), chunked along tokens; ``--compression none|zstd|shuffle-zstd|bitshuffle-lz4``. Samples are
+as its uint16 bits, or fp32), chunked along tokens; ``--compression none|zstd|shuffle-zstd|bitshuffle-lz4``
+(lossless), or ``fp8-e4m3[+lossless]``: FP8 codes and a per-token scale (dfcache/fp8.py), quantized
+where the rows are computed (on the GPU for a CUDA target). Samples are
 committed in segments of about ``DFCACHE_SEGMENT_BYTES`` (default 256 MiB) per layer, so an
 interrupted extraction keeps every finished segment and the next run computes only the samples
 still missing. Exact library versions, the GPU, the kernel functions really bound and the
@@ -34,6 +37,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from dfcache.errors import BadInputError, UsageError
+from dfcache.fp8 import check_applies, stored_array
 from dfcache.keys import fingerprint_path
 
 from ...core.graph import KeyRecipe, Node, RunContext
@@ -49,7 +53,7 @@ KEY = KeyRecipe("hidden_states", 2, inputs={
     "layer": "k: output of decoder layer k = HF hidden_states[k+1], before the final norm (the last "
              "layer too)",
     "backend": "the KernelSpec: {kernel: fla|torch, device: cuda|cpu, dtype: bfloat16|float32, "
-               "attn_implementation: sdpa|...}",
+               "attn_implementation: sdpa|...}, plus states: fp8-e4m3 for lossy FP8 states (only then)",
     "versions": "{package: installed version} for each --key-versions package",
 }, upstream={"sample": "the tokens partition"}, optional=frozenset({"versions"}), sample="tokens sample key")
 NAME = KEY.stage
@@ -91,12 +95,14 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
                              getattr(opts, "attn_implementation", "sdpa"),
                              has_linear_attention=info.has_linear_attention, check=False)
     needs = "gpu" if backend.device == "cuda" else "cpu"
-    group = f"{NAME}/{tokens_node.partition.key}/{target_fp}/{backend.label}"
+    lossy, _ = check_applies(opts.compression, stage=NAME, dtype=backend.dtype)
+    key_backend = {**backend.to_key(), **({"states": lossy} if lossy else {})}  # lossy states: keyed apart
+    group = f"{NAME}/{tokens_node.partition.key}/{target_fp}/{backend.label}" + (f"/{lossy}" if lossy else "")
     problem = kernel_problem(backend)
     nodes = {}
     for k in layers:
         nodes[k] = KEY.samples(
-            inputs={"target": target_fp, "layer": k, "backend": backend.to_key(), **key_version_inputs(opts)},
+            inputs={"target": target_fp, "layer": k, "backend": key_backend, **key_version_inputs(opts)},
             upstream_samples=tokens_node.sample_keys, partition_upstream={"sample": tokens_node.partition.key},
             ids=tokens_node.ids, needs=needs, deps=[tokens_node],
             label=f"hidden_states[{k}]", group=group,
@@ -105,7 +111,7 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
             problem=f"(hidden states for {backend.label}) {problem}" if problem else None,
             fix=(f"{ctx.command_with()} (on a machine with a CUDA GPU)" if needs == "gpu" else None),
             summary=f"layer {k}/{info.num_layers}",
-            payload={"target_dir": str(target_dir), "layer": k, "backend": backend.to_key(),
+            payload={"target_dir": str(target_dir), "layer": k, "backend": key_backend,
                      "note": backend.note, "tokens": tokens_node},
             precheck=lambda: _require_weights(target_dir))
     return nodes
@@ -214,7 +220,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
         return
     p = nodes[0].payload
     tokens_node = p["tokens"]
-    backend = KernelSpec(**p["backend"])
+    backend = KernelSpec.from_key(p["backend"])
     if p.get("note"):
         ctx.log(f"hidden states: {p['note']}")
     target = get_target(ctx, p["target_dir"], backend)
@@ -223,7 +229,9 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
     by_layers: dict[tuple, list[str]] = {}
     for u, ns in lacking.items():
         by_layers.setdefault(tuple(n.payload["layer"] for n in ns), []).append(u)
-    row_bytes = target.hidden_size * (4 if backend.dtype == "float32" else 2)
+    row_shape, stored_dtype, lossless = stored_array(target.hidden_size, backend.dtype, ctx.options.compression)
+    lossy = stored_dtype != backend.dtype  # FP8: extract quantizes where the rows are computed
+    row_bytes = row_shape[0] * (4 if stored_dtype == "float32" else 1 if lossy else 2)
     budget = max(1, segment_bytes() // row_bytes)  # tokens a segment of one layer
     provenance = {**target.provenance, "batching": "equal-length samples per batch, no padding",
                   "batch_tokens": ctx.options.batch_tokens}
@@ -261,8 +269,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
             if w is None:
                 first, stop = cuts[seg]
                 w = SegmentWriter(ctx.store, node_of[k].partition, ups[first:stop], doc=False,
-                                  arrays={"hidden": SampleArray((target.hidden_size,), backend.dtype,
-                                                                ctx.options.compression)},
+                                  arrays={"hidden": SampleArray(row_shape, stored_dtype, lossless)},
                                   summary=f"{node_of[k].summary}: {origin}", provenance=provenance,
                                   rows={"hidden": int(toks.offsets[stop] - toks.offsets[first])})
                 open_writers[k] = w
@@ -284,7 +291,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
             if hook is not None:
                 hook(segments - 1, total_tokens)
 
-        empty = np.zeros((0, target.hidden_size), np.float32 if backend.dtype == "float32" else np.uint16)
+        empty = np.zeros((0,) + row_shape, np.uint8 if lossy else np.float32 if stored_dtype == "float32" else np.uint16)
         sinks_by_layer = {k: _SegmentRows(lambda seg, k=k: writer_for(k, seg), cuts, lengths, state, empty)
                           for k in layers}
         sinks = [LayerSink(layer=k, writer=sinks_by_layer[k], array=sinks_by_layer[k]) for k in layers]
@@ -294,7 +301,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
             stats = extract(target, toks.token_ids, toks.offsets, sinks, batch_tokens=ctx.options.batch_tokens,
                             progress_factory=lambda n: ctx.progress(n, desc, unit="tok", unit_scale=True),
                             log=ctx.log, boundaries=[int(toks.offsets[stop]) for _, stop in cuts],
-                            on_boundary=commit_segment)
+                            on_boundary=commit_segment, quantize=lossy)
             for seg in range(state["segment"], len(cuts)):  # segments of empty samples only, when nothing ran
                 commit_segment(seg)
         except BaseException:
@@ -304,8 +311,39 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
     wall = time.perf_counter() - t0
     ctx.last_extract_stats = stats
     ctx.log(f"hidden states: {len(lacking)} sample(s), layers {[n.payload['layer'] for n in nodes]} "
-            f"({backend.label}): {total_tokens} tokens in {segments} segment(s), {wall:.1f} s "
-            f"({total_tokens / wall if wall > 0 else 0:,.0f} tok/s)")
+            f"({backend.label}{', ' + ctx.options.compression if lossy else ''}): {total_tokens} tokens in "
+            f"{segments} segment(s), {wall:.1f} s ({total_tokens / wall if wall > 0 else 0:,.0f} tok/s)")
+    if lossy:
+        t1 = time.perf_counter()
+        _log_lossy_error(ctx, nodes)
+        ctx.last_lossy_check_s = time.perf_counter() - t1
+
+
+def _log_lossy_error(ctx: RunContext, nodes: list[Node]) -> None:
+    """Lossy states just extracted whose exact (bf16) states of the same samples are cached too: the
+    per-layer error, as `dfcache diff` reports it, and the command that gives its cost in τ."""
+    from dfcache.diff import diff_sample_sets
+    from dfcache.samples import Partition, index_of
+
+    idx = index_of(ctx.store)
+    shown = False
+    for n in nodes:
+        exact_backend = {k: v for k, v in n.inputs["backend"].items() if k != "states"}
+        exact = Partition(n.partition.stage, n.partition.version, {**n.inputs, "backend": exact_backend},
+                          n.partition.upstream)
+        keys = exact.sample_keys(n.upstream_samples)
+        have = idx.partition(exact.key)
+        if not keys or any(k not in have for k in keys):
+            continue
+        d = diff_sample_sets(ctx.store, (exact.key, keys), (n.partition.key, n.sample_keys), "hidden")
+        ctx.log(f"hidden states: layer {n.payload['layer']} {n.inputs['backend']['states']} vs the cached "
+                f"{exact_backend.get('dtype')} states of the same {len(keys)} sample(s): rel_l2 {d.rel_l2:.6f}, "
+                f"max_abs {d.max_abs:.4g}, cos_mean {d.cos_mean:.6f}, cos_min {d.cos_min:.6f}")
+        shown = True
+    if shown:
+        ctx.log("hidden states: their cost in τ on your drafters: dfcache compare-backends --backend "
+                f"{exact_backend.get('kernel')} --codec none --codec {ctx.options.compression} with this run's "
+                "--target, --drafter and prompt options")
 
 
 def read_layer(store, node: Node, positions=None):
@@ -317,8 +355,11 @@ def read_layer(store, node: Node, positions=None):
     from dfcache.samples import SampleSet
 
     positions = list(range(len(node.sample_keys))) if positions is None else list(positions)
-    raw = SampleSet(store, node.partition.key, [node.sample_keys[i] for i in positions]).read_many("hidden", raw=True)
+    # read, not read_raw: FP8 states come dequantized to bf16 (dfcache/fp8.py)
+    raw = SampleSet(store, node.partition.key, [node.sample_keys[i] for i in positions]).read_many("hidden")
     raw = np.concatenate(raw) if raw else np.zeros((0, 0), np.float32)
+    if raw.dtype.name == "bfloat16":
+        raw = raw.view(np.uint16)
     if raw.dtype == np.uint16:
         return torch.from_numpy(raw.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(raw)

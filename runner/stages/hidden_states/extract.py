@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
+from dfcache.fp8 import quantize_torch, stored_width
 
 WINDOW_BATCHES = 2  # window size in units of batch_tokens
 NUM_BUFFERS = 2  # window buffers: one being filled, one being written
@@ -364,7 +365,8 @@ def _storage_view(t) -> np.ndarray:
 
 def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[LayerSink], *,
             batch_tokens: int, progress_factory=None, on_checkpoint=None, log=None,
-            pack: dict | None = None, boundaries: list[int] | None = None, on_boundary=None) -> ExtractStats:
+            pack: dict | None = None, boundaries: list[int] | None = None, on_boundary=None,
+            quantize: bool = False) -> ExtractStats:
     """Compute the sinks' layers for every sample and append them in token order.
 
     ``target`` is a :class:`runner.models.target.TargetModel`. ``sinks`` may be resumed writers;
@@ -382,6 +384,11 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
     before it, and before any later row is appended (the hidden-states stage commits a segment
     there, so one pipeline runs across segments). Boundaries past the rows computed here (and
     all of them when there is nothing to compute) are the caller's to handle.
+
+    ``quantize``: the sinks take FP8 packed rows (``dfcache.fp8``: codes and a per-token scale,
+    ``H + 4`` bytes a row): each forward's output is quantized where it was computed (on the GPU
+    for a CUDA target, one kernel chain per layer and batch), so only the packed rows, about half
+    the bytes, are copied to the host and no host pass touches them again.
     """
     import torch
 
@@ -402,8 +409,9 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
 
     cuda = target.device.type == "cuda"
     H = target.hidden_size
+    width, buf_dtype = (stored_width(H), torch.uint8) if quantize else (H, target.torch_dtype)
     buffers: queue.Queue = queue.Queue()
-    pinned = _take_buffers(cuda, min(NUM_BUFFERS, len(windows)), capacity, H, target.torch_dtype, len(layers))
+    pinned = _take_buffers(cuda, min(NUM_BUFFERS, len(windows)), capacity, width, buf_dtype, len(layers))
     for rows in pinned:
         bufs = dict(zip(layers, rows))
         buffers.put((bufs, {k: _storage_view(v) for k, v in bufs.items()}))
@@ -517,6 +525,9 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
                             # copy_ would convert silently; the store must hold what the layer gave
                             raise RuntimeError(f"layer {k} gave {t.dtype} rows of width {t.shape[-1]}, not the "
                                                f"model's {target.torch_dtype} x {H}; dfcache cannot store it exactly.")
+                    if quantize:  # on the device that computed them, before any copy
+                        outs = {k: quantize_torch(t.reshape(-1, H)).reshape(*t.shape[:-1], width)
+                                for k, t in outs.items()}
                     if cuda:
                         # The copy stream starts after this forward; the next forward does not wait.
                         copy_stream.wait_stream(torch.cuda.current_stream(target.device))
@@ -554,7 +565,7 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
         stats.extra["after_compute_s"] = round(time.perf_counter() - compute_t0 - stats.forward_s, 3)
         if progress is not None:
             progress.close()
-    _give_back_buffers(cuda, pinned, capacity, H, target.torch_dtype)
+    _give_back_buffers(cuda, pinned, capacity, width, buf_dtype)
     if writer.error is not None:
         raise writer.error
     if gpu_spans:

@@ -1,0 +1,168 @@
+"""FP8 hidden states (issue 33): the codec is hs-connectors' own numerics bit for bit, it round-trips
+through a real store with and without a lossless stage, extraction keys it apart from bf16 (and not
+apart by its lossless stage), reads dequantize, ls/show name it, and bad input is refused (exit 2)
+with the list of what it applies to and the store unchanged."""
+
+from __future__ import annotations
+
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+import zarr
+
+from cli_util import dfcache
+from dfcache import fp8
+from dfcache.keys import compute_key
+from dfcache.store import open_store
+from test_hidden_states import one_torch_thread, run_layers, segments_of, write_tokens  # noqa: F401 (autouse)
+
+
+def _states(n=300, h=96, seed=0) -> np.ndarray:
+    """bf16 bits like hidden states: a few large channels, rows of different magnitude, a zero row."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, h)) * np.where(rng.random(h) < 0.05, 30.0, 0.5) * rng.uniform(0.01, 10, (n, 1))
+    x[3] = 0
+    return x.astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
+def test_quantize_and_dequantize_are_hs_connectors_bit_for_bit():
+    """speculators' FP8 backend writes with hs-connectors' fp8_utils: the same codes, scales and bf16."""
+    import torch
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor, quantize_tensor_to_fp8
+
+    bits = _states()
+    t = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+    packed = fp8.quantize(bits)
+    assert packed.shape == (300, 100) and packed.dtype == np.uint8
+    assert np.array_equal(fp8.quantize_torch(t).numpy(), packed)  # what extraction runs on the device
+    codes, scales = fp8.unpack(packed)
+    q, s = quantize_tensor_to_fp8(t)
+    assert np.array_equal(codes.view(np.uint8), q.view(torch.uint8).numpy())
+    assert np.array_equal(scales, s.reshape(-1).numpy())
+    theirs = dequantize_fp8_tensor(q, s).view(torch.int16).numpy().view(np.uint16)
+    assert np.array_equal(fp8.dequantize(packed), theirs)
+    # lossy, within e4m3's half-ulp (2^-4 relative) of each row's largest value
+    x = bits.view(ml_dtypes.bfloat16).astype(np.float32)
+    y = fp8.dequantize(packed).view(ml_dtypes.bfloat16).astype(np.float32)
+    assert not np.array_equal(x, y)
+    assert (np.abs(y - x) <= np.abs(x).max(axis=1, keepdims=True) / 16 + 1e-30).all()
+    assert not y[3].any()  # a zero row stays zero
+
+
+def test_fp8_rows_round_trip_through_a_store_with_each_lossless_stage(tmp_path):
+    store = open_store(tmp_path / "s")
+    packed = fp8.quantize(_states())
+    sizes = {}
+    for codec in ("none", "zstd", "shuffle-zstd", "bitshuffle-lz4"):
+        key = compute_key("fp8_test", 1, {"codec": codec})
+        with store.writer(key, stage="fp8_test", stage_version=1, inputs={"codec": codec}) as w:
+            w.write_array("hidden", packed, dtype=fp8.FP8_DTYPE, codec=codec, chunk_rows=64)
+        a = open_store(tmp_path / "s").open(key).array("hidden")
+        assert np.array_equal(a.read_raw(), packed)  # packed rows, bit for bit
+        deq = a.read(10, 20)  # a read is dequantized bf16
+        assert deq.dtype == ml_dtypes.bfloat16 and np.array_equal(deq.view(np.uint16), fp8.dequantize(packed[10:20]))
+        # any zarr v3 reader opens it: uint8 rows of codes and a scale
+        z = zarr.open_array(store=str(tmp_path / "s" / "artifacts" / key[:2] / key / "hidden"), mode="r")
+        assert np.array_equal(z[:], packed)
+        sizes[codec] = sum(f.stat().st_size for f in (tmp_path / "s" / "artifacts" / key[:2] / key / "hidden").rglob("*")
+                           if f.is_file() and f.name != "zarr.json")
+    assert sizes["zstd"] < sizes["none"]
+    assert dfcache("verify", store=tmp_path / "s").code == 0
+
+
+def test_a_dtype_or_codec_this_dfcache_does_not_read_is_exit_2_naming_it(tmp_path):
+    """What a reader older than a codec meets: never the bytes taken for numbers."""
+    store = open_store(tmp_path / "s")
+    key = compute_key("fp8_test", 1, {})
+    with store.writer(key, stage="fp8_test", stage_version=1, inputs={}) as w:
+        w.write_array("hidden", fp8.quantize(_states()), dtype=fp8.FP8_DTYPE)
+    path = tmp_path / "s" / "artifacts" / key[:2] / key / "manifest.json"
+    m = json.loads(path.read_text())
+    for field, value in (("dtype", "float8_e5m2_blockscaled"), ("codec", "fp8-e5m2")):
+        edited = json.loads(json.dumps(m))
+        edited["arrays"]["hidden"][field] = value
+        path.write_text(json.dumps(edited))
+        r = dfcache("show", key, store=tmp_path / "s")
+        assert r.code == 2, r.err
+        assert value in r.err and "newer dfcache" in r.err and "Traceback" not in r.err
+    m["arrays"]["hidden"]["dtype"] = "../x"  # junk, not a name: an untrusted manifest (5)
+    path.write_text(json.dumps(m))
+    assert dfcache("show", key, store=tmp_path / "s").code == 5
+
+
+@pytest.mark.parametrize("args,names", [
+    (["run", "tokens", "--compression", "fp8-e4m3"], "the tokens stage"),
+    (["run", "hidden-states", "--dtype", "float32", "--compression", "fp8-e4m3+zstd"], "float32 hidden states"),
+    (["plan", "eval", "--compression", "fp8-e5m2"], "is not one of"),
+])
+def test_fp8_where_it_does_not_apply_is_exit_2_with_what_it_applies_to(tmp_path, tiny_target, args, names):
+    r = dfcache(*args, "--target", tiny_target, "--layer", "1", store=tmp_path / "s")
+    assert r.code == 2, r.err
+    assert names in r.err and "fp8-e4m3" in r.err and "Traceback" not in r.err
+    assert ("bfloat16 hidden states" in r.err) or "fp8-e4m3+zstd" in r.err
+    assert not (tmp_path / "s" / "artifacts").exists() or not any((tmp_path / "s" / "artifacts").iterdir())
+
+
+def test_extraction_keys_fp8_apart_quantizes_the_bf16_rows_and_reads_dequantize(tiny_target, tmp_path, capfd):
+    import torch
+
+    from runner.stages.hidden_states import read_layer
+
+    store = open_store(tmp_path / "store")
+    tok = write_tokens(store, tiny_target)
+    bf16, _ = run_layers(store, tok, [1, 3], None, dtype="bfloat16")
+    capfd.readouterr()
+    f8, _ = run_layers(store, tok, [1, 3], None, dtype="bfloat16", compression="fp8-e4m3")
+    # the first FP8 extraction of samples whose bf16 states are cached prints its per-layer error
+    err = capfd.readouterr().err
+    for k in (1, 3):
+        assert f"layer {k} fp8-e4m3 vs the cached bfloat16 states of the same 12 sample(s): rel_l2 0.0" in err
+    assert "--codec none --codec fp8-e4m3" in err
+    f8z, ctx = run_layers(store, tok, [1, 3], None, dtype="bfloat16", compression="fp8-e4m3+zstd")
+    for k in (1, 3):
+        assert f8[k].key != bf16[k].key  # a bf16 request never gets FP8 states, nor the other way
+        assert f8z[k].key == f8[k].key  # the lossless stage is not keyed: reused
+        assert f8[k].inputs["backend"] == {**bf16[k].inputs["backend"], "states": "fp8-e4m3"}
+        assert "states" not in bf16[k].inputs["backend"]
+        (m,) = segments_of(store, f8[k]).values()
+        assert m.arrays["hidden"].dtype == fp8.FP8_DTYPE and m.arrays["hidden"].shape[1] == 128 + 4
+        exact = read_layer(store, bf16[k])
+        lossy = read_layer(store, f8[k])
+        assert lossy.dtype == torch.bfloat16 and lossy.shape == exact.shape
+        # the stored FP8 rows are the quantized bf16 rows, bit for bit
+        want = fp8.dequantize(fp8.quantize(exact.view(torch.int16).numpy().view(np.uint16)))
+        assert np.array_equal(lossy.view(torch.int16).numpy().view(np.uint16), want)
+        rel = ((lossy.float() - exact.float()).norm() / exact.float().norm()).item()
+        assert 0 < rel < 0.05
+    assert not ctx.work_done  # fp8-e4m3+zstd found every sample of fp8-e4m3
+    ls = dfcache("ls", "--stage", "hidden_states", store=store.url)
+    assert ls.code == 0 and "torch/cpu/fp8-e4m3" in ls.out and "torch/cpu/bfloat16" in ls.out
+    f8_seg, bf16_seg = next(iter(segments_of(store, f8[1]))), next(iter(segments_of(store, bf16[1])))
+    show = dfcache("show", f8_seg, store=store.url)
+    assert show.code == 0 and "fp8-e4m3" in show.out and "float8_e4m3fn_scaled" in show.out
+    diff = dfcache("--json", "diff", bf16_seg, f8_seg, store=store.url)  # FP8 diffs against bf16 as bf16
+    assert diff.code == 0, diff.err
+    (a,) = json.loads(diff.out)["arrays"]
+    assert 0 < a["rel_l2"] < 0.05 and a["cos_min"] > 0.99
+    # training reads: bf16 dequantized by default (the eval's bf16, bit for bit), codes and scales on request
+    from dfcache.training import HiddenStateDataset
+    from runner.core.samples import StoredSamples
+
+    def dataset(nodes, **kw):
+        src = StoredSamples(store.url, tok.partition.key, tok.sample_keys, [nodes[k].partition.key for k in (1, 3)],
+                            [nodes[k].sample_keys for k in (1, 3)], list(tok.ids), layers=[1, 3])
+        return HiddenStateDataset(src, **kw)
+
+    deq, raw, exact = dataset(f8)[4], dataset(f8, fp8="raw")[4], dataset(bf16)[4]
+    n = exact["hidden_states"].shape[1]
+    assert deq["hidden_states"].dtype == torch.bfloat16 and "hidden_states_scales" not in deq
+    want = torch.cat([read_layer(store, f8[k], [4]) for k in (1, 3)], dim=-1)[None]
+    assert torch.equal(deq["hidden_states"].view(torch.int16), want.view(torch.int16))
+    assert raw["hidden_states"].dtype == torch.float8_e4m3fn and raw["hidden_states"].shape == (1, n, 256)
+    assert raw["hidden_states_scales"].shape == (1, n, 2) and raw["hidden_states_scales"].dtype == torch.float32
+    again = (raw["hidden_states"].to(torch.bfloat16).view(1, n, 2, 128)
+             * raw["hidden_states_scales"].to(torch.bfloat16)[..., None]).reshape(1, n, 256)  # hs-connectors' rule
+    assert torch.equal(again.view(torch.int16), deq["hidden_states"].view(torch.int16))
+    assert not torch.equal(deq["hidden_states"].view(torch.int16), exact["hidden_states"].view(torch.int16))
