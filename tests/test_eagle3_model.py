@@ -124,7 +124,7 @@ def test_load_speculators_layout(tmp_path):
              for k, v in load_file(str(path / "model.safetensors")).items()}
     save_file(state, str(out / "model.safetensors"))
     cfg = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
-           "draft_vocab_size": DV, "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": [0, 1, 2],
+           "draft_vocab_size": DV, "norm_before_residual": False, "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
            "speculators_config": {"algorithm": "eagle3", "proposal_methods": [{"speculative_tokens": 3}]},
            "transformer_layer_config": {"model_type": "llama", "hidden_size": H, "num_attention_heads": 4,
                                         "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
@@ -133,6 +133,7 @@ def test_load_speculators_layout(tmp_path):
     (out / "config.json").write_text(json.dumps(cfg))
     e = Eagle3Drafter.from_pretrained(out)
     assert e.config.layout == "speculators" and e.config.speculative_tokens == 3
+    assert e.config.target_layer_ids == [0, 1, 2]  # HF hidden_states indices 1..3: outputs of layers 0..2
     feats, toks = _inputs()
     assert score_roots(d, head, feats, toks, [9], depth=3)[0].tolist() == score_roots(e, head, feats, toks, [9], depth=3)[0].tolist()
 

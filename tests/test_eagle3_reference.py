@@ -101,6 +101,9 @@ def test_speculators_config_is_read_as_its_model_reads_it(tmp_path):
                                 eagle_aux_hidden_state_layer_ids=[1, 4, 7])
     raw = json.loads(sc.to_json_string())
     cfg = Eagle3Config.from_dict(raw)
-    assert cfg.layout == "speculators" and cfg.target_layer_ids == [1, 4, 7]
+    # speculators counts HF hidden_states indices (its converter: "z-lab reads hidden_states[layer_id + 1]
+    # ... speculators uses the layer id directly"): dfcache's (SpecForge's) ids are one less
+    assert cfg.layout == "speculators" and cfg.target_layer_ids == [0, 3, 6]
+    assert cfg.declared_layer_ids == [1, 4, 7]
     assert (cfg.hidden_size, cfg.head_dim, cfg.draft_vocab_size, cfg.vocab_size) == (H, 16, DV, V)
     assert cfg.norm_before_residual is True

@@ -3,8 +3,10 @@
 Two layouts: SpecForge's (``architectures: [LlamaForCausalLMEagle3]``, the layer ids in
 ``eagle_config.eagle_aux_hidden_state_layer_ids``, read by SGLang) and speculators'
 (``speculators_model_type: eagle3``, the layer's fields under ``transformer_layer_config``, the
-ids at the top level, read by vLLM). Layer id k is the output of target decoder layer k (Hugging
-Face ``hidden_states[k+1]``), the convention SGLang applies to configured ids.
+ids at the top level, read by vLLM). dfcache's layer id k is the output of target decoder layer k
+(Hugging Face ``hidden_states[k+1]``), the convention SpecForge's ids have (SGLang captures the
+input of layer k+1); speculators' ids are Hugging Face ``hidden_states`` indices (vLLM captures the
+input of layer k), so a speculators id k is dfcache's k-1. Both defaults name the same tensors.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class Eagle3Config:
     layout: str = "specforge"           # "specforge" | "speculators" (where the layer's fields live)
     norm_before_residual: bool = False
     speculative_tokens: int | None = None  # the chain length the checkpoint declares, if any
+    declared_layer_ids: list[int] | None = None  # as the config spells them (speculators: HF indices)
     fc_norm: bool = False      # SpecForge: an RMSNorm per target layer's features before fc
     norm_output: bool = True   # SpecForge: False gives logits = lm_head(h) without the final norm
     extra: dict = field(default_factory=dict)
@@ -103,6 +106,17 @@ class Eagle3Config:
         if ids is not None and (_int_list(ids) is None or len(ids) != 3):
             raise BadInputError(f"{source}: eagle_aux_hidden_state_layer_ids must be 3 non-negative layer ids "
                                 f"(low, mid, high), got {ids!r}. Fix the drafter config.")
+        declared = None if ids is None else [int(i) for i in ids]
+        if spec and declared is not None:
+            # speculators (and vLLM) count Hugging Face hidden_states indices: id k is the input of
+            # layer k, the output of layer k-1 (speculators/convert/dflash/converter.py: "z-lab reads
+            # hidden_states[layer_id + 1] ... speculators uses the layer id directly"); dfcache's ids
+            # are SGLang's, the output of layer k.
+            if 0 in declared:
+                raise BadInputError(f"{source}: eagle_aux_hidden_state_layer_ids {declared} include 0, the "
+                                    "embedding output (hidden_states[0]), which no hidden-state stage stores; "
+                                    "use a drafter trained on decoder-layer outputs.")
+            ids = [k - 1 for k in declared]
         k = None
         if spec:
             methods = ((raw.get("speculators_config") or {}).get("proposal_methods") or [])
@@ -113,7 +127,7 @@ class Eagle3Config:
                    intermediate_size=int(need("intermediate_size")), rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
                    rope_theta=float(rope), vocab_size=vocab, draft_vocab_size=draft_vocab,
                    target_layer_ids=None if ids is None else [int(i) for i in ids],
-                   layout="speculators" if spec else "specforge",
+                   layout="speculators" if spec else "specforge", declared_layer_ids=declared,
                    norm_before_residual=bool(raw.get("norm_before_residual", False)), speculative_tokens=k,
                    fc_norm=bool(layer.get("fc_norm", False)), norm_output=bool(layer.get("norm_output", True)))
 

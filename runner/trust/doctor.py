@@ -209,8 +209,12 @@ def _check_eagle3(rep: DoctorReport, ddir: Path, dcfg: dict, tcfg: dict, tcfg_al
                 f"{depth}-layer target applies (vLLM's default counts layer inputs: the same tensors)",
                 "add the ids the drafter was trained with to its config.json (eagle_config."
                 "eagle_aux_hidden_state_layer_ids), so every engine reads the same layers")
-    rep.add("layer convention", "info", f"ids {ids}: id k = output of decoder layer k = HF hidden_states[k+1] "
-            f"(here {[k + 1 for k in ids]}); SGLang captures the input of layer k+1, the same tensor")
+    if cfg.layout == "speculators" and cfg.declared_layer_ids is not None:
+        rep.add("layer convention", "info", f"speculators ids {cfg.declared_layer_ids} are HF hidden_states indices "
+                f"(vLLM captures the input of layer k): dfcache reads the outputs of layers {ids}")
+    else:
+        rep.add("layer convention", "info", f"ids {ids}: id k = output of decoder layer k = HF hidden_states[k+1] "
+                f"(here {[k + 1 for k in ids]}); SGLang captures the input of layer k+1, the same tensor")
     bad = [k for k in ids if not 0 <= k < depth]
     if bad:
         rep.add("layer ids", "error", f"ids {bad} are outside the target's {depth} decoder layers (0..{depth - 1})",
