@@ -312,7 +312,7 @@ def eagle3_main(args, res, target, dev, gen, H, L, V, heads, kv, hd, save, sync)
         blocks, start = [], P
         while start < P + N:
             n0 = 0 if K0 is None else K0.shape[0]
-            q, k, v, r = d.context_kv(head, pending, torch.tensor(seq[n0 + 1:start + 1], device=dev))
+            q, k, v, r = d.context_kv(head, pending, torch.tensor(seq[n0 + 1:start + 1], device=dev), start=n0)
             k, v = _expand_kv(k, groups), _expand_kv(v, groups)
             K0 = k if K0 is None else torch.cat([K0, k])
             V0 = v if V0 is None else torch.cat([V0, v])

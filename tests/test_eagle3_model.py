@@ -167,3 +167,15 @@ def test_batched_trees_equal_the_per_root_trees():
         for p, tree in zip(roots, got):
             ref = dynamic_tree(d, head, feats, toks.tolist(), p, topk, steps, n)
             assert (tree.tokens, tree.parents) == (ref.tokens, ref.parents), (topk, steps, n, p)
+
+
+def test_extending_the_context_keys_as_a_serving_engine_does_gives_the_same_drafts():
+    """SGLang's draft-extend adds the accepted positions' keys to the cached ones: computing them
+    in two pieces (``start=``) equals computing them at once."""
+    d, head = _drafter(), _head()
+    feats, toks = _inputs()
+    q, k, v, r = d.context_kv(head, feats[:30], toks[1:31])
+    q1, k1, v1, r1 = d.context_kv(head, feats[:17], toks[1:18])
+    q2, k2, v2, r2 = d.context_kv(head, feats[17:30], toks[18:31], start=17)
+    torch.testing.assert_close(torch.cat([k1, k2]), k, rtol=0, atol=0)
+    torch.testing.assert_close(torch.cat([q1, q2]), q, rtol=0, atol=0)

@@ -197,13 +197,15 @@ class Eagle3Drafter(nn.Module):
         """Draft-vocabulary logits of pre-norm outputs."""
         return self.lm_head(self.norm(h) if self.config.norm_output else h).float()
 
-    def context_kv(self, head: TargetHead, features: torch.Tensor, next_tokens: torch.Tensor):
-        """First-step (q, k, v, residual) of positions 0..n-1: features [n, 3*Ht], tokens x[1..n]."""
+    def context_kv(self, head: TargetHead, features: torch.Tensor, next_tokens: torch.Tensor, start: int = 0):
+        """First-step (q, k, v, residual) of positions start..start+n-1: features [n, 3*Ht] of those
+        positions, tokens x[start+1..start+n] (``start`` > 0: a serving engine's draft-extend of
+        newly accepted positions)."""
         x = features.to(self.dtype)
         if self.config.fc_norm:
             x = torch.cat([n(c) for n, c in zip(self.fc_norm, x.chunk(3, dim=-1))], dim=-1)
         g = self.fc(x)
-        pos = torch.arange(g.shape[0], device=g.device)
+        pos = torch.arange(start, start + g.shape[0], device=g.device)
         return self.qkv(self.embed(head, next_tokens), g, pos)
 
 
