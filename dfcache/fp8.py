@@ -146,7 +146,8 @@ def dequantize_codes(codes: np.ndarray, scales: np.ndarray, out: np.ndarray | No
        over float32's, i.e. the code's value times 2^-120 (a float32 subnormal for e4m3's
        subnormals, exact);
     2. ``x 2^120`` (exact: the code's value), ``x float32(bf16(scale))`` (exact: 4 x 8
-       significant bits), as hs-connectors' ``fp8.to(bf16) * scale.to(bf16)`` computes it;
+       significant bits), as hs-connectors' ``fp8.to(bf16) * scale.to(bf16)`` computes it; one
+       multiply by ``scale x 2^120`` where that is a float32 (scales under 256: the same product);
     3. float32 -> bf16 round to nearest even in integers (``(u + 0x7FFF + (u >> 16 & 1)) >> 16``).
 
     Same bits as the casts (:func:`_dequantize_casts`), which still take rows whose scale is not
@@ -177,8 +178,11 @@ def dequantize_codes(codes: np.ndarray, scales: np.ndarray, out: np.ndarray | No
         np.copyto(tt, c.view(np.int8), casting="unsafe")  # sign-extended
         np.left_shift(tt, 20, out=tt)
         np.bitwise_and(tt, np.int32(-0x78100000), out=tt)  # 0x87F00000: sign, then 7 bits at float32's exponent
-        np.multiply(f, np.float32(2.0 ** 120), out=f)
-        np.multiply(f.reshape(j - i, g, h), sj[:, :, None], out=f.reshape(j - i, g, h))
+        if np.abs(sj).max(initial=0) < 2.0 ** 8:  # one multiply: scale x 2^120 is a float32
+            np.multiply(f.reshape(j - i, g, h), (sj * np.float32(2.0 ** 120))[:, :, None], out=f.reshape(j - i, g, h))
+        else:
+            np.multiply(f, np.float32(2.0 ** 120), out=f)
+            np.multiply(f.reshape(j - i, g, h), sj[:, :, None], out=f.reshape(j - i, g, h))
         np.right_shift(u, 16, out=ww)
         np.bitwise_and(ww, 1, out=ww)
         np.add(u, ww, out=u)
