@@ -104,9 +104,16 @@ def format_table(rows: list[dict]) -> str:
 
 
 def _run_source(doc: dict) -> str:
+    """When and where a run was made: its date, CPU and cores, and "busy" with the load average
+    when the machine ran more than one runnable thread per core (start and end of the run
+    averaged): the condition CPU-time rows are judged in (issue 36)."""
     m, mach = doc["meta"], doc["meta"]["machine"]
     cores = f"{mach['usable_cpus']} cores" if mach.get("usable_cpus") else "cores unknown"
-    return f"{m['date'][:10]}, {mach['cpu_model']} ({cores})"
+    loads = [x[0] for x in (m.get("load_avg_start"), m.get("load_avg_end")) if x]
+    busy = ""
+    if loads and mach.get("usable_cpus") and sum(loads) / len(loads) > mach["usable_cpus"]:
+        busy = f", busy (load {sum(loads) / len(loads):.1f})"
+    return f"{m['date'][:10]}, {mach['cpu_model']} ({cores}{busy})"
 
 
 def latest_rows(docs: list[dict]) -> list[dict]:

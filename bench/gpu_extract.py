@@ -102,6 +102,47 @@ class Bench:
             self.save()
 
 
+def qwen36_27b_config(seq_len: int = 2048):
+    """The Qwen3.5/3.6-27B text model's layout, from its published config.json (text_config):
+    hidden 5120, MLP 17408, 64 layers of three gated-DeltaNet layers to one full-attention layer
+    (full_attention_interval 4), 24 query / 4 key-value heads of 256 with an output gate and a
+    quarter of the dimensions rotated (rope theta 1e7), gated DeltaNet with 16 key / 48 value heads
+    of 128 and a 4-wide convolution, vocab 248320, untied embeddings. Weights are not part of it."""
+    from transformers.models.qwen3_5 import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(
+        vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+        num_attention_heads=24, num_key_value_heads=4, head_dim=256, attn_output_gate=True,
+        linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+        rms_norm_eps=1e-6, max_position_embeddings=max(262144, 2 * seq_len),
+        rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        bos_token_id=None, eos_token_id=248044, pad_token_id=None, tie_word_embeddings=False)
+
+
+def forward_flops_per_token(cfg, deepest: int, seq_len: int) -> float:
+    """Model FLOPs of one token of a forward that stops after layer ``deepest``: 2 x the weights
+    of layers 0..deepest (every projection is a matmul), plus causal attention on full-attention
+    layers (QK and PV: 2 x 2 x heads x head_dim x seq_len / 2) and the chunked gated delta rule on
+    linear ones (per head and token: state read and update 2 x 2 x dk x dv, the 64-token chunk's
+    intra terms 2 x 64 x (dk + dv)). The embedding lookup is free."""
+    H, inter = cfg.hidden_size, cfg.intermediate_size
+    heads, kv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    gate = 2 if getattr(cfg, "attn_output_gate", False) else 1
+    nk, nv = getattr(cfg, "linear_num_key_heads", 0), getattr(cfg, "linear_num_value_heads", 0)
+    dk, dv = getattr(cfg, "linear_key_head_dim", 0), getattr(cfg, "linear_value_head_dim", 0)
+    mlp = 3 * H * inter
+    total = 0.0
+    for kind in cfg.layer_types[: deepest + 1]:
+        if kind == "full_attention":
+            w = H * heads * hd * gate + 2 * H * kv * hd + heads * hd * H
+            total += 2 * (w + mlp) + 2 * heads * hd * seq_len
+        else:
+            w = H * (2 * nk * dk + nv * dv) + H * nv * dv + 2 * H * nv + nv * dv * H
+            total += 2 * (w + mlp) + nv * (4 * dk * dv + 2 * 64 * (dk + dv))
+    return total
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="gpu_extract.json")
@@ -129,10 +170,25 @@ def main() -> int:
                     help="also sweep batch sizes (speed, bits) and take the pipeline apart (contention, variants)")
     ap.add_argument("--profile-samples", type=int, default=0,
                     help="profile a short extraction of this many samples, without and with CUDA graphs (0: skip)")
+    ap.add_argument("--preset", choices=["qwen3.6-27b"], default=None,
+                    help="qwen3.6-27b: the Qwen3.5/3.6-27B text layout from its published config (hidden 5120, 64 "
+                         "layers, every 4th full attention, 24/4 heads of 256, gated DeltaNet 16/48 heads of 128, "
+                         "MLP 17408, vocab 248320), random bf16 weights built on the GPU and never saved "
+                         "(--in-memory), DFlash2 tap layers 5,19,33,47,61; torch backend, naive loop and the full "
+                         "forward with logits skipped")
+    ap.add_argument("--in-memory", action="store_true",
+                    help="build the model on the GPU and hand it to the stage (config.json only on disk)")
+    ap.add_argument("--skip-full", action="store_true", help="skip the full forward with logits")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="check this script on a CPU machine: tiny sizes, torch backend only, no GPU figures")
     args = ap.parse_args()
     global DEV
+    if args.preset == "qwen3.6-27b":
+        args.hidden, args.num_layers, args.vocab = 5120, 64, 248320
+        if args.layers == "1,5,9,13":
+            args.layers = "5,19,33,47,61"
+        args.in_memory = args.skip_torch = args.skip_naive = args.skip_full = True
+        args.label = args.label or "27B-shaped (Qwen3.6-27B layout)"
     if args.cpu_smoke:
         DEV = "cpu"
         args.hidden, args.num_layers, args.samples, args.seq_len = 128, 4, 6, 64
@@ -148,6 +204,8 @@ def main() -> int:
               "xxhash": "xxhash", "ml_dtypes": "ml_dtypes", "typer": "typer", "tqdm": "tqdm",
               "transformers": "transformers", "torch": "torch"}
     missing = [pip for mod, pip in needed.items() if importlib.util.find_spec(mod) is None]
+    if "google-crc32c" in missing and importlib.util.find_spec("crc32c") is not None:
+        missing.remove("google-crc32c")  # crc32c (releases the GIL) is the preferred one
     if not args.cpu_smoke:
         missing += [pip for mod, pip in (("fla", "flash-linear-attention fla-core"), ("triton", "triton"))
                     if importlib.util.find_spec(mod) is None]
@@ -208,21 +266,48 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
 
         from runner.models.tiny import qwen35_shape_config
 
-        cfg = qwen35_shape_config(args.num_layers, args.hidden, args.vocab, args.seq_len)
+        cfg = qwen36_27b_config(args.seq_len) if args.preset == "qwen3.6-27b" else \
+            qwen35_shape_config(args.num_layers, args.hidden, args.vocab, args.seq_len)
         torch.manual_seed(0)
-        with torch.device(DEV):
-            model = Qwen3_5ForCausalLM(cfg)
-        model.to(torch.bfloat16)
+        t = time.perf_counter()
+        if args.in_memory:
+            # bf16 from the start: 27 B parameters in float32 would not fit the card
+            cfg._attn_implementation = "sdpa"
+            old = torch.get_default_dtype()
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                with torch.device(DEV):
+                    model = Qwen3_5ForCausalLM(cfg)
+            finally:
+                torch.set_default_dtype(old)
+        else:
+            with torch.device(DEV):
+                model = Qwen3_5ForCausalLM(cfg)
+            model.to(torch.bfloat16)
         n = sum(p.numel() for p in model.parameters())
-        model.save_pretrained(str(model_dir))
+        built["cfg"] = cfg
+        if args.in_memory:
+            model_dir.mkdir(parents=True, exist_ok=True)
+            model.config.save_pretrained(str(model_dir))  # config.json only: the weights stay on the GPU
+            built["model"] = model
+        else:
+            model.save_pretrained(str(model_dir))
         del model
         if DEV == "cuda":
             torch.cuda.empty_cache()
+            torch.cuda.synchronize()
+            b.res["memory"]["after_build"] = {"allocated_gb": torch.cuda.memory_allocated() / 1e9,
+                                              "card_total_gb": torch.cuda.get_device_properties(0).total_memory / 1e9}
         b.res["model"] = {"params": n, "hidden": args.hidden, "layers": args.num_layers, "layer_types": cfg.layer_types,
-                          "extracted_layers": layers,
+                          "extracted_layers": layers, "in_memory": bool(args.in_memory), "build_s": time.perf_counter() - t,
+                          "config": {k: getattr(cfg, k, None) for k in (
+                              "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                              "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                              "linear_value_head_dim", "vocab_size")},
                           "extracted_kinds": [cfg.layer_types[k] for k in layers]}
         log(f"model: {n / 1e9:.2f} B parameters in {model_dir}")
 
+    built: dict = {}
     b.phase("build_model", build_model)
     if not (model_dir / "config.json").exists():
         return 1
@@ -320,6 +405,9 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
     def extraction(kernel: str, tok: Node, label: str, bare_rate: float | None, compression: str = "none") -> None:
         ctx = ctx_for(kernel, compression)
         nodes = hs.build(ctx, tok, layers)
+        if args.in_memory:  # the weights are the loaded model's, on the GPU: no weight files to check
+            for n in nodes.values():
+                n.precheck = None
         resolve(ctx, list(nodes.values()))
         t = time.perf_counter()
         execute(ctx, list(nodes.values()))
@@ -344,6 +432,14 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
             backend = resolve_kernel(kernel, DEV, "bfloat16", "sdpa")
             t = time.perf_counter()
             ctx = ctx_for(kernel)
+            if args.in_memory:
+                from runner.models.target import _check_fla_importable, bind_target, read_model_info
+
+                if kernel == "fla":
+                    _check_fla_importable()
+                # the model built on the GPU, bound with load_target's checks, where the stage finds it
+                caches[kernel].targets[(str(model_dir), backend.label)] = bind_target(
+                    built["model"], read_model_info(model_dir), backend)
             targets[kernel] = hs.get_target(ctx, str(model_dir), backend)
             b.res["env"].setdefault("bound", {})[kernel] = targets[kernel].bound
             log(f"{kernel}: loaded in {time.perf_counter() - t:.1f} s; bound {targets[kernel].bound}")
@@ -380,8 +476,11 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
             n, dt = bare_forward(target, eb)  # a second pass, so clocks and caches are warm
             n, dt = bare_forward(target, eb)
             bare = row(f"bare forward to layer {max(layers)} (equal)", kernel, n, dt)["tok_per_s"]
-            n, dt = bare_forward(target, eb, full=True)
-            row("bare full forward + logits (equal)", kernel, n, dt, bare)
+            if DEV == "cuda" and kernel == "fla":
+                b.phase("mfu", lambda: mfu(bare))
+            if not args.skip_full:
+                n, dt = bare_forward(target, eb, full=True)
+                row("bare full forward + logits (equal)", kernel, n, dt, bare)
             if DEV == "cuda":
                 # One-time costs per loaded target, like fla's autotuning above: the batch-shape checks,
                 # the CUDA-graph captures and the pinned window buffers. A first extraction of three
@@ -425,6 +524,32 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
 
     bytes_per_token = len(layers) * args.hidden * 2
 
+    def mfu(bare_rate: float) -> None:
+        """The bare forward's share of the card's measured bf16 peak: the best of square bf16
+        matmuls (8192 and 16384) timed here, against the forward's model FLOPs per token."""
+        best = {}
+        for n in (8192, 16384):
+            a = torch.randn(n, n, device=DEV, dtype=torch.bfloat16)
+            c = torch.empty_like(a)
+            for _ in range(3):
+                torch.mm(a, a, out=c)
+            reps = 20 if n == 8192 else 4
+            for _ in range(5):
+                sync()
+                t = time.perf_counter()
+                for _ in range(reps):
+                    torch.mm(a, a, out=c)
+                sync()
+                best[n] = max(best.get(n, 0.0), reps * 2 * n ** 3 / (time.perf_counter() - t))
+            del a, c
+        peak = max(best.values())
+        fpt = forward_flops_per_token(built["cfg"], max(layers), args.seq_len)
+        b.res["mfu"] = {"peak_bf16_tflops": peak / 1e12, "matmul_tflops": {str(k): v / 1e12 for k, v in best.items()},
+                        "gflop_per_token": fpt / 1e9, "bare_tok_per_s": bare_rate,
+                        "bare_tflops": bare_rate * fpt / 1e12, "mfu": bare_rate * fpt / peak}
+        log(f"MFU: bare forward {bare_rate:,.0f} tok/s x {fpt / 1e9:.1f} GFLOP/token = {bare_rate * fpt / 1e12:.0f} "
+            f"TFLOP/s = {100 * bare_rate * fpt / peak:.1f} % of the measured bf16 peak {peak / 1e12:.0f} TFLOP/s")
+
     def disk():
         """The disk's fsync'd write rate, beside the extraction: dd (conv=fdatasync) and one
         numpy.save of random bytes + fsync, GB/s of data; the faster one is the ceiling."""
@@ -449,12 +574,38 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         np_s = time.perf_counter() - t
         np_rate = data.nbytes / np_s / 1e9
         f.unlink(missing_ok=True)
-        del data
-        rate = max(r for r in (dd_rate, np_rate) if r)
+        # Parallel fsync'd streams, as the store writes (a writer thread per layer, each chunk file
+        # fsync'd): n threads each write n_gb/n of the random bytes into its own file in 16 MiB
+        # pieces, then fsync it. The best stream count is the disk's ceiling for the extraction.
+        from concurrent.futures import ThreadPoolExecutor
+
+        raw = data.view(np.uint8)
+        streams = {}
+        for n_streams in (4, 8):
+            part = len(raw) // n_streams
+
+            def one(i, part=part):
+                with open(work / f"disk{i}.bin", "wb") as fh:
+                    for a in range(i * part, (i + 1) * part, 16 << 20):
+                        fh.write(raw[a:min(a + (16 << 20), (i + 1) * part)])
+                    fh.flush()
+                    os.fsync(fh.fileno())
+
+            subprocess.run(["sync"])
+            t = time.perf_counter()
+            with ThreadPoolExecutor(n_streams) as pool:
+                list(pool.map(one, range(n_streams)))
+            streams[n_streams] = part * n_streams / (time.perf_counter() - t) / 1e9
+            for i in range(n_streams):
+                (work / f"disk{i}.bin").unlink(missing_ok=True)
+        del data, raw
+        rate = max(r for r in (dd_rate, np_rate, *streams.values()) if r)
         b.res["disk"] = {"dd_fdatasync_gbps": dd_rate, "numpy_save_fsync_gbps": np_rate, "gb": n_gb,
+                         "parallel_fsync_streams_gbps": streams,
                          "ceiling_gbps": rate, "bytes_per_token": bytes_per_token,
                          "ceiling_tok_per_s": rate * 1e9 / bytes_per_token}
-        log(f"disk: dd {dd_rate or 0:.2f} GB/s, numpy.save+fsync {np_rate:.2f} GB/s -> "
+        log(f"disk: dd {dd_rate or 0:.2f} GB/s, numpy.save+fsync {np_rate:.2f} GB/s, parallel fsync'd streams "
+            f"{ {k: round(v, 2) for k, v in streams.items()} } GB/s -> "
             f"{rate * 1e9 / bytes_per_token:,.0f} tok/s at {bytes_per_token} B/token")
 
     class Fake:
@@ -812,9 +963,12 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
             log(f"exactness {kernel}: min share of bitwise-equal elements, stored vs one-sample/plain forward: {worst:.4f}")
 
     b.phase("exactness", exactness, optional=True)
+    b.res["memory"].update({"host_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                            "gpu_peak_allocated_mb": torch.cuda.max_memory_allocated() / 2**20 if DEV == "cuda" else None,
+                            "gpu_peak_reserved_mb": torch.cuda.max_memory_reserved() / 2**20 if DEV == "cuda" else None,
+                            "gpu_total_mb": torch.cuda.get_device_properties(0).total_memory / 2**20
+                            if DEV == "cuda" else None})
     b.res["rows"] = suite_rows(b)
-    b.res["memory"] = {"host_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                       "gpu_peak_allocated_mb": torch.cuda.max_memory_allocated() / 2**20 if DEV == "cuda" else None}
     print_table(b)
     return 0 if not [e for e in b.res["errors"] if not str(e.get("error", "")).startswith("skipped")] else 1
 
@@ -846,7 +1000,8 @@ def suite_rows(b: Bench) -> list[dict]:
             f"{ext['tok_per_s']:,.0f} tok/s", f"{ceiling:,.0f} tok/s ({bound}-bound)",
             round(ext["tok_per_s"] / ceiling, 3), 0.9,
             note=f"{gpu}; bare forward {bare['tok_per_s']:,.0f} tok/s; disk {disk['ceiling_gbps']:.2f} GB/s "
-                 f"(dd {disk.get('dd_fdatasync_gbps') or 0:.2f}, numpy.save+fsync {disk['numpy_save_fsync_gbps']:.2f}) "
+                 f"(dd {disk.get('dd_fdatasync_gbps') or 0:.2f}, numpy.save+fsync {disk['numpy_save_fsync_gbps']:.2f}, "
+                 f"parallel fsync'd streams {disk.get('parallel_fsync_streams_gbps')}) "
                  f"= {disk['ceiling_tok_per_s']:,.0f} tok/s at {disk['bytes_per_token']} B/token; "
                  f"store path alone {(res.get('store_only') or {}).get('tok_per_s') or 0:,.0f} tok/s"
                  + (f"; batch shapes used {st.get('batch_shapes')}, refused (change bits) {st.get('shapes_changing_bits')}; "
@@ -858,6 +1013,24 @@ def suite_rows(b: Bench) -> list[dict]:
                  + (f"; after a first extraction in the process ({first['tok_per_s']:,.0f} tok/s, "
                     f"{first['shape_checks']} shape check(s), graphs captured {first.get('cuda_graphs', {}).get('captured')})"
                     if first else ""))
+    if res.get("mfu"):
+        m = res["mfu"]
+        add(f"{label}: bare forward to layer {deepest}, share of the card's measured bf16 peak (MFU)",
+            f"{m['bare_tflops']:.0f} TFLOP/s", f"{m['peak_bf16_tflops']:.0f} TFLOP/s", round(m["mfu"], 3),
+            note=f"{gpu}; {m['gflop_per_token']:.1f} GFLOP/token (weights x 2 + attention + delta rule) at "
+                 f"{m['bare_tok_per_s']:,.0f} tok/s; peak = best square bf16 matmul {m['matmul_tflops']}")
+    mem = res.get("memory") or {}
+    if mem.get("gpu_peak_allocated_mb"):
+        plan = st.get("memory_plan") or {}
+        add(f"{label}: peak GPU memory (allocated) vs the card", f"{mem['gpu_peak_allocated_mb'] / 1024:.1f} GiB",
+            f"{mem['gpu_total_mb'] / 1024:.1f} GiB", round(mem["gpu_peak_allocated_mb"] / mem["gpu_total_mb"], 3),
+            target=1.0, direction="<=",
+            note=f"{gpu}; reserved peak {mem.get('gpu_peak_reserved_mb', 0) / 1024:.1f} GiB; weights "
+                 f"{(mem.get('after_build') or {}).get('allocated_gb', 0):.1f} GB; the extraction's memory plan: "
+                 + (f"{plan.get('free_bytes', 0) / 2**30:.1f} GiB free after the load, "
+                    f"{plan.get('per_token_bytes', 0) / 1024:.0f} KiB/token, batches of <= {plan.get('batch_tokens')} "
+                    f"tokens (asked {plan.get('requested_batch_tokens')}), CUDA graphs "
+                    f"{'on' if plan.get('cuda_graphs') else 'off'}" if plan else "not recorded"))
     ext8 = tp.get(("dfcache extract (equal, fp8-e4m3)", "fla"))
     if bare and ext8 and disk.get("ceiling_gbps"):
         fp8_bpt = len(res["model"].get("extracted_layers") or []) * (res["model"].get("hidden", 0) + 4)

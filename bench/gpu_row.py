@@ -75,8 +75,8 @@ def _rows_of(doc, path: Path) -> list[Row]:
             for k in ("dfcache", "competitor", "note"):
                 kw[k] = str(kw.get(k, ""))
             row = Row(NAME, **kw)
-            if r.get("status") in ("SKIPPED", "ERROR"):
-                row.status = r["status"]
+            if r.get("status") in ("SKIPPED", "ERROR") or (r.get("status") == "FAIL" and r.get("ratio") is None):
+                row.status = r["status"]  # a FAIL without a ratio: the row could not use its intended data
             rows.append(row.judge())
     elif isinstance(doc, dict) and isinstance(doc.get("throughput"), list):
         rows = _from_gpu_extract(doc, path)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._common import Ctx, Result, Row, clock, evict, med, ms, profile_top, rmtree, summary
+from ._common import Ctx, Result, Row, clock, clock_cpu, evict, med, ms, profile_top, rmtree, summary
 from ._data import make_hidden, specforge_path, specforge_samples, specforge_write
 
 NAME = "read"
@@ -96,6 +96,7 @@ def run(ctx: Ctx) -> Result:
     n = len(h.lengths)
     t = {k: [] for k in ("dfc_sample", "sf_sample", "dfc_block", "sf_block",
                          "dfc_sample_cold", "sf_sample_cold")}
+    cpu = {k: [] for k in ("dfc_sample", "sf_sample")}  # CPU seconds of the warm sample reads (all threads)
     files_ok = True
     files_seen = []
     # correctness once: same bytes
@@ -112,14 +113,14 @@ def run(ctx: Ctx) -> Result:
         for which in order:
             if which == 0:
                 opened.clear()
-                t["dfc_sample"].append(clock(lambda: dfc_sample(i)))
+                t["dfc_sample"].append(clock_cpu(lambda: dfc_sample(i), cpu["dfc_sample"]))
                 hs_files = [r for r in opened if r.startswith("hidden_states/")]
                 expect = (b - 1) // cr - a // cr + 1
                 files_seen.append((b - a, len(hs_files), expect))
                 files_ok &= len(hs_files) == expect and len(set(hs_files)) == expect
                 t["dfc_block"].append(clock(lambda: dfc_block(p)))
             else:
-                t["sf_sample"].append(clock(lambda: sf_sample(i)))
+                t["sf_sample"].append(clock_cpu(lambda: sf_sample(i), cpu["sf_sample"]))
                 t["sf_block"].append(clock(lambda: sf_block(i, p)))
         # cold: evict what each read needs, then read
         for which in order:
@@ -139,10 +140,19 @@ def run(ctx: Ctx) -> Result:
     mean_tokens = float(np.mean([s[0] for s in files_seen]))
     mean_files = float(np.mean([s[1] for s in files_seen]))
     total_chunks = -(-h.tokens // cr)
+    c = {k: med(v) for k, v in cpu.items()}
     rows = [
-        Row(NAME, f"one sample (~{mean_tokens:.0f} tokens x {h.states.shape[1]}), warm: dfcache read_raw vs torch.load",
-            ms(m["dfc_sample"]), ms(m["sf_sample"]), m["sf_sample"] / m["dfc_sample"], target=1.0,
-            note=f"speed ratio, median of {picks} random samples; store.open once: {ms(open_s)}"),
+        # Judged by CPU time (issue 36): on a busy 2-core machine a warm read's wall time is mostly
+        # waiting for a core (and dfcache's reader thread waits for a second one); its CPU time,
+        # every thread's, is the work. The wall-time ratio is the next row.
+        Row(NAME, f"one sample (~{mean_tokens:.0f} tokens x {h.states.shape[1]}), warm, CPU time: dfcache read_raw "
+            "vs torch.load", ms(c["dfc_sample"]), ms(c["sf_sample"]), c["sf_sample"] / c["dfc_sample"], target=1.0,
+            note=f"CPU (user+sys, all threads) ratio, median of {picks} random samples; wall "
+            f"{ms(m['dfc_sample'])} vs {ms(m['sf_sample'])} ({m['sf_sample'] / m['dfc_sample']:.2f}x); "
+            f"store.open once: {ms(open_s)}"),
+        Row(NAME, f"one sample (~{mean_tokens:.0f} tokens x {h.states.shape[1]}), warm, wall time: dfcache "
+            "read_raw vs torch.load", ms(m["dfc_sample"]), ms(m["sf_sample"]), m["sf_sample"] / m["dfc_sample"],
+            note=f"speed ratio, median of {picks} random samples (a busy machine's wall time: INFO)"),
         Row(NAME, f"one block ({BLOCK} tokens), warm: dfcache read_raw vs torch.load of its sample",
             ms(m["dfc_block"]), ms(m["sf_block"]), m["sf_block"] / m["dfc_block"], target=1.0),
         Row(NAME, "one sample, cold (files evicted): dfcache vs torch.load", ms(m["dfc_sample_cold"]),
@@ -157,6 +167,7 @@ def run(ctx: Ctx) -> Result:
         r.judge()
     return Result(rows, {"tokens": h.tokens, "samples": n, "chunk_rows": cr, "picks": picks,
                          "open_s": open_s, "seconds": {k: summary(v) for k, v in t.items()},
+                         "cpu_seconds": {k: summary(v) for k, v in cpu.items()},
                          "files_per_pick": files_seen[:50], "files_ok": files_ok,
                          # the caller's thread only: reader threads' preads and checks are not in it
                          "profile_sample_reads": profile})

@@ -220,6 +220,9 @@ def at_scale(ctx: Ctx, result: Result) -> None:
     env = bench_env(DFCACHE_HOME=str(home))
     ls_cmd = dfcache_cmd("--store", str(store_dir), "ls", "--json")
     plan_cmd = dfcache_cmd("--store", str(store_dir), "plan", "hidden-states", *args, "--json")
+    from dfcache.store import open_store
+
+    open_store(ctx.work / "empty-store")  # (made: `ls` of a store that does not exist is bad input)
     empty_cmd = dfcache_cmd("--store", str(ctx.work / "empty-store"), "ls", "--json")
     shutil.rmtree(home, ignore_errors=True)
     cold, plan_out = run_cmd(plan_cmd, env=env)  # parses and hashes the prompt file, fills the memo
@@ -234,11 +237,14 @@ def at_scale(ctx: Ctx, result: Result) -> None:
                                                                           ("empty", empty_cmd))}
     for what, cmd in (("ls", "dfcache ls --json"), ("plan", "dfcache plan hidden-states --json")):
         t = med(times[what])
-        # CPU time beside the wall time: on a shared machine the wall time is mostly waiting.
-        note = f"CPU {cpu[what]:.2f} s (empty-store ls {cpu['empty']:.2f} s)"
+        # Judged by CPU time (user + system of the command; issue 36): on a busy 2-core machine
+        # the wall time is mostly waiting for a core. The wall time is in the note.
+        note = f"CPU time (user+sys); wall {ms(t)}; empty-store ls CPU {cpu['empty']:.2f} s"
         result.rows.append(Row(bench=NAME, measure=f"`{cmd}` over {n:,} cached samples per stage "
-                               f"({5 * n:,} in all)", dfcache=ms(t), ratio=t, unit=" s", target=0.5,
-                               direction="<", note=note if ok else "plan did not see every sample cached").judge())
+                               f"({5 * n:,} in all), CPU time", dfcache=f"{cpu[what]:.3f} s CPU",
+                               ratio=cpu[what] if ok else None, unit=" s", target=0.5, direction="<",
+                               note=note if ok else "FAIL: plan did not see every sample cached",
+                               status="FAIL" if not ok else "INFO").judge())
     result.rows.append(Row(bench=NAME, measure="`dfcache ls --json` of an empty store (start-up, for scale)",
                            dfcache=ms(med(times["empty"]))).judge())
     result.rows.append(Row(bench=NAME, measure=f"`dfcache plan hidden-states --json`, {n:,} samples, first plan of "

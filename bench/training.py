@@ -35,8 +35,8 @@ import shutil
 
 import numpy as np
 
-from ._common import (Ctx, Result, Row, alternate, evict, files_under, med, ms, profile_top, rmtree, skipped,
-                      summary, tree_bytes)
+from ._common import (Ctx, Result, Row, alternate, cpu_now, evict, files_under, med, ms, profile_top, rmtree,
+                      skipped, summary, tree_bytes)
 from ._data import make_hidden
 
 NAME = "training"
@@ -207,10 +207,15 @@ def run(ctx: Ctx) -> Result:
                      "specforge_own_code": ours_sd, "speculators_own_code": ours_sp}
     for label, workers, cold in (("warm, 0 workers", 0, False), ("warm, 2 workers", 2, False),
                                  ("cold, 0 workers", 0, True)):
+        cpu: dict[str, list[float]] = {}  # CPU seconds of each epoch: this process and its workers
+
         def contender(name, ds, workers=workers, cold=cold):
             def go():
                 if not cold:
-                    return _epoch(ds, workers, seed=1)
+                    c = cpu_now()
+                    t = _epoch(ds, workers, seed=1)  # (the workers are joined when it ends: counted)
+                    cpu.setdefault(name, []).append(cpu_now() - c)
+                    return t
                 # A fresh reader: the warm one keeps its chunks mapped, and mapped pages cannot be
                 # evicted (its mappings are dropped first, so the eviction really empties the cache).
                 fresh = make_ours(concatenated=name == "dfcache concatenated") if name.startswith("dfcache") else ds
@@ -229,21 +234,31 @@ def run(ctx: Ctx) -> Result:
             gc.collect()
         times = alternate({n: contender(n, ds) for n, ds in contenders.items()}, reps, log=ctx.log)
         details[label] = {n: summary(t) for n, t in times.items()}
-        # The target is the training layout (`dfcache concat`: items are maps of their rows); the
-        # eval's per-layer layout, which copies each layer into the item, is shown beside it.
-        for mine, target in (("dfcache concatenated", 1.0), ("dfcache", None)):
-            ours = med(times[mine])
+        if cpu:
+            details[label + " cpu_s"] = {n: summary(t) for n, t in cpu.items()}
+        # Both layouts are judged: the training copy (`dfcache concat`: items are maps of their
+        # rows) and the per-layer layout a plain extraction leaves (no second copy on disk; each
+        # layer's rows copied into the item). Warm epochs are judged by CPU time (issue 36: on a
+        # busy 2-core machine the wall time is mostly waiting for a core; CPU time of this process
+        # and its joined workers is the work), the wall-time ratio in the note; cold ones by wall
+        # time (they wait on the disk).
+        for mine in ("dfcache concatenated", "dfcache"):
             for other in [n for n in contenders if not n.startswith("dfcache")]:
-                theirs = med(times[other])
                 note = "" if (other == "specforge" and ours_sd) or other == "speculators" else \
                     "SpecForge not installed: its loader reimplemented faithfully"
-                if target is None:
+                if mine == "dfcache":
                     note = ("per-layer layout (no concatenated copy): each layer's rows copied into the item; " + note).strip("; ")
-                res.rows.append(Row(NAME, f"DataLoader epoch, {label}: {mine} vs {other} "
+                ours, theirs = med(times[mine]), med(times[other])
+                what = "wall time"
+                if not cold:
+                    note = (f"CPU (user+sys, workers included) ratio; wall {ms(ours)} vs {ms(theirs)} "
+                            f"({theirs / ours:.2f}x); " + note).strip("; ")
+                    ours, theirs, what = med(cpu[mine]), med(cpu[other]), "CPU time"
+                res.rows.append(Row(NAME, f"DataLoader epoch, {label}, {what}: {mine} vs {other} "
                                     f"({len(h.lengths)} samples, {nbytes / 1e6:.0f} MB)",
                                     dfcache=f"{ms(ours)} ({len(h.lengths) / ours:.0f} samples/s)",
                                     competitor=f"{ms(theirs)} ({len(h.lengths) / theirs:.0f} samples/s)",
-                                    ratio=theirs / ours, target=target, note=note).judge())
+                                    ratio=theirs / ours, target=1.0, note=note).judge())
 
     # Where a warm epoch of ours goes (0 workers; the chunks are mapped and checked by now).
     for name in ("dfcache concatenated", "dfcache"):

@@ -73,9 +73,19 @@ def shared_alloc(shape: tuple, dtype) -> tuple[np.ndarray, torch.Tensor]:
 
     In a DataLoader worker an item's tensors are moved into shared memory to reach the main
     process (a copy of every byte); rows read straight into shared memory are sent as they are,
-    as torch's own ``default_collate`` does for batches built in workers."""
+    as torch's own ``default_collate`` does for batches built in workers.
+
+    The pages are made present in one call before the rows are copied in: the layers' columns
+    are written one layer at a time, and the fresh shared pages' faults then cost more than the
+    copy (issue 36, 2-core VM: a 4.6 MB item of four layers in 4.67 ms against 5.07 ms; torch's
+    own copy of a contiguous tensor into shared memory, what SpecForge's items get, 4.00 ms)."""
     dtype = np.dtype(dtype)
-    storage = torch.UntypedStorage._new_shared(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    storage = torch.UntypedStorage._new_shared(nbytes)
+    if nbytes >= 1 << 20:
+        from dfcache.store import populate_write
+
+        populate_write(storage.data_ptr(), nbytes)  # (refused: the copy faults the pages in instead)
     t = torch.empty(0, dtype=_TORCH_OF[dtype]).set_(storage, 0, tuple(shape))
     return t.numpy().view(dtype), t
 

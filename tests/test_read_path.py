@@ -189,3 +189,64 @@ def test_pagecache_counts_missing_pages_and_loads_them(tmp_path, cold_capable):
         assert _pagecache.load_large(fd, 0) is False and _pagecache.load_large(-1, size) is False
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("where", ["before the rows", "in the rows", "after the rows", "the last chunk's padding",
+                                   "truncated", "one byte longer"])
+def test_a_read_of_part_of_a_chunk_checks_the_whole_chunk(tmp_path, monkeypatch, where):
+    """A first read of some rows of a chunk reads them straight into the result and the rest
+    aside, and checks the whole chunk: a byte changed anywhere in it (or a file of another size)
+    is refused, rows asked for or not; the rows of intact chunks read as written, at any place."""
+    monkeypatch.setattr(_reader, "_read_workers", lambda: 0)
+    store, key, data = _array(tmp_path)
+    arr = store.open(key).array("x")
+    last = (ROWS - 1) // CHUNK_ROWS  # 15: rows 960..999 of 64, the rest padding
+    index, (a, b) = (last, (970, 990)) if where == "the last chunk's padding" else (3, (3 * 64 + 10, 3 * 64 + 20))
+    path = _chunk_file(store, key, index)
+    raw = bytearray(path.read_bytes())
+    row = WIDTH * 2
+    at = {"before the rows": 2 * row, "in the rows": 15 * row, "after the rows": 40 * row,
+          "the last chunk's padding": 45 * row}.get(where)
+    if at is not None:
+        raw[at] ^= 0xFF
+    elif where == "truncated":
+        raw = raw[:-100]
+    else:
+        raw += b"\0"
+    path.write_bytes(bytes(raw))
+    if where == "the last chunk's padding":  # padding is not key material: the rows still read
+        assert np.array_equal(arr.read_raw(a, b), data[a:b])
+    else:
+        with pytest.raises(IntegrityError, match=f"chunk {index} of array x"):
+            arr.read_raw(a, b)
+    fresh = open_store(tmp_path / "store").open(key).array("x")
+    for lo, hi in ((0, 1), (5, 64), (64, 70), (100, 190), (ROWS - 7, ROWS), (960, 1000)):
+        if hi <= index * CHUNK_ROWS or lo >= (index + 1) * CHUNK_ROWS or where == "the last chunk's padding":
+            assert np.array_equal(fresh.read_raw(lo, hi), data[lo:hi]), (lo, hi)  # the other chunks
+
+
+def test_populate_write_makes_shared_pages_present_and_keeps_them_writable():
+    """A DataLoader worker's item memory is populated in one call before its rows are copied
+    in; the memory stays ordinary shared memory: zeros until written, writes seen through any
+    mapping of it. Refused (False) only where the system lacks the call, never an error."""
+    import ctypes
+    import mmap
+
+    from dfcache.store import _pagecache, populate_write
+
+    size = 3 * mmap.PAGESIZE + 100
+    fd = os.memfd_create("dfcache-test") if hasattr(os, "memfd_create") else None
+    if fd is None:
+        pytest.skip("no memfd here")
+    try:
+        os.ftruncate(fd, size)
+        a, b = mmap.mmap(fd, size), mmap.mmap(fd, size)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(a)) + 17  # not page-aligned: the pages around it
+        ok = populate_write(addr, size - 17)
+        assert ok or not _pagecache.available()
+        assert a[:] == bytes(size)
+        a[size - 5:] = b"rows!"
+        assert b[size - 5:] == b"rows!"
+        assert populate_write(addr, 0) is False
+    finally:
+        os.close(fd)

@@ -202,30 +202,58 @@ def test_lacking_agrees_with_contains_many_below_and_above_the_index_size(monkey
 
 def test_sample_keys_memo_gives_the_keys_and_is_never_trusted_when_damaged(tmp_path, monkeypatch):
     import runner.core.sampling as sampling
+    from dfcache.samples import distinct_keys, keys_as_bytes
 
     monkeypatch.setenv("DFCACHE_HOME", str(tmp_path / "home"))
     monkeypatch.setattr(sampling, "KEYS_MEMO_MIN", 1)
     monkeypatch.setattr(sampling, "KEYS_MEMO_KEEP", 3)
-    p, u = part(), ups(50)
+    p, u = part(), ups(50) + ups(3)  # a set may repeat a sample
     want = p.sample_keys(u)
-    first, blob = sampling.sample_keys(p, u)
-    assert first == want and blob is not None
+    first, blob, distinct = sampling.sample_keys(p, u)
+    assert first == want and blob == keys_as_bytes(want)
+    assert distinct == b"".join(sorted({bytes.fromhex(k) for k in want}))  # sorted, each once
     files = list((tmp_path / "home" / "sample-keys").iterdir())
     assert len(files) == 1
-    again, blob2 = sampling.sample_keys(p, u)
-    assert again == want and blob2 == blob  # from the memo
+    again, blob2, distinct2 = sampling.sample_keys(p, u)
+    assert again == want and (blob2, distinct2) == (blob, distinct)  # from the memo
+    # the upstream keys' bytes, when the caller has them, name the same entry
+    assert sampling.sample_keys(p, u, keys_as_bytes(u)) == (want, blob, distinct)
+    assert len(list((tmp_path / "home" / "sample-keys").iterdir())) == 1
     assert sampling.sample_keys(p, u[::-1])[0] == want[::-1]  # another order: another entry
     assert sampling.sample_keys(part(layer=2), u)[0] == part(layer=2).sample_keys(u)  # another partition
     data = files[0].read_bytes()
-    for damaged in (data[:-1], data[:-16] + bytes(16), b"x" + data[1:]):
+    for damaged in (data[:-1], data[:-16] + bytes(16), b"x" + data[1:], data.replace(b" 50 ", b" 49 ", 1)):
         files[0].write_bytes(damaged)
-        assert sampling.sample_keys(p, u)[0] == want  # recomputed (and the memo rewritten)
+        assert sampling.sample_keys(p, u)[:2] == (want, blob)  # recomputed (and the memo rewritten)
     assert files[0].read_bytes() == data
+    assert distinct_keys(blob) == distinct
     for k in range(4):
         sampling.sample_keys(p, u[k:])
     assert len(list((tmp_path / "home" / "sample-keys").iterdir())) == 3  # only the newest are kept
     odd = u[:-1] + ["not-a-key\nwith a newline"]  # not 32-character keys: never memoised
-    assert sampling.sample_keys(p, odd) == (p.sample_keys(odd), None)
+    assert sampling.sample_keys(p, odd) == (p.sample_keys(odd), None, None)
+
+
+def test_lacking_with_the_keys_distinct_values_answers_as_the_search_does(monkeypatch):
+    """A plan gives ``lacking`` the sorted distinct values of its keys (from the keys memo): a
+    partition holding exactly those keys answers with one comparison; any other partition (more
+    keys, fewer, other ones, a sample held by two segments) answers as the search does."""
+    import dfcache.samples._index as samples
+    from dfcache.samples import PartitionSamples, distinct_keys, keys_as_bytes
+
+    held = [f"{i:032x}" for i in range(40)]
+    asked = held[:30] + held[5:10]  # repeats
+    cases = {"exactly": {"a": held[:15], "b": held[15:30]}, "more": {"a": held[:20], "b": held[20:]},
+             "fewer": {"a": held[:12], "b": held[14:30]}, "twice": {"a": held[:20], "b": held[10:30]},
+             "empty": {}}
+    monkeypatch.setattr(samples, "SAMPLE_INDEX_MIN", 1)  # the search, not the set
+    for name, segs in cases.items():
+        ps = PartitionSamples(dict(segs))
+        want = [i for i, k in enumerate(asked) if not any(k in v for v in segs.values())]
+        q = keys_as_bytes(asked)
+        assert ps.lacking(asked, q, distinct_keys(q)) == want, name
+        assert ps.lacking(asked, q) == want, name
+    assert PartitionSamples({}).lacking([], b"", b"") == []
 
 
 def test_gc_removes_index_files_a_killed_writer_left_half_written(tmp_path):
@@ -254,3 +282,31 @@ def test_gc_removes_index_files_a_killed_writer_left_half_written(tmp_path):
     assert not stale.exists() and not listing_tmp.exists() and young.exists() and idx.exists()
     ss = SampleSet(open_store(root), p.key, p.sample_keys(u))
     assert all(same(ss.read(i, "hidden"), rows_of(u[i])) for i in range(6))
+
+
+def test_a_plan_locates_samples_with_the_keys_memo_as_without_it(tmp_path, monkeypatch):
+    """The graph's per-sample nodes carry the keys' sorted distinct values from the keys memo;
+    locating them in a store whose partition holds exactly those samples, more, or fewer gives
+    the positions that locating without the memo gives (a fresh store object each time: the
+    partition's keys come from the on-disk sample index, as in a new process)."""
+    from types import SimpleNamespace
+
+    import runner.core.sampling as sampling
+    from runner.core.graph import Node
+
+    monkeypatch.setenv("DFCACHE_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(samples_mod, "SAMPLE_INDEX_MIN", 1)
+    u = ups(12)
+    for name, held in (("exactly", u), ("more", u + ups(5, start=40)), ("fewer", u[2:9])):
+        root = tmp_path / name
+        write(open_store(root), part(), held, max_samples=5)
+        got = {}
+        for memo_min in (1, 10**9):  # with the memo (a fast path when exact), without it
+            monkeypatch.setattr(sampling, "KEYS_MEMO_MIN", memo_min)
+            node = Node.make_samples(part().stage, part().version, inputs=part().inputs, upstream_samples=u,
+                                     partition_upstream=part().upstream, ids=[str(i) for i in range(12)],
+                                     needs="cpu")
+            assert (node.sample_key_distinct is not None) == (memo_min == 1)
+            sampling.locate(SimpleNamespace(store=open_store(root), remotes=[]), node, warn=print)
+            got[memo_min] = sorted(node.local)
+        assert got[1] == got[10**9] == ([i for i in range(12) if u[i] in held]), name

@@ -50,14 +50,14 @@ from importlib import import_module
 _WHERE = {"SamplesMissingError": "..errors", "record_digest": "..keys", "sample_key": "..keys",
           "sample_keys": "..keys", "segment_key": "..keys",
           "PartitionSamples": "._index", "SampleIndex": "._index", "index_of": "._index", "keys_as_bytes": "._index",
-          "keys_from_bytes": "._index", "Partition": "._partition", "partition_key": "._partition",
+          "keys_from_bytes": "._index", "distinct_keys": "._index", "Partition": "._partition", "partition_key": "._partition",
           "DOC": "._segment", "INDEX": "._segment", "SampleArray": "._segment", "Segment": "._segment",
           "SegmentWriter": "._segment", "index_problem": "._segment", "read_side_by_side": "._segment",
           "sample_digest": "._segment", "segment_problems": "._segment", "SampleSet": "._set",
           "SampleSink": "._sink"}
 
 __all__ = ["DOC", "INDEX", "Partition", "PartitionSamples", "SampleArray", "SampleIndex", "SampleSet", "SampleSink",
-           "SamplesMissingError", "Segment", "SegmentWriter", "index_of", "index_problem", "keys_as_bytes",
+           "SamplesMissingError", "Segment", "SegmentWriter", "distinct_keys", "index_of", "index_problem", "keys_as_bytes",
            "keys_from_bytes", "partition_key", "read_side_by_side", "record_digest", "sample_digest", "sample_key",
            "sample_keys", "segment_key", "segment_problems"]
 

@@ -108,6 +108,13 @@ def keys_from_bytes(blob: bytes) -> list[str]:
     return blob.hex(",", 16).split(",") if blob else []
 
 
+def distinct_keys(blob: bytes) -> bytes:
+    """16-byte values (as :func:`keys_as_bytes` gives them) sorted as big-endian 128-bit numbers,
+    each once: what :meth:`PartitionSamples.distinct` holds of a partition, so a caller that
+    keeps it for a set of keys can ask :meth:`PartitionSamples.lacking` with it."""
+    return _sorted_distinct(blob) if blob else b""
+
+
 def _sorted_distinct(blob: bytes) -> bytes:
     """16-byte values sorted (as big-endian 128-bit numbers), each once."""
     a = np.frombuffer(blob, dtype=">u8").reshape(-1, 2)
@@ -176,13 +183,18 @@ class PartitionSamples(Mapping):
             return (sum(map(len, self._strs.values()))
                     + sum(len(b) // 16 for k, b in self._blobs.items() if k not in self._strs))
 
-    def lacking(self, keys: list[str], as_bytes: bytes | None = None) -> list[int]:
+    def lacking(self, keys: list[str], as_bytes: bytes | None = None, distinct: bytes | None = None) -> list[int]:
         """The positions in ``keys`` of those that are not samples of the partition, ascending.
 
-        A partition of fewer than ``SAMPLE_INDEX_MIN`` keys answers from its set of keys, so
+        ``distinct``: the keys' sorted distinct values (:func:`distinct_keys` of ``as_bytes``),
+        when the caller has them: a partition holding exactly those keys answers with one
+        comparison (a fully cached stage of a repeated plan: no search, no numpy import). A
+        partition of fewer than ``SAMPLE_INDEX_MIN`` keys answers from its set of keys, so
         planning a run of a few samples imports no numpy; a larger one searches as
         :meth:`contains_many` does."""
         with self._lock:
+            if distinct is not None and len(distinct) == 16 * self.size_hint() and distinct == self.distinct():
+                return []  # (size_hint first: a partition holding other keys too is not sorted for nothing)
             if self._set is not None or self.size_hint() < SAMPLE_INDEX_MIN:
                 have = self.key_set()
                 return [i for i, k in enumerate(keys) if k not in have]

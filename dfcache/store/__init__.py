@@ -16,6 +16,8 @@ scheme. ``dfcache.testing.store_conformance`` is the suite every backend passes.
 nothing refers to it (large read results). ``read_regular(path, limit)`` reads a file kept in a
 store (never blocking on a FIFO, regular files only, bounded; ``_files.py``), and
 ``replace_derived(path, data)`` replaces a derived file (an index) in one rename.
+``populate_write(addr, size)`` makes a writable shared mapping's pages present in one call
+(``_pagecache.py``; a DataLoader worker's item memory).
 """
 
 from importlib import import_module
@@ -28,11 +30,11 @@ _WHERE = {"ArrayReader": "._reader", "Artifact": "._reader",
           "default_chunk_rows": ".format", "recycled_empty": "._pools", "layout": ".layout",
           "Backend": "._backend", "Staging": "._backend", "Temporary": "._backend", "format": ".format",
           "listing": "._index", "MigrateResult": "._migrate", "migrate_store": "._migrate",
-          "read_regular": "._files", "replace_derived": "._files"}
+          "read_regular": "._files", "replace_derived": "._files", "populate_write": "._pagecache"}
 
 __all__ = ["ArrayReader", "ArrayWriter", "Artifact", "ArtifactWriter", "Backend", "CommitOnExit", "MigrateResult",
            "Staging", "Store", "Temporary", "default_chunk_rows", "format", "layout", "listing", "migrate_store",
-           "open_store", "read_regular", "recycled_empty", "replace_derived"]
+           "open_store", "populate_write", "read_regular", "recycled_empty", "replace_derived"]
 
 
 def __getattr__(name: str):

@@ -467,6 +467,22 @@ def rows_match(body, spec: ArraySpec, index: int) -> bool:
     return xxhash.xxh3_128_hexdigest(body[:valid]) == spec.chunk_digests[index]
 
 
+def rows_match_pieces(pieces, spec: ArraySpec, index: int) -> bool:
+    """:func:`rows_match` of the chunk body cut into consecutive pieces (contiguous uint8
+    buffers, in order, together ``chunk_rows`` full rows): the same digest, computed piece by
+    piece, so a reader can read a chunk's wanted rows straight into its result and the others
+    aside, and check the whole without copying it together first."""
+    valid = min(spec.chunk_rows, spec.shape[0] - index * spec.chunk_rows) * (
+        math.prod(spec.shape[1:]) * ITEMSIZE[spec.storage_dtype])
+    h = xxhash.xxh3_128()
+    for piece in pieces:
+        take = min(len(piece), valid)
+        if take > 0:
+            h.update(piece[:take])
+        valid -= take
+    return h.hexdigest() == spec.chunk_digests[index]
+
+
 MOVED = "chunk_moved"  # IntegrityError.reason of an intact chunk in the wrong place
 
 

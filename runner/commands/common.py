@@ -157,9 +157,10 @@ def _sample_outcome(n) -> str:
     return text
 
 
-def _print_plan(nodes, opts: EvalOptions) -> None:
+def _print_plan(nodes, opts: EvalOptions, estimate: list | None = None, estimate_lines: list | None = None) -> None:
     if opts.json:
-        emit_json([n.to_plan_dict() for n in nodes])
+        plan = [n.to_plan_dict() for n in nodes]
+        emit_json(plan if estimate is None else {"nodes": plan, "estimate": estimate})
         return
     width = label_width(nodes)
     print(f"{'STAGE':<{width}} {'KEY':<12}  {'STATUS':<14} {'NEEDS':<8} SAMPLES")
@@ -178,3 +179,5 @@ def _print_plan(nodes, opts: EvalOptions) -> None:
         print(f"{n.label or n.stage:<{width}} {n.key[:12]}  {n.status:<14} {n.needs:<8} {samples}{extra}")
     todo = sum(1 for n in nodes if n.status not in ("cached", "not needed"))
     print(f"{len(nodes)} node(s), {len(nodes) - todo} cached or not needed, {todo} to produce")
+    for line in estimate_lines or []:  # `plan --estimate` (runner/core/estimate.py)
+        print(line)

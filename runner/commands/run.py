@@ -61,6 +61,7 @@ def _make_command(mode: str):
         remote: Optional[List[str]] = typer.Option(None, "--remote", help="A remote store to look in before computing (repeatable)."),
         endpoint_url: Optional[str] = typer.Option(None, "--endpoint-url", help="S3 endpoint for --remote."),
         shard: Optional[str] = typer.Option(None, "--shard", help="Be worker I of N (I/N, or 'slurm' in a Slurm array): make this worker's share of the samples (docs/distributed.md)."),
+        estimate: bool = typer.Option(False, "--estimate", help="plan only: the tokens to extract, the bytes per codec and the hours, from the last extraction of the same target shape (or the GPU bench's figures)."),
     ):
         # --store, --json, --debug, --offline and --no-progress are the dfcache CLI's global
         # options, which it adds to every command (dfcache.cli.common.GLOBAL_OPTIONS).
@@ -93,9 +94,12 @@ def _make_command(mode: str):
         if shard is not None and mode != "run":
             raise UsageError(f"--shard applies to `dfcache run` only (it splits the work of a run between "
                              f"workers); drop it from `dfcache {'plan' if mode == 'plan' else ctx.info_name}`.")
+        if estimate and mode != "plan":
+            raise UsageError(f"--estimate applies to `dfcache plan` only (it prices the work a plan shows); drop it "
+                             f"from `dfcache {ctx.info_name}`, or run `dfcache plan ... --estimate` first.")
         if mode == "options":  # `dfcache watch` and `dfcache export` take these options, validated the same way
             return opts.validate()
-        run_pipeline(mode, RUN_TARGETS[target], opts, argv=_run_argv(ctx, target), shard=shard)
+        run_pipeline(mode, RUN_TARGETS[target], opts, argv=_run_argv(ctx, target), shard=shard, estimate=estimate)
 
     command.__doc__ = ("Show the graph and each node's status; does no work." if mode == "plan" else
                        "Run the graph up to TARGET, reusing everything cached.")
@@ -147,7 +151,7 @@ def _run_argv(ctx: typer.Context, target: str) -> list[str]:
     if root is not ctx:
         add(root, skip=("version", "debug"))
     args += ["run", target]
-    add(ctx, skip=("_global_debug", "shard"))  # a fix names the whole job, not one worker's share
+    add(ctx, skip=("_global_debug", "shard", "estimate"))  # a fix names the whole job, not one worker's share
     return args
 
 
@@ -178,7 +182,8 @@ def _recompute_hidden_states(store, keys, n, **kw) -> dict:
     return verify_hook(store, keys, n, **kw)
 
 
-def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None = None, shard: str | None = None):
+def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None = None, shard: str | None = None,
+                 estimate: bool = False):
     """Plan (and for mode "run", execute) the graph through runner.api, and print. Returns (ctx, nodes).
 
     A run is one worker of a distributed run under torchrun (RANK/WORLD_SIZE/LOCAL_RANK) or with
@@ -194,7 +199,13 @@ def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
     if mode == "plan":
         ctx, nodes = api.resolve_graph(upto, opts, get_store(), argv=argv, log=log)
-        _print_plan(nodes, opts)
+        if estimate:
+            from ..core.estimate import describe, estimate as price
+
+            est = price(ctx, nodes)
+            _print_plan(nodes, opts, est, describe(est))
+        else:
+            _print_plan(nodes, opts)
         if opts.offline:
             check_offline(ctx, nodes)
         return ctx, nodes

@@ -58,10 +58,11 @@ class Node:
     upstream_samples: list[str] | None = None  # per position of the prompt set
     sample_keys: list[str] | None = None
     sample_key_bytes: bytes | None = None  # the same as 16-byte values, when the keys memo gave them
+    sample_key_distinct: bytes | None = None  # their sorted distinct values, with sample_key_bytes
     ids: list[str] | None = None  # prompt ids per position (messages name them)
     problem: str | None = None  # why missing samples cannot be produced here (hardware)
     precheck: Any = None  # callable run before any work when this run produces samples (weights)
-    local: set = field(default_factory=set)  # positions stored locally
+    local: set | range = field(default_factory=set)  # positions stored locally (a range: all of them)
     in_remote: set = field(default_factory=set)  # positions only in a remote
     remote_of: dict = field(default_factory=dict)  # sample key -> remote store
     pull: list[int] = field(default_factory=list)  # positions this run pulls
@@ -83,7 +84,7 @@ class Node:
     @classmethod
     def make_samples(cls, stage: str, version: int, *, inputs: dict, upstream_samples: list[str],
                      partition_upstream: dict | None = None, ids: list[str], needs: str,
-                     deps: list["Node"] | None = None, **kw) -> "Node":
+                     deps: list["Node"] | None = None, upstream_bytes: bytes | None = None, **kw) -> "Node":
         """A per-sample node over the prompt set: its partition and one sample key per position.
         Its ``key`` names the ordered set (a report is keyed by it), never stored itself."""
         from dfcache.samples import Partition
@@ -93,11 +94,11 @@ class Node:
         if needs not in NEEDS:
             raise ValueError(f"needs={needs!r}")
         part = Partition(stage, version, inputs, dict(partition_upstream or {}))
-        keys, as_bytes = sample_keys(part, upstream_samples)
+        keys, as_bytes, distinct = sample_keys(part, upstream_samples, upstream_bytes)
         return cls(stage=stage, key=set_key(part.key, keys), needs=needs, inputs=inputs,
                    upstream=dict(partition_upstream or {}), version=version, deps=list(deps or []),
                    partition=part, upstream_samples=list(upstream_samples), sample_keys=keys,
-                   sample_key_bytes=as_bytes, ids=list(ids), **kw)
+                   sample_key_bytes=as_bytes, sample_key_distinct=distinct, ids=list(ids), **kw)
 
     def positions_distinct(self, positions) -> list[int]:
         """The first position of each distinct sample among ``positions`` (a set may repeat one)."""

@@ -571,6 +571,17 @@ def load_target(target_dir: str | os.PathLike, backend: KernelSpec, *,
                             "local transformers model directory with --target.") from None
     if backend.device != "cuda":
         model.to("cpu")
+    return bind_target(model, info, backend)
+
+
+def bind_target(model, info: ModelInfo, backend: KernelSpec) -> TargetModel:
+    """A model already in memory (``load_target``'s, or one built from a config on the GPU, as
+    the 27B-shaped GPU bench does: 54 GB of random weights are not worth a disk round trip) bound
+    to ``backend``, with every check ``load_target`` makes: device, dtype, no hub kernels, the
+    attention implementation and the kernel family really bound."""
+    import torch
+
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[backend.dtype]
     model.eval()
     model.requires_grad_(False)
     got_device = next(model.parameters()).device

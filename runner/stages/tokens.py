@@ -69,6 +69,7 @@ def build(ctx: RunContext, completions_node: Node) -> Node:
     inputs = {"target": target.fingerprint, "tokenizer": target.tokenizer_fingerprint,
               "chat_template": target.chat_template_hash, "enable_thinking": bool(opts.enable_thinking)}
     return KEY.samples(inputs=inputs, upstream_samples=completions_node.sample_keys,
+                       upstream_bytes=completions_node.sample_key_bytes,
                        partition_upstream={"sample": completions_node.partition.key}, ids=completions_node.ids,
                        needs="cpu", deps=[completions_node], label="tokens",
                        precheck=lambda: check_chat_template(target.dir),  # before any work, if it renders

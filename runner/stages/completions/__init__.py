@@ -108,7 +108,8 @@ def build(ctx: RunContext, prompts_node: Node) -> Node:
         "max_new_tokens": int(opts.max_new_tokens),
         "seed": None if opts.seed is None else int(opts.seed),
     }
-    samples = dict(upstream_samples=prompts_node.sample_keys, ids=prompts_node.ids,
+    samples = dict(upstream_samples=prompts_node.sample_keys, upstream_bytes=prompts_node.sample_key_bytes,
+                   ids=prompts_node.ids,
                    partition_upstream={"sample": prompts_node.partition.key})
     if kind == "local":
         from .sources import local_kernel

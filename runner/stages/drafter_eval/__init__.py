@@ -202,6 +202,7 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
             problem = (f"--eval-device cuda: no CUDA GPU is usable here ({why}); pass --eval-device cpu or auto "
                        "(stored hidden states of any backend evaluate on the CPU).")
     return KEY.samples(inputs=inputs, upstream_samples=tokens_node.sample_keys,
+                       upstream_bytes=tokens_node.sample_key_bytes,
                        partition_upstream={"sample": tokens_node.partition.key,
                                            "hidden_states": [n.partition.key for n in layers]},
                        ids=tokens_node.ids, needs="gpu" if device == "cuda" else "cpu",

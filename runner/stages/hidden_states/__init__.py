@@ -103,7 +103,8 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
     for k in layers:
         nodes[k] = KEY.samples(
             inputs={"target": target_fp, "layer": k, "backend": key_backend, **key_version_inputs(opts)},
-            upstream_samples=tokens_node.sample_keys, partition_upstream={"sample": tokens_node.partition.key},
+            upstream_samples=tokens_node.sample_keys, upstream_bytes=tokens_node.sample_key_bytes,
+            partition_upstream={"sample": tokens_node.partition.key},
             ids=tokens_node.ids, needs=needs, deps=[tokens_node],
             label=f"hidden_states[{k}]", group=group,
             # Cached states of any backend class are usable anywhere; computing missing ones is what
@@ -310,6 +311,11 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
             raise
     wall = time.perf_counter() - t0
     ctx.last_extract_stats = stats
+    if total_tokens:
+        from ...core.extract_rates import record_rate  # for `dfcache plan --estimate` of later runs
+
+        record_rate(ctx.store, target.info, backend.dtype, target.provenance.get("gpu") or backend.device,
+                    [n.payload["layer"] for n in nodes], total_tokens, wall)
     ctx.log(f"hidden states: {len(lacking)} sample(s), layers {[n.payload['layer'] for n in nodes]} "
             f"({backend.label}{', ' + ctx.options.compression if lossy else ''}): {total_tokens} tokens in "
             f"{segments} segment(s), {wall:.1f} s ({total_tokens / wall if wall > 0 else 0:,.0f} tok/s)")

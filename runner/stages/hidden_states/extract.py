@@ -366,7 +366,7 @@ def _storage_view(t) -> np.ndarray:
 def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[LayerSink], *,
             batch_tokens: int, progress_factory=None, on_checkpoint=None, log=None,
             pack: dict | None = None, boundaries: list[int] | None = None, on_boundary=None,
-            quantize: bool = False) -> ExtractStats:
+            gpu_free_bytes: int | None = None, quantize: bool = False) -> ExtractStats:
     """Compute the sinks' layers for every sample and append them in token order.
 
     ``target`` is a :class:`runner.models.target.TargetModel`. ``sinks`` may be resumed writers;
@@ -385,6 +385,12 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
     there, so one pipeline runs across segments). Boundaries past the rows computed here (and
     all of them when there is nothing to compute) are the caller's to handle.
 
+    Memory (:mod:`runner.models.memory`): on CUDA the batch cap and the CUDA graphs are sized from the GPU
+    memory free once the model is loaded (``gpu_free_bytes``, measured when None; given, it is
+    applied on any device, which is how the CPU tests exercise it); a set whose longest sample
+    cannot run is refused before any forward (BadInputError, exit 6). The choice is logged and
+    kept in ``stats.extra["memory_plan"]``.
+
     ``quantize``: the sinks take FP8 packed rows (``dfcache.fp8``: codes and a per-token scale,
     ``H + 4`` bytes a row): each forward's output is quantized where it was computed (on the GPU
     for a CUDA target, one kernel chain per layer and batch), so only the packed rows, about half
@@ -402,12 +408,25 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
     stats.tokens_resumed = start_token
     if start_token and log is not None:
         log(f"hidden states: resuming at sample {start_sample} ({start_token} of {total} tokens kept)")
+    cuda = target.device.type == "cuda"
+    mem = None
+    config = getattr(getattr(target, "model", None), "config", None)  # None: no model to size (bench stand-ins)
+    if (cuda or gpu_free_bytes is not None) and config is not None and start_sample < len(offsets) - 1:
+        from ...models import memory
+
+        free = memory.free_gpu_bytes(target.device) if gpu_free_bytes is None else gpu_free_bytes
+        longest = int(np.diff(offsets[start_sample:]).max())
+        mem = memory.plan(free, memory.per_token_bytes(config, len(layers), target.torch_dtype.itemsize),
+                          longest, batch_tokens, cuda_graphs=cuda)
+        batch_tokens = mem.batch_tokens
+        stats.extra["memory_plan"] = mem.to_dict()
+        if log is not None:
+            log(f"hidden states: {mem.describe()}")
     windows, capacity = plan_windows(offsets, start_sample, batch_tokens, pack=pack is not None)
     if not windows:
         stats.wall_s = time.perf_counter() - t0
         return stats
 
-    cuda = target.device.type == "cuda"
     H = target.hidden_size
     width, buf_dtype = (stored_width(H), torch.uint8) if quantize else (H, target.torch_dtype)
     buffers: queue.Queue = queue.Queue()
@@ -434,7 +453,7 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
         gpu_spans.append(ev)
         return out
 
-    graphs = _graphs_for(target) if cuda else None
+    graphs = _graphs_for(target) if cuda and (mem is None or mem.cuda_graphs) else None
     run_forward = graphs if graphs is not None else target.forward_layers
     replays0 = graphs.replays if graphs is not None else 0
 
