@@ -22,7 +22,7 @@ import itertools
 
 import numpy as np
 
-from ._common import Ctx, Result, Row, alternate, clock, gbps, med, ms, rmtree, summary
+from ._common import Ctx, Result, Row, alternate, clock, clock_cpu, gbps, med, ms, rmtree, summary
 
 NAME = "fp8"
 HIDDEN = 128  # the tiny target's hidden size (bench/size.py's layers are concatenated: 3 x 128)
@@ -173,14 +173,16 @@ def run(ctx: Ctx) -> Result:
         "sf": lambda i: torch.load(specforge_path(sf_root, i), weights_only=True)["hidden_states"],
     }
     t_read: dict[str, list[float]] = {k: [] for k in readers}
+    cpu: dict[str, list[float]] = {k: [] for k in readers}  # CPU seconds (user + sys, all threads)
     names = list(readers)
     for j, i in enumerate(picks):
         for name in names[j % len(names):] + names[:j % len(names)]:
-            t_read[name].append(clock(lambda: readers[name](i)))
+            t_read[name].append(clock_cpu(lambda: readers[name](i), cpu[name]))
     x = arr.read_raw(*rows_of(picks[0]))
     assert all(np.array_equal(arr.read(*rows_of(picks[0])).view(np.uint16), y) for y in (
         casts(x), hs_connectors(x).view(torch.int16).numpy().view(np.uint16))), "the read variants' bits differ"
     t_dfc, t_sf = t_read["dfc"], t_read["sf"]
+    c = {k: med(v) for k, v in cpu.items()}
     tok_mean = float(np.mean([h.lengths[i] for i in picks]))
     tau = _tau(ctx, root)
     rmtree(root)
@@ -208,18 +210,24 @@ def run(ctx: Ctx) -> Result:
         Row(NAME, "write (fsync): torch quantization on the host + fp8-e4m3 vs bf16 none (CPU extraction)",
             gbps(B, m["fp8_hostq"]), gbps(B, m["none"]), m["none"] / m["fp8_hostq"],
             note="torch's CPU cast to float8_e4m3fn is scalar code: a CPU extraction pays it (its forward is far slower)"),
-        Row(NAME, f"one sample (~{tok_mean:.0f} tokens x 4096), warm: dfcache read dequantized to bf16 vs torch.load bf16",
-            ms(med(t_dfc)), ms(med(t_sf)), med(t_sf) / med(t_dfc), target=1.0,
-            note="numpy integer + float32 ufuncs in cached blocks (dfcache/fp8.py), rows split across the reader "
-                 "threads; it moves ~3 B per value over the packed rows (1 B code in, 4 B float32 work, 2 B out) "
-                 "in about 10 passes where torch.load copies 2 B once"),
+        # Judged by CPU time, as the read benchmark (issue 36): on the busy 2-core VM a warm read's
+        # wall time is mostly waiting for a core; the wall-time ratio is the next row.
+        Row(NAME, f"one sample (~{tok_mean:.0f} tokens x 4096), warm, CPU time: dfcache read dequantized to bf16 vs "
+            "torch.load bf16", ms(c["dfc"]), ms(c["sf"]), c["sf"] / c["dfc"], target=1.0,
+            note="numpy integer + float32 ufuncs over cached blocks (dfcache/fp8.py), rows split across the reader's "
+                 "threads where cores are idle; about 10 passes over 4-byte work values per output value (1 B code "
+                 "in, 2 B out) where torch.load copies 2 B once: the packed rows alone read at the 'raw' row's ratio"),
+        Row(NAME, f"one sample (~{tok_mean:.0f} tokens x 4096), warm, wall time: dfcache read dequantized to bf16 vs "
+            "torch.load bf16", ms(med(t_dfc)), ms(med(t_sf)), med(t_sf) / med(t_dfc),
+            note="speed ratio (a busy machine's wall time: INFO)"),
     ]
     for v, what in (("dfc_1thread", "the same dequantization on the caller's thread alone"),
-                    ("casts", "ml_dtypes casts float8 -> float32 -> bf16 (the previous read)"),
+                    ("casts", "ml_dtypes casts float8 -> float32 -> bf16 (the read before)"),
                     ("torch", "hs-connectors' torch expression fp8.to(bf16) * scale.to(bf16), torch threads"),
                     ("raw", "the packed rows alone, not dequantized (fp8='raw': the floor)")):
-        rows.append(Row(NAME, f"one sample, warm, read variant: {what} vs torch.load bf16", ms(med(t_read[v])),
-                        ms(med(t_sf)), med(t_sf) / med(t_read[v])))
+        rows.append(Row(NAME, f"one sample, warm, CPU time, read variant: {what} vs torch.load bf16", ms(c[v]),
+                        ms(c["sf"]), c["sf"] / c[v], note=f"wall {ms(med(t_read[v]))} vs {ms(med(t_sf))} "
+                                                          f"({med(t_sf) / med(t_read[v]):.2f}x)"))
     if tau is not None:
         (d,) = tau["drafters"]
         exact, lossy = (d["evals"][b] for b in tau["backends"])
@@ -235,4 +243,5 @@ def run(ctx: Ctx) -> Result:
         r.judge()
     return Result(rows, {"tau": tau, "tokens": tokens, "data": info, "bytes": sizes, "bytes_per_token": per_tok,
                          "write_bytes": B, "seconds": {k: summary(v) for k, v in times.items()},
-                         "read_ms": {k: summary(v) for k, v in t_read.items()}})
+                         "read_ms": {k: summary(v) for k, v in t_read.items()},
+                         "read_cpu_seconds": {k: summary(v) for k, v in cpu.items()}})
