@@ -139,8 +139,9 @@ def dequantize_codes(codes: np.ndarray, scales: np.ndarray, out: np.ndarray | No
     the reader splits a large read's rows across its threads, numpy releases the GIL).
 
     Integer and float32 ufuncs over blocks of rows that stay in cache, no float8 or bfloat16
-    ufunc (ml_dtypes' casts are scalar loops: 0.2 GB/s here; this runs at about 1 GB/s of
-    output, 7x, on one core of the 2-core VM, measured in bench/fp8.py's read variants):
+    ufunc (ml_dtypes' casts, and torch's CPU float8 cast, are scalar loops): about 1.4 ns per
+    value on one core of the busy 2-core VM, a warm one-sample read 4x less CPU than with the
+    casts (bench/fp8.py's read variants, docs/benchmarks.md):
 
     1. ``(int32(int8 code) << 20) & 0x87F00000``: the code's sign, exponent and mantissa laid
        over float32's, i.e. the code's value times 2^-120 (a float32 subnormal for e4m3's

@@ -110,6 +110,23 @@ def test_the_fast_dequantization_gives_hs_connectors_bits_for_every_code_scale_a
     assert np.array_equal(flushed["bits"], theirs(plain, scales))
 
 
+def test_a_large_fp8_read_split_across_reader_threads_gives_the_same_bits(tmp_path, monkeypatch):
+    """A read of 4 MiB or more dequantizes its rows on the reader's threads (where cores are idle:
+    one helper forced here), each into its slice of one result."""
+    from dfcache.store import _reader
+
+    monkeypatch.setattr(_reader, "_read_workers", lambda: 1)
+    packed = fp8.quantize(_states(n=4500, h=512))
+    key = compute_key("fp8_test", 1, {"big": 1})
+    store = open_store(tmp_path / "s")
+    with store.writer(key, stage="fp8_test", stage_version=1, inputs={}) as w:
+        w.write_array("hidden", packed, dtype=fp8.FP8_DTYPE, chunk_rows=512)
+    a = open_store(tmp_path / "s").open(key).array("hidden")
+    got = a.read(7, 4500)
+    assert got.nbytes >= _reader.READ_SPLIT_BYTES
+    assert np.array_equal(got.view(np.uint16), fp8._dequantize_casts(*_codes_scales(packed[7:])))
+
+
 def _codes_scales(packed):
     codes, scales = fp8.unpack(packed)
     return codes, scales.reshape(-1, 1)
