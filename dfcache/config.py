@@ -23,6 +23,9 @@ Environment:
                        (docs/config.md).
     HF_HUB_CACHE, HUGGINGFACE_HUB_CACHE, HF_HOME, XDG_CACHE_HOME
                        where huggingface_hub keeps models (read the way huggingface_hub reads them).
+    HF_DATASETS_CACHE  where the datasets library keeps prepared datasets (``--prompts hf:NAME``
+                       and ``suite:NAME`` read them there, never from the Hub); default
+                       ``$HF_HOME/datasets``, read the way the datasets library reads it.
     CUDA_VISIBLE_DEVICES
                        which GPUs exist for this process (decides "is a GPU usable" without torch).
     RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID
@@ -126,6 +129,17 @@ def hub_cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME")
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return base / "huggingface" / "hub"
+
+
+def datasets_cache_dir() -> Path:
+    """Where the datasets library keeps prepared datasets, by the variables it reads."""
+    if os.environ.get("HF_DATASETS_CACHE"):
+        return Path(os.environ["HF_DATASETS_CACHE"]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return Path(os.environ["HF_HOME"]).expanduser() / "datasets"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "huggingface" / "datasets"
 
 
 def cuda_visible_devices() -> str | None:

@@ -18,6 +18,7 @@ See docs/python.md for the whole API, doctested by tests/test_python_api.py.
 from __future__ import annotations
 
 import functools
+import io
 import sys
 import time
 from dataclasses import dataclass, field, fields, replace
@@ -435,7 +436,36 @@ def _result(upto: str, ctx, nodes, seconds: float) -> RunResult:
         # Shown with this run's verdicts (--trained-on, --accept-retokenized): never stored.
         res.report, res.markdown, res.files = show(ctx.store, nodes[-1].key, ctx.options)
         res.report_key = nodes[-1].key
+        from .stages.drafter_eval import read_responses
+        from .suites.tables import section
+
+        # Several prompt sets (or --mix): τ per set, overall and mixed, cut from the stored
+        # evals by the run's ids when shown (the stored report is the whole set).
+        extra = section(ctx.store, nodes, ctx.options, res.report_key, read_responses, _other_thinking(ctx))
+        if extra is not None:
+            res.report = {**res.report, "prompt_sets": extra["doc"]}
+            res.markdown += "\n\n" + extra["markdown"]
+            res.files = {**res.files, **{k: v for k, v in extra["files"].items()}}
     return res
+
+
+def _other_thinking(ctx):
+    """The nodes of this run with --enable-thinking the other way, when every one is stored
+    (issue 35: thinking on and off side by side), else None. Only for runs over several prompt
+    sets or a mix (the per-set tables are what shows them)."""
+    from dfcache.errors import DfcacheError
+
+    from .suites import sets
+
+    opts = ctx.options
+    if len(sets.specs(opts.prompts)) < 2 and opts.mix is None:
+        return None
+    try:
+        _, nodes = resolve_graph("eval", replace(opts, enable_thinking=not opts.enable_thinking), ctx.store,
+                                 out=io.StringIO())
+    except DfcacheError:
+        return None
+    return nodes if all(n.status in ("cached", "not needed") for n in nodes) else None
 
 
 @_python_errors

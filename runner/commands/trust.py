@@ -55,7 +55,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("explain")
     def explain(a: str = typer.Argument(..., metavar="A", help="A report key or unique prefix, or KEY:ROW (a row's number or drafter name)."),
-                b: str = typer.Argument(..., metavar="B", help="The other report (or row), the same way."),
+                b: str = typer.Argument(..., metavar="B", help="The other report (or row), the same way; or published (published:zlab, published:ddtree): the published τ of A's target and suites, with the settings that differ."),
                 top: int = typer.Option(10, "--top", help="Per-prompt τ deltas to list per row pair (--json lists all)."),
                 json_out: bool = typer.Option(False, "--json", help="Print the explanation as JSON.")) -> None:
         """Why two τ differ: the key inputs that differ, the prompt overlap, per-prompt τ deltas."""

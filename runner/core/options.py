@@ -35,8 +35,14 @@ class EvalOptions:
     target_revision: str | None = None
     drafters: list[str] = field(default_factory=list)
     trained_on: str | None = None  # fla|torch: the backend the drafters' training states came from
-    prompts: str = "builtin:coding"
-    num_prompts: int | None = None
+    # a prompt set (builtin:NAME, suite:NAME, hf:NAME[:CONFIG][:SPLIT], a JSONL/JSON/Parquet file), or
+    # several: one set whose ids are SET/ID, reported per set (runner/suites/)
+    prompts: "str | list[str]" = "builtin:coding"
+    num_prompts: int | None = None  # the first N prompts (of each set, when there are several)
+    prompt_field: str | None = None  # the row field holding the prompt text (hf:, JSON, Parquet, JSONL rows)
+    messages_field: str | None = None  # the row field holding a chat (a list of {role, content})
+    id_field: str | None = None  # the row field naming each prompt (default: "id", else the row number)
+    mix: str | None = None  # SET=WEIGHT,...: the traffic-weighted τ over the sets of a run (weights sum to 1)
     # completions
     completions: str = "local"  # server|local
     server: str | None = None
@@ -93,6 +99,13 @@ class EvalOptions:
             raise UsageError("--end-rule continuation is not available yet: it needs the target's greedy "
                              "continuation past each completion, which dfcache does not store; use "
                              "--end-rule within (the default). docs/metrics.md describes both rules.")
+        if not isinstance(self.prompts, str) and (
+                not self.prompts or not all(isinstance(p, str) and p for p in self.prompts)):
+            raise UsageError("--prompts: give a prompt set (e.g. builtin:coding, suite:gsm8k, hf:NAME, or a file).")
+        if self.mix is not None:
+            from ..suites.sets import parse_mix_form
+
+            parse_mix_form(self.mix)
         if self.trained_on not in (None, "fla", "torch"):
             raise UsageError(f"--trained-on {self.trained_on!r} is not one of fla, torch.")
         for flag, value in (("--num-prompts", self.num_prompts), ("--max-new-tokens", self.max_new_tokens),

@@ -168,9 +168,15 @@ def _state(ka: str, kb: str, pa: str, pb: str, digest) -> str:
 
 
 def explain(store, spec_a: str, spec_b: str, *, top: int | None = None) -> dict:
-    """Everything `dfcache explain` prints, as data (``--json``)."""
+    """Everything `dfcache explain` prints, as data (``--json``). ``spec_b`` ``published[:zlab|:ddtree]``:
+    the report beside the published figures for its target and suites (runner/suites/published.py)."""
     from dfcache.samples import sample_key
 
+    if spec_b.startswith("published"):
+        from ..suites.published import compare
+
+        a = load_side(store, spec_a)
+        return compare(a.key, a.doc, a.prompts, a.row, spec_b)
     a, b = load_side(store, spec_a), load_side(store, spec_b)
     sa, sb = a.doc["selection"], b.doc["selection"]
     ta, tb = sa["target"], sb["target"]
@@ -304,6 +310,10 @@ _STATE_WORDS = {"same_key": "same key", "same_bytes": "different keys, same byte
 
 
 def format_explain(res: dict, top: int = 10) -> str:
+    if "published_comparison" in res:
+        from ..suites.published import format_compare
+
+        return format_compare(res)
     a, b = res["a"], res["b"]
     side = lambda s: s["report"][:12] + (f":{s['row']}" if s["row"] else "")  # noqa: E731
     lines = [f"explain: A = report {side(a)}, B = report {side(b)}; target {res['target']['name'] or '?'} "
