@@ -14,6 +14,7 @@ BENCHMARKS = {
     "samples": "bench.samples",
     "fingerprint": "bench.fingerprint",
     "eval-batching": "bench.eval_batching",
+    "eagle3-batching": "bench.eagle3_batching",
     "training": "bench.training",
     "gpu-extract": "bench.gpu_row",
 }

@@ -22,7 +22,7 @@ import itertools
 
 import numpy as np
 
-from ._common import Ctx, Result, Row, alternate, clock, gbps, med, ms, rmtree, summary
+from ._common import Ctx, Result, Row, alternate, clock, clock_cpu, gbps, med, ms, rmtree, summary
 
 NAME = "fp8"
 HIDDEN = 128  # the tiny target's hidden size (bench/size.py's layers are concatenated: 3 x 128)
@@ -31,6 +31,19 @@ READ_BYTES = 64 * 10**6
 
 def _layers(states: np.ndarray) -> list[np.ndarray]:
     return [np.ascontiguousarray(states[:, i:i + HIDDEN]) for i in range(0, states.shape[1], HIDDEN)]
+
+
+def _entropy_bound(packed: list[np.ndarray]) -> tuple[float, float]:
+    """(zero-order entropy of the FP8 codes in bits, the bf16-vs-FP8 ratio a lossless stage
+    reaching it with the scales stored raw would give): a lossless stage beats it only where
+    codes depend on each other (real states do; N(0,1) draws do not)."""
+    from dfcache import fp8
+
+    codes = np.concatenate([p[:, :fp8.hidden_width(p.shape[1])].reshape(-1) for p in packed])
+    pr = np.bincount(codes, minlength=256) / max(1, codes.size)
+    bits = float(-(pr[pr > 0] * np.log2(pr[pr > 0])).sum())
+    rows_scales = sum(p.shape[0] * fp8.SCALE_BYTES for p in packed)
+    return bits, 2 * codes.size / (codes.size * bits / 8 + rows_scales)
 
 
 def _tau(ctx: Ctx, root) -> dict | None:
@@ -72,6 +85,7 @@ def run(ctx: Ctx) -> Result:
     store = open_store(root / "store")
     counter = itertools.count()
     sizes: dict[str, int] = {}
+    bound: dict[str, tuple[float, float]] = {}
 
     def write(layers: list[np.ndarray], dtype: str, codec: str, tag: str | None = None) -> float:
         key = compute_key("bench_fp8", 1, {"n": next(counter)})
@@ -93,6 +107,7 @@ def run(ctx: Ctx) -> Result:
     for src, data in (("real", real), ("noise", noise)):
         bf16 = _layers(data)
         packed = [fp8.quantize(a) for a in bf16]
+        bound[src] = _entropy_bound(packed)
         for name, (dtype, codec) in variants.items():
             write(packed if dtype == fp8.FP8_DTYPE else bf16, dtype, codec, f"{src}:{name}")
     per_tok = {k: v / tokens for k, v in sizes.items()}
@@ -129,13 +144,45 @@ def run(ctx: Ctx) -> Result:
     off = h.offsets
     rng = np.random.default_rng(7)
     picks = [int(i) for i in rng.integers(0, len(h.lengths), ctx.reps_or(20))]
-    t_dfc, t_sf = [], []
+
+    def as_bf16(bits):
+        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+
+    def casts(raw):
+        codes, scales = fp8.unpack(raw)
+        return fp8._dequantize_casts(codes, scales.reshape(-1, 1))
+
+    def hs_connectors(raw):  # their reader's expression in torch (intra-op threads), on our packed rows
+        codes, scales = fp8.unpack(raw)
+        t = torch.from_numpy(codes.view(np.uint8)).view(torch.float8_e4m3fn)
+        return t.to(torch.bfloat16) * torch.from_numpy(scales).to(torch.bfloat16)[:, None]
+
+    # the read variants, side by side per sample (rotated): the shipped read (numpy integer and
+    # float32 ufuncs in cached blocks, rows split across the reader threads), the same on the
+    # caller's thread alone, the ml_dtypes casts it replaced, hs-connectors' torch expression, the
+    # packed rows alone (what fp8="raw" reads: the floor), and torch.load of the bf16 file
+    def rows_of(i):
+        return int(off[i]), int(off[i + 1])
+
+    readers = {
+        "dfc": lambda i: as_bf16(arr.read(*rows_of(i))),
+        "dfc_1thread": lambda i: as_bf16(fp8.dequantize(arr.read_raw(*rows_of(i)))),
+        "casts": lambda i: as_bf16(casts(arr.read_raw(*rows_of(i)))),
+        "torch": lambda i: hs_connectors(arr.read_raw(*rows_of(i))),
+        "raw": lambda i: arr.read_raw(*rows_of(i)),
+        "sf": lambda i: torch.load(specforge_path(sf_root, i), weights_only=True)["hidden_states"],
+    }
+    t_read: dict[str, list[float]] = {k: [] for k in readers}
+    cpu: dict[str, list[float]] = {k: [] for k in readers}  # CPU seconds (user + sys, all threads)
+    names = list(readers)
     for j, i in enumerate(picks):
-        a, b = int(off[i]), int(off[i + 1])
-        dfc = lambda: torch.from_numpy(arr.read(a, b).view(np.int16)).view(torch.bfloat16)  # noqa: E731
-        sf = lambda: torch.load(specforge_path(sf_root, i), weights_only=True)["hidden_states"]  # noqa: E731
-        for name, fn in ((("dfc", dfc), ("sf", sf)) if j % 2 == 0 else (("sf", sf), ("dfc", dfc))):
-            (t_dfc if name == "dfc" else t_sf).append(clock(fn))
+        for name in names[j % len(names):] + names[:j % len(names)]:
+            t_read[name].append(clock_cpu(lambda: readers[name](i), cpu[name]))
+    x = arr.read_raw(*rows_of(picks[0]))
+    assert all(np.array_equal(arr.read(*rows_of(picks[0])).view(np.uint16), y) for y in (
+        casts(x), hs_connectors(x).view(torch.int16).numpy().view(np.uint16))), "the read variants' bits differ"
+    t_dfc, t_sf = t_read["dfc"], t_read["sf"]
+    c = {k: med(v) for k, v in cpu.items()}
     tok_mean = float(np.mean([h.lengths[i] for i in picks]))
     tau = _tau(ctx, root)
     rmtree(root)
@@ -150,7 +197,9 @@ def run(ctx: Ctx) -> Result:
         best = min(("fp8-e4m3+zstd", "fp8-e4m3+shuffle-zstd", "fp8-e4m3+bitshuffle-lz4"), key=lambda n: sizes[f"{src}:{n}"])
         rows.append(Row(NAME, f"bytes/token, {what}: {best} vs bf16 none", f"{per_tok[f'{src}:{best}']:.0f} B/token",
                         f"{per_tok[f'{src}:none']:.0f} B/token", base / sizes[f"{src}:{best}"], target=2.5,
-                        note="the best FP8 + lossless; others: " + ", ".join(
+                        note=f"the codes' zero-order entropy: {bound[src][0]:.2f} bits/code, {bound[src][1]:.2f}x with raw "
+                             "scales, the most any lossless stage reaches on independent draws (N(0,1)); "
+                             "the best FP8 + lossless; others: " + ", ".join(
                             f"{n} {base / sizes[f'{src}:{n}']:.3f}x" for n in variants if n not in ("none", best))))
     rows += [
         Row(NAME, "write (fsync), tiny states tiled: fp8-e4m3 (quantized on the device) vs bf16 none",
@@ -161,10 +210,24 @@ def run(ctx: Ctx) -> Result:
         Row(NAME, "write (fsync): torch quantization on the host + fp8-e4m3 vs bf16 none (CPU extraction)",
             gbps(B, m["fp8_hostq"]), gbps(B, m["none"]), m["none"] / m["fp8_hostq"],
             note="torch's CPU cast to float8_e4m3fn is scalar code: a CPU extraction pays it (its forward is far slower)"),
-        Row(NAME, f"one sample (~{tok_mean:.0f} tokens x 4096), warm: dfcache read dequantized to bf16 vs torch.load bf16",
-            ms(med(t_dfc)), ms(med(t_sf)), med(t_sf) / med(t_dfc), target=1.0,
-            note="dequantize = ml_dtypes casts (float8 -> float32, x bf16(scale), -> bf16) on the host"),
+        # Judged by CPU time, as the read benchmark (issue 36): on the busy 2-core VM a warm read's
+        # wall time is mostly waiting for a core; the wall-time ratio is the next row.
+        Row(NAME, f"one sample (~{tok_mean:.0f} tokens x 4096), warm, CPU time: dfcache read dequantized to bf16 vs "
+            "torch.load bf16", ms(c["dfc"]), ms(c["sf"]), c["sf"] / c["dfc"], target=1.0,
+            note="numpy integer + float32 ufuncs over cached blocks (dfcache/fp8.py), rows split across the reader's "
+                 "threads where cores are idle; about 10 passes over 4-byte work values per output value (1 B code "
+                 "in, 2 B out) where torch.load copies 2 B once: the packed rows alone read at the 'raw' row's ratio"),
+        Row(NAME, f"one sample (~{tok_mean:.0f} tokens x 4096), warm, wall time: dfcache read dequantized to bf16 vs "
+            "torch.load bf16", ms(med(t_dfc)), ms(med(t_sf)), med(t_sf) / med(t_dfc),
+            note="speed ratio (a busy machine's wall time: INFO)"),
     ]
+    for v, what in (("dfc_1thread", "the same dequantization on the caller's thread alone"),
+                    ("casts", "ml_dtypes casts float8 -> float32 -> bf16 (the read before)"),
+                    ("torch", "hs-connectors' torch expression fp8.to(bf16) * scale.to(bf16), torch threads"),
+                    ("raw", "the packed rows alone, not dequantized (fp8='raw': the floor)")):
+        rows.append(Row(NAME, f"one sample, warm, CPU time, read variant: {what} vs torch.load bf16", ms(c[v]),
+                        ms(c["sf"]), c["sf"] / c[v], note=f"wall {ms(med(t_read[v]))} vs {ms(med(t_sf))} "
+                                                          f"({med(t_sf) / med(t_read[v]):.2f}x)"))
     if tau is not None:
         (d,) = tau["drafters"]
         exact, lossy = (d["evals"][b] for b in tau["backends"])
@@ -180,4 +243,5 @@ def run(ctx: Ctx) -> Result:
         r.judge()
     return Result(rows, {"tau": tau, "tokens": tokens, "data": info, "bytes": sizes, "bytes_per_token": per_tok,
                          "write_bytes": B, "seconds": {k: summary(v) for k, v in times.items()},
-                         "read_ms": {"dfcache_fp8": summary(t_dfc), "torch_load_bf16": summary(t_sf)}})
+                         "read_ms": {k: summary(v) for k, v in t_read.items()},
+                         "read_cpu_seconds": {k: summary(v) for k, v in cpu.items()}})

@@ -133,11 +133,76 @@ def dequantize(packed: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 
 def dequantize_codes(codes: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """Codes ``[n, G * H]`` (uint8 or float8_e4m3fn) and scales ``[n, G]`` (one per row and group
-    of H, e.g. per layer) -> bf16 bits ``[n, G * H]`` (uint16).
+    """Codes ``[n, G * H]`` (uint8 or float8_e4m3fn; rows may be strided, e.g. packed rows'
+    code columns) and scales ``[n, G]`` (one per row and group of H, e.g. per layer) -> bf16
+    bits ``[n, G * H]`` (uint16), written into ``out`` when given (any row slice of a result:
+    the reader splits a large read's rows across its threads, numpy releases the GIL).
 
-    ml_dtypes' casts (float8 -> float32 -> bfloat16, round to nearest even): about 3x faster than a
-    table gather here, whose uint8 indices numpy widens to intp first (measured on 4096 x 4096)."""
+    Integer and float32 ufuncs over blocks of rows that stay in cache, no float8 or bfloat16
+    ufunc (ml_dtypes' casts, and torch's CPU float8 cast, are scalar loops): about 1.4 ns per
+    value on one core of the busy 2-core VM, a warm one-sample read 4x less CPU than with the
+    casts (bench/fp8.py's read variants, docs/benchmarks.md):
+
+    1. ``(int32(int8 code) << 20) & 0x87F00000``: the code's sign, exponent and mantissa laid
+       over float32's, i.e. the code's value times 2^-120 (a float32 subnormal for e4m3's
+       subnormals, exact);
+    2. ``x 2^120`` (exact: the code's value), ``x float32(bf16(scale))`` (exact: 4 x 8
+       significant bits), as hs-connectors' ``fp8.to(bf16) * scale.to(bf16)`` computes it; one
+       multiply by ``scale x 2^120`` where that is a float32 (scales under 256: the same product);
+    3. float32 -> bf16 round to nearest even in integers (``(u + 0x7FFF + (u >> 16 & 1)) >> 16``).
+
+    Same bits as the casts (:func:`_dequantize_casts`), which still take rows whose scale is not
+    finite or that hold NaN codes (0x7F, 0xFF: integers would make them finite), and any block
+    on a thread that flushes float32 subnormals (e.g. after ``torch.set_flush_denormal(True)``)."""
+    import ml_dtypes
+
+    n, g = scales.shape
+    codes = codes.view(np.uint8)
+    width = codes.shape[1]
+    h = width // g if g else 0
+    if out is None:
+        out = np.empty((n, width), np.uint16)
+    s = scales.astype(ml_dtypes.bfloat16).astype(np.float32)  # bf16(scale), as their reader rounds it
+    rows = max(1, _BLOCK_VALUES // max(1, width))
+    t = np.empty((min(rows, n), width), np.int32)
+    w = np.empty_like(t, dtype=np.uint32)
+    mag = np.empty((min(rows, n), width), np.uint8)
+    for i in range(0, n, rows):
+        j = min(n, i + rows)
+        c, sj, o = codes[i:j], s[i:j], out[i:j]
+        np.bitwise_and(c, 0x7F, out=mag[:j - i])
+        if not (np.isfinite(sj).all() and mag[:j - i].max(initial=0) != 0x7F and _subnormals_kept()):
+            _dequantize_casts(c, scales[i:j], o)
+            continue
+        tt, ww = t[:j - i], w[:j - i]
+        u, f = tt.view(np.uint32), tt.view(np.float32)
+        np.copyto(tt, c.view(np.int8), casting="unsafe")  # sign-extended
+        np.left_shift(tt, 20, out=tt)
+        np.bitwise_and(tt, np.int32(-0x78100000), out=tt)  # 0x87F00000: sign, then 7 bits at float32's exponent
+        if np.abs(sj).max(initial=0) < 2.0 ** 8:  # one multiply: scale x 2^120 is a float32
+            np.multiply(f.reshape(j - i, g, h), (sj * np.float32(2.0 ** 120))[:, :, None], out=f.reshape(j - i, g, h))
+        else:
+            np.multiply(f, np.float32(2.0 ** 120), out=f)
+            np.multiply(f.reshape(j - i, g, h), sj[:, :, None], out=f.reshape(j - i, g, h))
+        np.right_shift(u, 16, out=ww)
+        np.bitwise_and(ww, 1, out=ww)
+        np.add(u, ww, out=u)
+        np.add(u, np.uint32(0x7FFF), out=u)
+        np.right_shift(u, 16, out=o, casting="unsafe")
+    return out
+
+
+_BLOCK_VALUES = 1 << 17  # values per block: its int32 scratch (512 KiB) stays in L2
+
+
+def _subnormals_kept() -> bool:
+    """Whether float32 arithmetic on this thread keeps subnormals (no FTZ/DAZ): step 1 needs it."""
+    return bool(np.multiply(np.full(1, 2.0 ** -130, np.float32), np.float32(2.0 ** 120))[0] == np.float32(2.0 ** -10))
+
+
+def _dequantize_casts(codes: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`dequantize_codes` through ml_dtypes' casts (float8 -> float32, x bf16(scale), ->
+    bf16, round to nearest even): the reference, and the path for non-finite scales and NaN codes."""
     import ml_dtypes
 
     n, g = scales.shape

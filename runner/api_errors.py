@@ -7,7 +7,7 @@ Python caller passes keyword arguments, so :func:`for_python` rewrites, in an er
 that means the same (``server=URL``, ``num_prompts=5``, ``layers=[1, 3]``, ``offline=True``).
 Shell commands inside a message ("produce it with: dfcache run ...", anything in backquotes)
 are left as they are: they are commands to run, and they resolve as the call did
-(:func:`runner.api.cli_args`). A flag that is no keyword of the API (``--json``, ``--format``)
+(:func:`runner.core.execution.cli_args`). A flag that is no keyword of the API (``--json``, ``--format``)
 is left too.
 """
 

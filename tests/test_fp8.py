@@ -51,6 +51,87 @@ def test_quantize_and_dequantize_are_hs_connectors_bit_for_bit():
     assert not y[3].any()  # a zero row stays zero
 
 
+def test_the_fast_dequantization_gives_hs_connectors_bits_for_every_code_scale_and_edge():
+    """dequantize runs integer and float32 ufuncs (not ml_dtypes' casts): the same bits as their
+    reader for every non-NaN code at scales from the clamp to bf16's largest, for NaN codes and
+    non-finite scales (the casts take those rows), per-layer groups, a row slice written into a
+    wider result, and on a thread that flushes subnormals (the casts again)."""
+    import threading
+
+    import torch
+    from hs_connectors.fp8_utils import dequantize_fp8_tensor
+
+    def theirs(codes, scales):  # codes [n, G*H] uint8, scales [n, G] float32
+        n, g = scales.shape
+        q = torch.from_numpy(np.ascontiguousarray(codes)).view(torch.float8_e4m3fn).reshape(n, g, -1)
+        out = dequantize_fp8_tensor(q, torch.from_numpy(scales).reshape(n, g, 1))
+        return out.reshape(n, -1).view(torch.int16).numpy().view(np.uint16)
+
+    def same(ours, ref):  # bit for bit, NaN for NaN (NaN payloads: ml_dtypes' casts and torch differ)
+        nan = np.isnan(ref.view(ml_dtypes.bfloat16).astype(np.float32))
+        return np.array_equal(ours[~nan], ref[~nan]) and np.isnan(ours[nan].view(ml_dtypes.bfloat16).astype(np.float32)).all()
+
+    codes = np.tile(np.arange(256, dtype=np.uint8), (200, 1))
+    scales = (np.float32(2.0) ** np.linspace(-40, 119, 200).astype(np.float32) * np.float32(1.37)).reshape(-1, 1)
+    scales[-1] = 1e-12
+    assert same(fp8.dequantize_codes(codes, scales), theirs(codes, scales))  # NaN codes: every row casts
+    plain = codes[:, [c for c in range(256) if c & 0x7F != 0x7F]]  # no NaN code: every row the fast way
+    assert fp8._subnormals_kept()
+    assert np.array_equal(fp8.dequantize_codes(plain, scales), theirs(plain, scales))
+    odd = scales.copy()
+    odd[[5, 6, 7]] = [[np.inf], [np.nan], [-0.0]]
+    with np.errstate(invalid="ignore"):
+        got = fp8.dequantize_codes(plain, odd)
+    with np.errstate(invalid="ignore"):
+        assert same(got, theirs(plain, odd))
+    rng = np.random.default_rng(3)
+    grouped = rng.integers(0, 127, (64, 3 * 40)).astype(np.uint8)
+    gs = rng.uniform(1e-4, 50, (64, 3)).astype(np.float32)
+    assert np.array_equal(fp8.dequantize_codes(grouped.view(ml_dtypes.float8_e4m3fn), gs), theirs(grouped, gs))
+    packed = fp8.quantize(_states(n=3000, h=96))  # more rows than one block
+    out = np.zeros((3100, 96), np.uint16)
+    fp8.dequantize(packed[100:2900], out=out[200:3000])
+    assert np.array_equal(out[200:3000], fp8._dequantize_casts(*_codes_scales(packed[100:2900])))
+    assert not out[:200].any() and not out[3000:].any()
+    flushed = {}
+
+    def flushing():  # FTZ/DAZ is per thread: the integer layout's subnormals would read as 0
+        torch.set_flush_denormal(True)
+        try:
+            flushed["kept"] = fp8._subnormals_kept()
+            flushed["bits"] = fp8.dequantize_codes(plain, scales)
+        finally:
+            torch.set_flush_denormal(False)
+    th = threading.Thread(target=flushing)
+    th.start()
+    th.join()
+    if torch.set_flush_denormal(False):  # the CPU supports flushing: that thread did
+        assert flushed["kept"] is False
+    assert np.array_equal(flushed["bits"], theirs(plain, scales))
+
+
+def test_a_large_fp8_read_split_across_reader_threads_gives_the_same_bits(tmp_path, monkeypatch):
+    """A read of 4 MiB or more dequantizes its rows on the reader's threads (where cores are idle:
+    one helper forced here), each into its slice of one result."""
+    from dfcache.store import _reader
+
+    monkeypatch.setattr(_reader, "_read_workers", lambda: 1)
+    packed = fp8.quantize(_states(n=4500, h=512))
+    key = compute_key("fp8_test", 1, {"big": 1})
+    store = open_store(tmp_path / "s")
+    with store.writer(key, stage="fp8_test", stage_version=1, inputs={}) as w:
+        w.write_array("hidden", packed, dtype=fp8.FP8_DTYPE, chunk_rows=512)
+    a = open_store(tmp_path / "s").open(key).array("hidden")
+    got = a.read(7, 4500)
+    assert got.nbytes >= _reader.READ_SPLIT_BYTES
+    assert np.array_equal(got.view(np.uint16), fp8._dequantize_casts(*_codes_scales(packed[7:])))
+
+
+def _codes_scales(packed):
+    codes, scales = fp8.unpack(packed)
+    return codes, scales.reshape(-1, 1)
+
+
 def test_fp8_rows_round_trip_through_a_store_with_each_lossless_stage(tmp_path):
     store = open_store(tmp_path / "s")
     packed = fp8.quantize(_states())
@@ -80,6 +161,7 @@ def test_a_dtype_or_codec_this_dfcache_does_not_read_is_exit_2_naming_it(tmp_pat
         w.write_array("hidden", fp8.quantize(_states()), dtype=fp8.FP8_DTYPE)
     path = tmp_path / "s" / "artifacts" / key[:2] / key / "manifest.json"
     m = json.loads(path.read_text())
+    m["dfcache_version"] = "99.0.0"  # what a later release writes; the same names from this release are junk (5)
     for field, value in (("dtype", "float8_e5m2_blockscaled"), ("codec", "fp8-e5m2")):
         edited = json.loads(json.dumps(m))
         edited["arrays"]["hidden"][field] = value
@@ -87,6 +169,10 @@ def test_a_dtype_or_codec_this_dfcache_does_not_read_is_exit_2_naming_it(tmp_pat
         r = dfcache("show", key, store=tmp_path / "s")
         assert r.code == 2, r.err
         assert value in r.err and "newer dfcache" in r.err and "Traceback" not in r.err
+    from dfcache import __version__
+    edited["dfcache_version"] = __version__  # the same name claimed by this release: no release wrote it
+    path.write_text(json.dumps(edited))
+    assert dfcache("show", key, store=tmp_path / "s").code == 5
     m["arrays"]["hidden"]["dtype"] = "../x"  # junk, not a name: an untrusted manifest (5)
     path.write_text(json.dumps(m))
     assert dfcache("show", key, store=tmp_path / "s").code == 5

@@ -39,6 +39,8 @@ def _sample(o):
         return ["torch", "transformers"]
     if o.name == "mix":
         return None  # needs several sets
+    if o.name == "eagle_trees":
+        return ["8,5,32", "4,3,16"]
     if o.one_or_list:
         return "x/y"
     one = {int: 3, float: 0.5, str: "x/y"}[o.type]

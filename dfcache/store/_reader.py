@@ -480,12 +480,27 @@ class ArrayReader:
         dequantized to bf16, ``read_raw`` gives their packed rows, see dfcache/fp8.py)."""
         raw = self.read_raw(start, stop)
         if self.dtype == FP8_DTYPE:
-            from .. import fp8
-
-            return fp8.dequantize(raw).view(fmt.np_logical_dtype("bfloat16"))
+            return self._dequantize(raw).view(fmt.np_logical_dtype("bfloat16"))
         if self.dtype == "bfloat16":
             return raw.view(fmt.np_logical_dtype("bfloat16"))
         return raw
+
+    def _dequantize(self, raw: np.ndarray) -> np.ndarray:
+        """Packed FP8 rows -> bf16 bits in a recycled buffer; a large read's rows split across the
+        reader threads as its chunks are (numpy releases the GIL in dfcache.fp8's ufuncs)."""
+        from .. import fp8
+
+        out = recycled_empty((len(raw), fp8.hidden_width(raw.shape[1])), np.uint16)
+        groups = 1 + _read_workers() if out.nbytes >= READ_SPLIT_BYTES else 1
+        if groups == 1:
+            return fp8.dequantize(raw, out=out)
+        cut = [len(raw) * g // groups for g in range(groups + 1)]
+        futures = [thread_pool("read", groups - 1).submit(fp8.dequantize, raw[cut[g]:cut[g + 1]], out[cut[g]:cut[g + 1]])
+                   for g in range(1, groups)]
+        fp8.dequantize(raw[cut[0]:cut[1]], out=out[:cut[1]])
+        for f in futures:
+            f.result()
+        return out
 
     def __getitem__(self, item) -> np.ndarray:
         if isinstance(item, slice):

@@ -32,6 +32,7 @@ def parity(target: Optional[str] = declared("target"),
            backend: str = declared("backend", "auto", help="Kernel family of the target's forward, for both sides."),
            attn_implementation: str = declared("attn_implementation", "sdpa"),
            tree_budget: Optional[List[int]] = declared("tree_budgets", help="Also check DDTree with this budget (repeatable)."),
+           eagle_tree: Optional[List[str]] = declared("eagle_trees", help="EAGLE-3 drafters: also check EAGLE's dynamic tree (SGLang's topk, num-steps, num-draft-tokens; repeatable)."),
            enable_thinking: bool = declared("enable_thinking", False),
            online_loop: str = typer.Option("cache", "--online-loop", metavar="cache|recompute", help="cache: the target as a serving engine runs it (KV cache, one verify forward a block); recompute: the whole prefix re-run each round."),
            trace: Optional[str] = typer.Option(None, "--trace", metavar="PATH", help="Write one JSON line per online chain block to this file."),
@@ -46,7 +47,8 @@ def parity(target: Optional[str] = declared("target"),
                           attn_implementation=attn_implementation, tree_budgets=list(tree_budget or []),
                           enable_thinking=enable_thinking, show_mismatches=max_mismatches,
                           progress=show_bars(json_out), online_loop=online_loop,
-                          example=example, trace=trace, serving_features=serving_features)
+                          example=example, trace=trace, serving_features=serving_features,
+                          eagle_trees=list(eagle_tree or []))
     # transformers' own "Loading weights" bars and notices follow ours (--no-progress, no terminal)
     quiet_libraries(bars=popts.progress, notices=popts.progress or not state.no_progress)
     res = run_parity(get_store(), popts)

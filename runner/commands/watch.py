@@ -153,7 +153,7 @@ class Watch:
 
     def check_inputs(self) -> None:
         """Bad DIR or --reference: exit 6 before any work."""
-        from ..stages.drafter_eval import read_drafter
+        from ..stages.drafter_eval import read_drafter_in
 
         if not is_glob(self.directory):
             d = Path(self.directory).expanduser()
@@ -166,7 +166,10 @@ class Watch:
                                     f"directory; watch its parent, or evaluate it with dfcache run eval "
                                     f"--drafter {self.directory}.")
         if self.reference_arg:
-            self.reference_ref = read_drafter(self.reference_arg, self.opts.trained_on)
+            from ..core.graph import RunContext
+
+            planning = RunContext(self.store, self.opts, remotes=self.remotes, argv=self.argv)
+            self.reference_ref = read_drafter_in(planning, self.reference_arg)
 
     def discover(self) -> list[Checkpoint]:
         if is_glob(self.directory):
@@ -213,9 +216,10 @@ class Watch:
         from ..stages import completions, drafter_eval, hidden_states, prompts, tokens
 
         refs = []
+        planning = RunContext(self.store, self.opts, remotes=self.remotes, argv=self.argv)
         for c in ready:
             try:
-                ref = drafter_eval.read_drafter(str(c.path), self.opts.trained_on)
+                ref = drafter_eval.read_drafter_in(planning, str(c.path))  # its family's plan, against the target
             except BadInputError as e:
                 self._fail(c.path, str(e))
                 continue

@@ -189,6 +189,11 @@ RUN_OPTIONS: tuple[RunOption, ...] = (  # in the order `run -h` lists them and m
        metavar="PKG,...", comma=True, fast=False),
     _O("tree_budgets", ("--tree-budget",), int, (), "DDTree budget evaluated beside the chain (repeatable).", "eval",
        keys=("drafter_eval",), metavar="N", repeat=True),
+    _O("eagle_steps", ("--eagle-steps",), int, None, "EAGLE-3 drafters: drafts per block of the chain (default: "
+       "the checkpoint's speculative_tokens, else 5).", "eval", keys=("drafter_eval",), metavar="N"),
+    _O("eagle_trees", ("--eagle-tree",), str, (), "EAGLE-3 drafters: also EAGLE's dynamic tree with SGLang's "
+       "--speculative-eagle-topk, -num-steps, -num-draft-tokens (repeatable).", "eval", keys=("drafter_eval",),
+       metavar="TOPK,STEPS,TOKENS", repeat=True, fast=False),
     _O("end_rule", ("--end-rule",), str, "within", "How the last block of a completion counts (continuation is not "
        "wired yet; docs/metrics.md).", "eval", keys=("drafter_eval",), choices=("within", "continuation")),
     _O("remotes", ("--remote",), str, (), "A remote store to look in before computing (repeatable).", "store",
@@ -245,6 +250,10 @@ def validate(self: "EvalOptions") -> "EvalOptions":
         from ..suites.sets import parse_mix_form
 
         parse_mix_form(self.mix)
+    if self.eagle_trees:
+        from ..drafters.family import eagle_trees
+
+        eagle_trees(self)  # TOPK,STEPS,TOKENS each positive (UsageError otherwise)
     if self.end_rule == "continuation":
         # Refused rather than keyed: it needs the target's greedy tokens past the end of every
         # completion, which no completion source stores yet; accepting it changed the keys and
@@ -253,7 +262,8 @@ def validate(self: "EvalOptions") -> "EvalOptions":
                          "continuation past each completion, which dfcache does not store; use "
                          "--end-rule within (the default). docs/metrics.md describes both rules.")
     for flag, value in (("--num-prompts", self.num_prompts), ("--max-new-tokens", self.max_new_tokens),
-                        ("--max-blocks", self.max_blocks), ("--concurrency", self.concurrency)):
+                        ("--max-blocks", self.max_blocks), ("--concurrency", self.concurrency),
+                        ("--eagle-steps", self.eagle_steps)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise UsageError(f"{flag} {value}: give a positive number.")
     if not isinstance(self.batch_tokens, int) or self.batch_tokens < 1:

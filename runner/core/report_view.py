@@ -163,8 +163,9 @@ def table(report: dict) -> tuple[list[str], list[list[str]]]:
     """The summary table's header and rows (the markdown and the HTML show the same)."""
     budgets = sorted({int(b) for d in report["drafters"] for b in d["tau_tree"]})
     stepped = any(d.get("step") is not None for d in report["drafters"])
-    head = (["step"] if stepped else []) + ["drafter", "τ chain"] + [f"τ tree-{b}" for b in budgets] + \
-        ["blocks", "tokens/block", "responses", "states", "completions"]
+    eagle = sorted({k for d in report["drafters"] for k in d.get("tau_eagle_tree", {})})
+    head = (["step"] if stepped else []) + ["drafter", "family", "τ chain"] + [f"τ tree-{b}" for b in budgets] + \
+        [f"τ {k}" for k in eagle] + ["blocks", "tokens/block", "responses", "states", "completions"]
     rows = []
     for d in report["drafters"]:
         hs = d["hidden_states_backend"]
@@ -173,7 +174,9 @@ def table(report: dict) -> tuple[list[str], list[list[str]]]:
         sources = d.get("completion_sources") or {}
         comp = sources_text(sources) + (" ⚠" if not_exact(sources) else "")
         step = [] if not stepped else ["-" if d.get("step") is None else str(d["step"])]
-        rows.append(step + [d["drafter"], _fmt(d["tau_chain"])] + [_fmt(d["tau_tree"].get(str(b))) for b in budgets]
+        rows.append(step + [d["drafter"], d.get("family", "dflash"), _fmt(d["tau_chain"])]
+                    + [_fmt(d["tau_tree"].get(str(b))) for b in budgets]
+                    + [_fmt(d.get("tau_eagle_tree", {}).get(k)) for k in eagle]
                     + [str(d["blocks"]), _fmt(d["tokens_per_block"]), str(d["responses"]), states, comp])
     return head, rows
 

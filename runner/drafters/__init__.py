@@ -1,3 +1,4 @@
-"""Drafter families: where a family plugs in (its checkpoint loading and offline scoring of block
-roots). DFlash (``dflash``) is the one today; ``checkpoints`` reads which directories a
-``--drafter`` value names. The interface a family implements is defined by the next issue."""
+"""Drafter families: where a family plugs in. ``family`` is the interface (what a family needs from
+the target, how its checkpoints are recognised and planned, how it loads); ``dflash`` and
+``eagle3`` (with ``eagle3_config``, JSON only) are the families' models and batched offline
+scoring; ``checkpoints`` reads which directories a ``--drafter`` value names."""

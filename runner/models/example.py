@@ -2,8 +2,8 @@
 
 The first run builds, next to the store (``<store>/example/``), a tiny Qwen3.5-style target with
 its tokenizer (from a config, random weights, fixed seed), a tiny DFlash drafter trained
-briefly on the target's own greedy completions and hidden states, and an untrained drafter of
-the same shape. Each model directory is built in a temporary directory and renamed into place,
+briefly on the target's own greedy completions and hidden states, an untrained drafter of
+the same shape, and a tiny EAGLE-3 drafter trained on the same states (two families side by side). Each model directory is built in a temporary directory and renamed into place,
 so an interrupted build is redone, never half used; the temporary directory a killed build left
 is removed by the next build (each build holds a lock on its own). Later runs find them and
 import no torch.
@@ -130,33 +130,56 @@ def _unwritable(e: BaseException, where: Path) -> StoreWriteError | None:
                            "--store; then run again.", path=str(where))
 
 
+EXAMPLE_DIRS = ("target", "drafter-trained", "drafter-untrained", "drafter-eagle3")
+
+
 def example_built(store) -> bool:
     """Whether the example's models are all there, so that a run with ``--example`` builds nothing."""
     where = store.local_dir("example")
-    return where is not None and all((where / name / DONE).exists()
-                                     for name in ("target", "drafter-trained", "drafter-untrained"))
+    return where is not None and all((where / name / DONE).exists() for name in EXAMPLE_DIRS)
 
 
-def example_models(root: Path, log: Callable[[str], None] = print) -> dict[str, Path]:
-    """Build (once) and return the example's model directories."""
+def example_models(root: Path, log: Callable[[str], None] = print, *, eagle3: bool = True) -> dict[str, Path]:
+    """Build (once) and return the example's model directories: the target, a trained and an
+    untrained DFlash drafter, and (``eagle3``) a tiny EAGLE-3 drafter trained on the same greedy
+    completions and states as the DFlash one (computed once for both: most of the build's time)."""
     target = root / "target"
     trained = root / "drafter-trained"
     untrained = root / "drafter-untrained"
+    eagle = root / "drafter-eagle3"
     if not (target / DONE).exists():
         log(f"example: building the tiny target in {target} (once)")
         from .tiny import build_tiny_target
 
         _build_once(target, lambda d: build_tiny_target(d, seed=0))
+    shared: dict = {}
+
+    def data():
+        if "data" not in shared:
+            from .train_tiny import DEFAULT_LAYER_IDS, build_training_data, single_thread
+
+            with single_thread():  # as train_tiny_drafter computed it: the same bits, the same drafter
+                shared["data"] = build_training_data(target, DEFAULT_LAYER_IDS)
+        return shared["data"]
+
     if not (trained / DONE).exists():
         log(f"example: training a tiny DFlash drafter on the target's own states in {trained} (once)")
         from .train_tiny import train_tiny_drafter
 
-        _build_once(trained, lambda d: train_tiny_drafter(target, d, seed=0))
+        _build_once(trained, lambda d: train_tiny_drafter(target, d, seed=0, data=data()))
     if not (untrained / DONE).exists():
         from .train_tiny import make_untrained_drafter
 
         _build_once(untrained, lambda d: make_untrained_drafter(target, d, seed=1))
-    return {"target": target, "trained": trained, "untrained": untrained}
+    out = {"target": target, "trained": trained, "untrained": untrained}
+    if eagle3:
+        if not (eagle / DONE).exists():
+            log(f"example: training a tiny EAGLE-3 drafter on the same states in {eagle} (once)")
+            from ..drafters.train_eagle3 import train_tiny_eagle3
+
+            _build_once(eagle, lambda d: train_tiny_eagle3(target, d, seed=0, data=data()))
+        out["eagle3"] = eagle
+    return out
 
 
 def apply_example(store, opts: EvalOptions, log: Callable[[str], None] = print) -> None:
@@ -168,7 +191,7 @@ def apply_example(store, opts: EvalOptions, log: Callable[[str], None] = print) 
     if opts.target is None:
         opts.target = str(models["target"])
     if not opts.drafters:
-        opts.drafters = [str(models["trained"]), str(models["untrained"])]
+        opts.drafters = [str(models["trained"]), str(models["untrained"]), str(models["eagle3"])]
     note = fill_example_defaults(opts)
     if note:
         log(note)

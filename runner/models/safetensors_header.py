@@ -13,8 +13,6 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 _NP_DTYPES = {"F32": "float32", "F16": "float16", "F64": "float64", "I64": "int64", "I32": "int32",
               "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 
@@ -64,8 +62,10 @@ def tensor_index(model_dir: str | Path) -> dict[str, TensorInfo]:
     return out
 
 
-def read_rows(info: TensorInfo, rows: list[int]) -> np.ndarray:
-    """Rows of a 2-D tensor as float32, reading only their bytes."""
+def read_rows(info: TensorInfo, rows: list[int]):
+    """Rows of a 2-D tensor as float32 (a numpy array), reading only their bytes."""
+    import numpy as np  # here: planning reads headers and small int tensors without numpy
+
     if len(info.shape) != 2:
         raise ValueError(f"expected a 2-D tensor, got shape {info.shape}")
     width = info.shape[1]
@@ -84,3 +84,23 @@ def read_rows(info: TensorInfo, rows: list[int]) -> np.ndarray:
             f.seek(info.start + r * row_bytes)
             out[i] = np.frombuffer(f.read(row_bytes), dtype=np_dtype).astype(np.float32)
     return out
+
+
+def read_ints(info: TensorInfo) -> list[int]:
+    """A small integer tensor (I64/I32, e.g. EAGLE-3's ``d2t``), flattened, without numpy."""
+    import array
+
+    codes = {"I64": "q", "I32": "i"}
+    if info.dtype not in codes:
+        raise ValueError(f"{info.file}: tensor is {info.dtype}, not an integer tensor (I64/I32)")
+    a = array.array(codes[info.dtype])
+    with open(info.file, "rb") as f:
+        f.seek(info.start)
+        data = f.read(info.stop - info.start)
+    if len(data) != info.stop - info.start or len(data) % a.itemsize:
+        raise ValueError(f"{info.file} is shorter than its header says")
+    a.frombytes(data)
+    if struct.pack("=H", 1) != struct.pack("<H", 1):
+        a.byteswap()  # safetensors is little-endian
+    return a.tolist()
+

@@ -74,11 +74,12 @@ def make_report(summaries: list[dict], keys: list[str], steps: list | None = Non
         chain = s["chain"]
         step = (steps or [None] * len(keys))[i]
         drafters.append({
-            "drafter": s["drafter"], "key": key, "step": step,
+            "drafter": s["drafter"], "family": s.get("family", "dflash"), "key": key, "step": step,
             "tau_chain": chain["tau"],
             "tau_tree": {b: t["tau"] for b, t in s["tree"].items()},
             "histogram": chain["histogram"], "accept_rate_at": chain["accept_rate_at"],
             "tree_histogram": {b: t["histogram"] for b, t in s["tree"].items()},
+            **({"tau_eagle_tree": {k: t["tau"] for k, t in s["eagle_tree"].items()}} if s.get("eagle_tree") else {}),
             "blocks": chain["num_blocks"], "tokens": chain["num_tokens"],
             "tokens_per_block": chain["tokens_per_block"], "responses": chain["num_responses"],
             "hidden_states_backend": s["hidden_states_backend"], "trained_on_declared": s.get("trained_on_declared"),

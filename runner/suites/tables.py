@@ -64,6 +64,8 @@ def per_set(ids: list[str], names: list[str], rows: list[dict], responses: list[
         measures = {"chain": [d["chain"] for d in docs]}
         for b in budgets:
             measures[f"tree {b}"] = [d["tree"].get(str(b), []) for d in docs]
+        for label in sorted({k for d in docs for k in d.get("eagle_tree", {})}):  # EAGLE-3's dynamic trees
+            measures[label] = [d["eagle_tree"].get(label, []) for d in docs]
         entry = {"drafter": row["drafter"], "sets": {}, "overall": {}, "mix": {}}
         for name, positions in groups.items():
             entry["sets"][name] = {"prompts": len(positions),

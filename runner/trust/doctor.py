@@ -155,6 +155,17 @@ def run_doctor(target: str, drafter: str, *, target_revision: str | None = None,
             f"{tcfg.get('vocab_size', tcfg_all.get('vocab_size'))}")
     t_tensors = _safe_index(rep, tdir, "target weights")
     d_tensors = _safe_index(rep, ddir, "drafter weights")
+    from ..drafters.family import Eagle3, FAMILIES, describe_config
+
+    fam = next((f for f in FAMILIES.values() if f.recognises(dcfg)), None)
+    if fam is None:
+        rep.add("family", "error", f"config.json is of no drafter family dfcache knows ({describe_config(dcfg)})",
+                "pass a checkpoint of one of: " + "; ".join(f"{f.name}: {f.what}" for f in FAMILIES.values()))
+        return rep
+    rep.add("family", "info", fam.what)
+    if fam is Eagle3:
+        _check_eagle3(rep, ddir, dcfg, tcfg, tcfg_all, depth, hidden, d_tensors)
+        return _completions_checks(rep, store, completions_from, tdir)
 
     ids = _check_layers(rep, dval("target_layer_ids"), depth, dcfg)
     _check_widths(rep, dcfg, hidden, ids, d_tensors)
@@ -164,12 +175,74 @@ def run_doctor(target: str, drafter: str, *, target_revision: str | None = None,
     _check_attention(rep, dcfg, tcfg)
     _check_rope(rep, dcfg, tcfg)
     _check_embedding_scale(rep, model_type, tcfg, hidden, float(dval("input_embedding_scale", 1.0) or 1.0))
+    return _completions_checks(rep, store, completions_from, tdir)
+
+
+def _completions_checks(rep: DoctorReport, store, completions_from: str | None, tdir: Path) -> DoctorReport:
     if completions_from:
         _check_completions(rep, store, completions_from, tdir)
     else:
         rep.add("chat template / thinking", "info", "no cached completions given",
                 "pass --completions-from KEY to check their chat template and thinking mode against this target")
     return rep
+
+
+def _check_eagle3(rep: DoctorReport, ddir: Path, dcfg: dict, tcfg: dict, tcfg_all: dict, depth: int, hidden: int,
+                  d_tensors: dict) -> None:
+    """EAGLE-3: the config as SpecForge/speculators write it, its layer ids (or SGLang's default) against
+    the target's depth, the fc width, the vocabulary and its d2t map."""
+    from ..drafters.eagle3_config import Eagle3Config, default_layer_ids
+    from ..drafters.family import d2t_problem
+
+    try:
+        cfg = Eagle3Config.from_dict(dcfg, source=str(ddir / "config.json"))
+    except BadInputError as e:
+        rep.add("eagle3 config", "error", str(e), "re-save the checkpoint with SpecForge or speculators")
+        return
+    rep.add("eagle3 config", "info", f"{cfg.layout} layout, one decoder layer, hidden {cfg.hidden_size}, "
+            f"draft vocabulary {cfg.draft_vocab_size} of {cfg.vocab_size}"
+            + (f", {cfg.speculative_tokens} speculative tokens declared" if cfg.speculative_tokens else ""))
+    ids = cfg.target_layer_ids
+    if ids is None:
+        ids = default_layer_ids(depth)
+        rep.add("layer ids", "warning", f"no eagle_aux_hidden_state_layer_ids: SGLang's default {ids} for a "
+                f"{depth}-layer target applies (vLLM's default counts layer inputs: the same tensors)",
+                "add the ids the drafter was trained with to its config.json (eagle_config."
+                "eagle_aux_hidden_state_layer_ids), so every engine reads the same layers")
+    if cfg.layout == "speculators" and cfg.declared_layer_ids is not None:
+        rep.add("layer convention", "info", f"speculators ids {cfg.declared_layer_ids} are HF hidden_states indices "
+                f"(vLLM captures the input of layer k): dfcache reads the outputs of layers {ids}")
+    else:
+        rep.add("layer convention", "info", f"ids {ids}: id k = output of decoder layer k = HF hidden_states[k+1] "
+                f"(here {[k + 1 for k in ids]}); SGLang captures the input of layer k+1, the same tensor")
+    bad = [k for k in ids if not 0 <= k < depth]
+    if bad:
+        rep.add("layer ids", "error", f"ids {bad} are outside the target's {depth} decoder layers (0..{depth - 1})",
+                "pass the target the drafter was trained against, or fix eagle_aux_hidden_state_layer_ids")
+    elif max(ids) == depth - 1:
+        rep.add("last layer pre/post-norm", "warning", f"id {depth - 1} is the last decoder layer: dfcache uses its "
+                "pre-norm output", "make sure training captured the pre-norm state")
+    if cfg.target_hidden_size != hidden:
+        rep.add("hidden size", "error", f"the drafter's fc reads 3 x {cfg.target_hidden_size}, the target is {hidden} wide",
+                "use the drafter trained for this target")
+    fc = d_tensors.get("fc.weight") or d_tensors.get("model.fc.weight")
+    if fc is not None and tuple(fc.shape) != (cfg.hidden_size, 3 * cfg.target_hidden_size):
+        rep.add("fc width", "error", f"fc.weight is {list(fc.shape)}, the config implies "
+                f"{[cfg.hidden_size, 3 * cfg.target_hidden_size]}", "fix hidden_size / target_hidden_size in config.json")
+    elif fc is not None:
+        rep.add("fc width", "info", f"fc.weight {list(fc.shape)} = 3 layers x {cfg.target_hidden_size}")
+    tv = tcfg.get("vocab_size", tcfg_all.get("vocab_size"))
+    if isinstance(tv, int) and tv != cfg.vocab_size:
+        rep.add("vocabulary", "error", f"the drafter's vocab maps are for {cfg.vocab_size} tokens, the target has {tv}",
+                "use the drafter trained for this target")
+    problem = d2t_problem(ddir, cfg)
+    if problem:
+        rep.add("d2t map", "error", problem, "re-save the checkpoint with the vocab maps of this target")
+    else:
+        rep.add("d2t map", "info", f"{cfg.draft_vocab_size} draft ids map into the target vocabulary")
+    own = any(n in d_tensors for n in ("embed_tokens.weight", "model.embed_tokens.weight"))
+    rep.add("embedding", "info", "the drafter's own embed_tokens (as SpecForge saves it)" if own else
+            "the target's embedding (speculators and SGLang share it when the drafter has none)")
 
 
 def _safe_index(rep: DoctorReport, d: Path, what: str) -> dict:

@@ -367,6 +367,100 @@ def online_dflash(model, drafter, head, prompt: list[int], max_new_tokens: int, 
     return _completion(out, P, start, max_length, stop_ids), blocks, draft_logits
 
 
+# --------------------------------------------------------------------------------------------
+# EAGLE-3's online loop (runner/drafters/eagle3.py drafts)
+# --------------------------------------------------------------------------------------------
+
+def online_eagle3(model, drafter, head, prompt: list[int], max_new_tokens: int,
+                  stop_ids, *, depth: int, rebind=None, loop: str = "cache", record: dict | None = None):
+    """Greedy EAGLE-3 speculative decoding as SGLang runs it with topk 1 (a chain of ``depth``
+    drafts per round): prefill, then each round drafts from the features of the committed
+    positions (``runner.drafters.eagle3.draft_one_root``), the target verifies [bonus, drafts] in one forward, the
+    longest matching prefix and the target's next token are committed and their features appended.
+
+    Returns (completion, [(root, value)] per block, {}) like ``parity.online_dflash``; ``record``
+    receives ``blocks`` ([OnlineBlock]), ``context`` and ``loop``."""
+    import torch
+
+    from ..drafters.eagle3 import draft_one_root
+    from ..stages.drafter_eval.metrics import chain_accept
+
+    verifier = make_verifier(loop, model, drafter.target_layer_ids, depth + 1, rebind)
+    P = len(prompt)
+    out = list(prompt) + [0] * (max_new_tokens + depth + 1)
+    max_length = P + max_new_tokens
+    blocks, trace = [], []
+    with torch.no_grad():
+        rows = verifier.prefill(list(prompt))
+        out[P] = int(rows.post[-1])
+        ctx = rows.feats
+        start = P
+        while start < max_length:
+            drafts, _ = draft_one_root(drafter, head, ctx, out, start, depth)
+            block = [out[start]] + drafts
+            rows = verifier.verify(block)
+            acc = chain_accept(drafts, rows.post[:-1])
+            verifier.accept(block[:acc + 1])
+            out[start:start + acc + 1] = block[:acc + 1]
+            out[start + acc + 1] = rows.post[acc]
+            ctx = torch.cat([ctx, rows.feats[:acc + 1].to(ctx.device)])
+            blocks.append((start, acc + 1))
+            trace.append(OnlineBlock(start, drafts, rows.post, rows.margin, acc + 1))
+            start += acc + 1
+            if _stopped(out, P, start, stop_ids):
+                break
+    if record is not None:
+        record.update(blocks=trace, context=ctx, loop=verifier.name)
+    return _completion(out, P, start, max_length, stop_ids), blocks, {}
+
+
+def online_eagle_tree(model, drafter, head, prompt: list[int], max_new_tokens: int, stop_ids, tree: list[int], *,
+                      rebind=None, loop: str = "cache"):
+    """Greedy EAGLE-3 decoding with its dynamic tree (``tree`` = [topk, steps, draft tokens], SGLang's
+    names): (completion, [(root, value)] per block). Each round drafts the tree from the committed
+    features (``runner.drafters.eagle3.dynamic_tree``) and follows it along the target's greedy
+    path one token a forward, as ``online_ddtree`` does (a tree-masked verify accepts the same path)."""
+    import torch
+
+    from ..drafters.eagle3 import dynamic_tree
+
+    topk, steps, tokens = tree
+    verifier = make_verifier(loop, model, drafter.target_layer_ids, steps + 1, rebind)
+    P = len(prompt)
+    out = list(prompt) + [0] * (max_new_tokens + steps + 1)
+    max_length = P + max_new_tokens
+    blocks = []
+    with torch.no_grad():
+        rows = verifier.prefill(list(prompt))
+        out[P] = int(rows.post[-1])
+        ctx, start = rows.feats, P
+        while start < max_length:
+            t = dynamic_tree(drafter, head, ctx, out, start, topk, steps, tokens)
+            children: dict[int, dict[int, int]] = {}
+            for i, (tok, parent) in enumerate(zip(t.tokens, t.parents)):
+                children.setdefault(parent, {}).setdefault(tok, i)
+            path, node, feats = [out[start]], -1, []
+            while True:
+                rows = verifier.verify(path[-1:])
+                verifier.accept(path[-1:])
+                feats.append(rows.feats)
+                nxt = int(rows.post[-1])
+                child = children.get(node, {}).get(nxt)
+                if child is None:
+                    break
+                node = child
+                path.append(nxt)
+            acc = len(path) - 1
+            out[start:start + acc + 1] = path
+            out[start + acc + 1] = nxt
+            ctx = torch.cat([ctx] + [f.to(ctx.device) for f in feats])
+            blocks.append((start, acc + 1))
+            start += acc + 1
+            if _stopped(out, P, start, stop_ids):
+                break
+    return _completion(out, P, start, max_length, stop_ids), blocks
+
+
 def serving_features_walk(model, drafter, head, prompt: list[int], completion: list[int], *, rebind=None,
                           loop: str = "cache") -> list[tuple[int, int]]:
     """The chain walk over a fixed ``completion`` (within-output rule) with the drafter's context
@@ -518,6 +612,7 @@ class ParityOptions:
     example: bool = False  # the embedded example's target and trained drafter (built once)
     trace: str | None = None  # write one JSON line per online chain block to this file
     serving_features: bool = False  # also walk the cached completions with verify-forward features
+    eagle_trees: list[str] = field(default_factory=list)  # EAGLE-3: dynamic trees "TOPK,STEPS,TOKENS"
 
 
 # The interval parity judges bf16 by: a 95% percentile bootstrap over prompts, with a fixed seed so
@@ -694,7 +789,7 @@ def _example_models(store, opts: ParityOptions) -> None:
     where = store.local_dir("example")
     if where is None:
         raise UsageError("parity --example needs a local store directory (--store PATH).")
-    models = example_models(where, log=lambda m: print(m, file=sys.stderr, flush=True))
+    models = example_models(where, log=lambda m: print(m, file=sys.stderr, flush=True), eagle3=False)
     opts.target = opts.target or str(models["target"])
     opts.drafter = opts.drafter or str(models["trained"])
 
@@ -718,7 +813,7 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
                         num_prompts=opts.num_prompts, completions="local", max_new_tokens=opts.max_new_tokens,
                         backend=opts.backend, device=opts.device, dtype=opts.dtype, tree_budgets=budgets,
                         enable_thinking=opts.enable_thinking, progress=opts.progress,
-                        attn_implementation=opts.attn_implementation,
+                        attn_implementation=opts.attn_implementation, eagle_trees=list(opts.eagle_trees),
                         # the offline side runs where the online loop does: float32 parity is exact
                         # only on one device's numerics
                         eval_device=opts.device).validate()
@@ -763,12 +858,25 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
     target = get_target(ctx, target_dir, backend)
     dtype = torch.float32 if opts.dtype == "float32" else torch.bfloat16
     dev = target.device
-    drafter = DFlashDrafter.from_pretrained(Path(opts.drafter).expanduser(), device=dev, dtype=dtype)
+    ref = ev.payload["drafter"]
+    eagle3 = ref.family == "eagle3"
+    if eagle3:  # runner/drafters/: its own drafter, online loop and batched scoring; no DDTree
+        from ..drafters.eagle3 import Eagle3Drafter
+
+        drafter = Eagle3Drafter.from_pretrained(Path(opts.drafter).expanduser(), device=dev, dtype=dtype)
+        drafter.layer_ids, drafter.block_size = list(ref.target_layer_ids), ref.block_size
+        budgets = []
+    else:
+        drafter = DFlashDrafter.from_pretrained(Path(opts.drafter).expanduser(), device=dev, dtype=dtype)
     head = load_target_head(target_dir, device=dev, dtype=dtype)
     toks = read_tokens(store, tokens_node)
     stops = eos_token_ids(target_dir)
     B = drafter.block_size
     methods = [MethodParity("chain")] + [MethodParity(f"tree-{b}") for b in budgets]
+    from ..drafters.family import tree_label
+
+    etrees = ev.inputs.get("eagle_trees", []) if eagle3 else []
+    methods += [MethodParity(tree_label(t)) for t in etrees]
     served = MethodParity("serving-features") if opts.serving_features else None
     completions_equal, comp_mismatch, partings = 0, [], []
     align = _Alignment()
@@ -781,8 +889,13 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
             prompt = [int(t) for t in toks.prompt(i)]
             stored = [int(t) for t in toks.completion(i)][: resp["completion_len"]]
             record: dict = {}
-            completion, blocks, _ = online_dflash(target.model, drafter, head, prompt, opts.max_new_tokens, stops,
-                                                  rebind=target.rebind, loop=opts.online_loop, record=record)
+            if eagle3:
+                completion, blocks, _ = online_eagle3(target.model, drafter, head, prompt, opts.max_new_tokens, stops,
+                                                      depth=B - 1, rebind=target.rebind, loop=opts.online_loop,
+                                                      record=record)
+            else:
+                completion, blocks, _ = online_dflash(target.model, drafter, head, prompt, opts.max_new_tokens, stops,
+                                                      rebind=target.rebind, loop=opts.online_loop, record=record)
             P = len(prompt)
             at = first_parting(completion, stored)
             parted = None if at is None else P + at
@@ -810,7 +923,13 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
                 states = [SampleSet(store, ln.partition.key, [ln.sample_keys[i]]) for ln in ev.payload["layers"]]
                 stop = min(max(max(roots), n_aligned), len(seq))
                 stored_feats = read_context(states, 0, stop, head.hidden_size).to(device=dev)
-                scores = score_response(drafter, head, stored_feats.to(dtype), seq, roots, k=0)
+                if eagle3:
+                    from ..stages.drafter_eval import score_eagle3
+
+                    scores, _ = score_eagle3(drafter, head, stored_feats.to(dtype), seq, roots, B - 1, [], P,
+                                             resp["completion_len"])
+                else:
+                    scores = score_response(drafter, head, stored_feats.to(dtype), seq, roots, k=0)
                 offline_drafts = {p: scores.argmax[q].tolist() for q, p in enumerate(scores.roots)}
                 # completion positions both sides computed over the same tokens
                 m = min(n_aligned, record["context"].shape[0], stored_feats.shape[0])
@@ -850,10 +969,18 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
                         "drafts": b.drafts, "offline_drafts": offline_drafts.get(p), "target": b.target,
                         "cached": stored[p - P + 1:p - P + B] if k != "after" else None,
                         "margin": [round(x, 6) for x in b.margin]}) + "\n")
-            if served is not None:
+            if served is not None and not eagle3:
                 compare_blocks(served, resp["id"], serving_features_walk(target.model, drafter, head, prompt, stored,
                                                                          rebind=target.rebind, loop=opts.online_loop),
                                off, 0)
+            for m, t in zip(methods[1 + len(budgets):], etrees):
+                comp_t, tblocks = online_eagle_tree(target.model, drafter, head, prompt, opts.max_new_tokens, stops, t,
+                                                    rebind=target.rebind, loop=opts.online_loop)
+                on_t = within_output(tblocks, P, len(comp_t))
+                off_t = _walk(P, resp["eagle_tree"][m.method])
+                compare_blocks(m, resp["id"], on_t, off_t, opts.show_mismatches)
+                on_walks[m.method].append(on_t)
+                off_walks[m.method].append(off_t)
             for m, bud in zip(methods[1:], budgets):
                 comp_t, tblocks = online_ddtree(target.model, drafter, head, prompt, opts.max_new_tokens, stops, bud,
                                                 rebind=target.rebind, loop=opts.online_loop)

@@ -1,4 +1,4 @@
-"""Stage `drafter_eval`: offline chain and DDTree acceptance of one DFlash drafter, per response.
+"""Stage `drafter_eval`: offline chain and tree acceptance of one drafter (DFlash or EAGLE-3), per response.
 
 Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
 
@@ -9,15 +9,26 @@ Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
         target_head       fingerprint of the target (its embeddings and lm_head are used)
         block_size        from the drafter's config
         target_layer_ids  from the drafter's config
-        mask_token_id     from the drafter's config
+        mask_token_id     from the drafter's config (only some runs have it)
         tree_budgets      sorted unique --tree-budget values
         max_blocks        --max-blocks, or null
         end_rule          within (continuation is refused)
         dtype             compute dtype of the drafter
         device            cpu | cuda, where the eval runs (--eval-device; not the states' device)
+        family            the drafter family when not DFlash (eagle3), from its config.json (only
+                          some runs have it)
+        draft_depth       EAGLE-3: drafts per root of the chain (--eagle-steps, else the
+                          checkpoint's, else 5) (only some runs have it)
+        eagle_trees       EAGLE-3: sorted unique --eagle-tree [topk, steps, draft tokens] (only some
+                          runs have it)
     upstream:
         sample            the tokens partition
         hidden_states     hidden-state partitions in the drafter's target_layer_ids order
+
+Families (runner/drafters/family.py): a DFlash drafter's inputs are those above without the
+EAGLE-3 ones, exactly as before families existed; an EAGLE-3 drafter has no mask_token_id and
+no DDTree budgets (it drafts its own tree: ``eagle_trees``), and ``block_size`` is its chain
+depth + 1.
 
 The hidden-state partitions are upstream, so the backend class that produced the states (fla or
 torch, device, dtype) is part of this key through them; a response's eval reads the states of
@@ -48,6 +59,7 @@ from dfcache.keys import fingerprint_path
 from ...core.graph import KeyRecipe, Node, RunContext
 from ...core.values import int_list, json_kind
 from ...core.worker import device_for
+from ...drafters.family import eagle_trees, tree_label
 
 # version 3: CPU scoring runs in passes of 64 roots (dflash.CPU_BATCH_ROOTS), not 256; the attention
 # groups follow the passes, so CPU logits moved at float rounding (2e-6 on the bench drafter) and an
@@ -64,8 +76,12 @@ KEY = KeyRecipe("drafter_eval", 4, inputs={
     "end_rule": "within (continuation is refused)",
     "dtype": "compute dtype of the drafter",
     "device": "cpu | cuda, where the eval runs (--eval-device; not the states' device)",
+    "family": "the drafter family when not DFlash (eagle3), from its config.json",
+    "draft_depth": "EAGLE-3: drafts per root of the chain (--eagle-steps, else the checkpoint's, else 5)",
+    "eagle_trees": "EAGLE-3: sorted unique --eagle-tree [topk, steps, draft tokens]",
 }, upstream={"sample": "the tokens partition",
              "hidden_states": "hidden-state partitions in the drafter's target_layer_ids order"},
+   optional=frozenset({"mask_token_id", "family", "draft_depth", "eagle_trees"}),
    sample="tokens sample key")
 NAME = KEY.stage
 VERSION = KEY.version
@@ -80,7 +96,7 @@ class DrafterRef:
     fingerprint: str
     block_size: int
     target_layer_ids: list[int]
-    mask_token_id: int
+    mask_token_id: int | None  # None: a family without a MASK token (EAGLE-3)
     trained_on: str | None
     hidden_size: int | None = None
     step: int | None = None  # training step (runner/drafters/checkpoints.py), when the checkpoint says
@@ -88,10 +104,16 @@ class DrafterRef:
     # fingerprint, so a stored report may hold it. ``trained_on`` above is the run's view
     # (--trained-on, else this), a verdict input decided when results are shown, never stored.
     trained_on_declared: str | None = None
+    family: str = "dflash"  # runner/drafters/family.py; DFlash adds no key input
+    plan: object | None = None  # the family's Plan (runner.drafters.family) where it is not DFlash
 
 
-def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
-    """Read a DFlash checkpoint's config; every problem is a BadInputError naming the field."""
+def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
+                 eagle_steps: int | None = None) -> DrafterRef:
+    """Read a drafter checkpoint's config (its family from runner/drafters/family.py); every problem
+    is a BadInputError naming the field. ``target_info``: a callable giving the target's
+    ``ModelInfo``, for families whose plan depends on the target (EAGLE-3's default layers,
+    widths and vocabulary checked before any work)."""
     path = Path(path_str).expanduser()
     cfg_path = path / "config.json"
     if not path.is_dir():
@@ -112,6 +134,16 @@ def read_drafter(path_str: str, trained_on: str | None = None) -> DrafterRef:
     if not isinstance(cfg, dict):
         raise BadInputError(f"{cfg_path}: a JSON {json_kind(cfg)}, not an object; a drafter's config.json is one "
                             "object of its settings (with dflash_config): fix or re-download the checkpoint.")
+    from ...drafters.family import Eagle3, family_of
+
+    if family_of(path, cfg) is Eagle3:
+        info = target_info() if target_info is not None else None
+        plan = Eagle3.plan(path, cfg, num_target_layers=info.num_layers if info else None,
+                           target_hidden=info.hidden_size if info else None,
+                           target_vocab=info.vocab_size if info else None, steps=eagle_steps)
+        return DrafterRef(path=path, name=path.name, fingerprint=fingerprint_path(path), block_size=plan.block_size,
+                          target_layer_ids=plan.layers, mask_token_id=None, trained_on=trained_on,
+                          hidden_size=None, family="eagle3", plan=plan)
     dcfg = cfg.get("dflash_config") or {}
     if not isinstance(dcfg, dict):
         raise BadInputError(f"{cfg_path}: dflash_config must be an object.")
@@ -157,7 +189,7 @@ def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
             raise BadInputError(f"--drafter {value}: none of its {len(found)} checkpoint(s) is complete yet; "
                                 "wait for the trainer to finish writing one (or use dfcache watch).")
         for c in complete:
-            ref = read_drafter(str(c.path), opts.trained_on)
+            ref = read_drafter_in(ctx, str(c.path))
             ref.step = c.step
             refs.append(ref)
     names = [r.name for r in refs]
@@ -165,6 +197,20 @@ def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
         if names.count(r.name) > 1:
             r.name = f"{r.name}#{i + 1}"
     return refs
+
+
+def read_drafter_in(ctx: RunContext, path_str: str) -> DrafterRef:
+    """:func:`read_drafter` for this run: its --trained-on, --eagle-steps and target (a family's
+    plan may depend on the target: EAGLE-3's default layers, widths and vocabulary)."""
+    return read_drafter(path_str, ctx.options.trained_on, target_info=lambda: _target_info(ctx),
+                        eagle_steps=getattr(ctx.options, "eagle_steps", None))
+
+
+def _target_info(ctx: RunContext):
+    from ...models.resolve import resolved_target
+    from ...models.target import read_model_info
+
+    return read_model_info(resolved_target(ctx).dir)
 
 
 def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter: DrafterRef) -> Node:
@@ -179,7 +225,7 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
                             f"is {width} wide; pass the drafter trained for this target (or that target).")
     # The MASK id indexes the target's embedding table: one outside it failed only in this
     # stage's produce(), after completions, tokens and hidden states had been computed.
-    if drafter.mask_token_id < 0 or (info.vocab_size is not None and drafter.mask_token_id >= info.vocab_size):
+    if drafter.family == "dflash" and (drafter.mask_token_id < 0 or (info.vocab_size is not None and drafter.mask_token_id >= info.vocab_size)):
         ids = f"ids 0..{info.vocab_size - 1}, vocab_size in its config.json" if info.vocab_size else "ids from 0"
         raise BadInputError(f"drafter {drafter.path}: mask_token_id {drafter.mask_token_id} is outside the "
                             f"target's vocabulary ({ids}); set dflash_config.mask_token_id to the MASK id the drafter was trained "
@@ -193,6 +239,11 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
               "mask_token_id": drafter.mask_token_id, "tree_budgets": budgets,
               "max_blocks": opts.max_blocks, "end_rule": opts.end_rule, "dtype": opts.dtype,
               "device": device}
+    if drafter.family != "dflash":
+        # a family's own inputs; DDTree budgets are DFlash's (EAGLE-3 drafts its own tree)
+        del inputs["mask_token_id"]
+        inputs.update(drafter.plan.key_inputs, tree_budgets=[], eagle_trees=eagle_trees(opts))
+        budgets = []
     problem = None
     if device == "cuda":
         from ...models.target import cuda_visible
@@ -248,8 +299,14 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
             continue
         ref: DrafterRef = node.payload["drafter"]
         device = device_for(ctx.worker, node.inputs["device"])  # cuda:LOCAL_RANK under torchrun
-        drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
         head = load_target_head(node.payload["target_dir"], device=device, dtype=dtype)
+        if ref.family == "eagle3":
+            from ...drafters.eagle3 import Eagle3Drafter
+
+            drafter = Eagle3Drafter.from_pretrained(ref.path, device=device, dtype=dtype)
+            drafter.layer_ids = list(ref.target_layer_ids)
+        else:
+            drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
         toks = read_tokens(ctx.store, node.payload["tokens"], todo)
         stops = eos_token_ids(node.payload["target_dir"])
         budgets = node.inputs["tree_budgets"]
@@ -270,7 +327,12 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
                 limit = _max_root(plen, opts.max_blocks, ref.block_size)
                 if limit is not None:
                     roots = [p for p in roots if p < limit]
-                if roots:
+                trees = {}
+                if roots and ref.family == "eagle3":
+                    feats = read_context(states, j, max(roots), head.hidden_size).to(device=device, dtype=dtype)
+                    scores, trees = score_eagle3(drafter, head, feats, seq, roots, ref.block_size - 1,
+                                                 node.inputs["eagle_trees"], plen, n)
+                elif roots:
                     feats = read_context(states, j, max(roots), head.hidden_size).to(device=device, dtype=dtype)
                     scores = score_response(drafter, head, feats, seq, roots, k=max(budgets, default=0))
                 else:
@@ -280,9 +342,12 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
                 if opts.max_blocks is not None:
                     for w in [ev.chain, *ev.trees.values()]:
                         w.roots, w.values = w.roots[: opts.max_blocks], w.values[: opts.max_blocks]
-                sink.add(node.upstream_samples[i], doc={
-                    "prompt_len": plen, "completion_len": n, "ended_by_stop": ended, "rule": ev.rule,
-                    "chain": ev.chain.values, "tree": {str(b): w.values for b, w in ev.trees.items()}})
+                doc = {"prompt_len": plen, "completion_len": n, "ended_by_stop": ended, "rule": ev.rule,
+                       "chain": ev.chain.values, "tree": {str(b): w.values for b, w in ev.trees.items()}}
+                if ref.family != "dflash":
+                    doc["eagle_tree"] = {label: eagle_walk(acc, plen, n, ended, opts.max_blocks)
+                                         for label, acc in trees.items()}
+                sink.add(node.upstream_samples[i], doc=doc)
                 bar.update(1)
         bar.close()
 
@@ -315,6 +380,37 @@ def score_response(drafter, head, feats, seq, roots: list[int], k: int):
     parts = [RootScores.from_logits([roots[q] for q in idx], logits, k=k)
              for idx, logits in iter_score_roots(drafter, head, feats, ids, roots)]
     return RootScores.concat(parts)
+
+
+def score_eagle3(drafter, head, feats, seq, roots: list[int], depth: int, trees: list, prompt_len: int, n: int):
+    """EAGLE-3: ``RootScores`` of the chain (drafts of every root in batched passes, already in
+    the target's vocabulary) and, per ``--eagle-tree``, each root's accepted length."""
+    import numpy as np
+    import torch
+
+    from .metrics import RootScores
+    from ...drafters.eagle3 import dynamic_trees, score_roots, tree_accept
+
+    ids = torch.as_tensor(seq.astype("int64") if hasattr(seq, "astype") else list(seq), dtype=torch.long)
+    toks, _ = score_roots(drafter, head, feats, ids, roots, depth)
+    empty = np.zeros((len(roots), depth, 0))
+    scores = RootScores([int(r) for r in roots], toks.numpy().astype(np.int64), empty.astype(np.float32),
+                        empty.astype(np.int64), head.vocab_size)
+    seq_l = [int(t) for t in ids.tolist()]
+    end = prompt_len + n
+    out = {}
+    for topk, steps, tokens in trees:  # every root's tree in batched passes (dynamic_trees)
+        built = dynamic_trees(drafter, head, feats, ids, roots, topk, steps, tokens)
+        out[tree_label((topk, steps, tokens))] = {p: tree_accept(t, seq_l[p + 1:min(p + 1 + steps, end)])
+                                                  for p, t in zip(roots, built)}
+    return scores, out
+
+
+def eagle_walk(acc: dict, prompt_len: int, n: int, ended: bool, max_blocks):
+    from .metrics import walk
+
+    _, values = walk(acc, prompt_len, n, ended_by_stop=ended)
+    return values[:max_blocks] if max_blocks is not None else values
 
 
 def _as_tensor(samples, j: int, stop: int):
@@ -359,11 +455,15 @@ def read_summary(store, node: Node, docs: list[dict] | None = None) -> dict:
                "chain": aggregate([d["chain"] for d in docs], ref.block_size).to_dict(),
                "tree": {str(b): aggregate([d["tree"][str(b)] for d in docs if str(b) in d["tree"]],
                                           ref.block_size).to_dict() for b in budgets}}
+    if ref.family != "dflash":
+        summary["eagle_tree"] = {tree_label(t): aggregate([d.get("eagle_tree", {}).get(tree_label(t), []) for d in docs],
+                                                          int(t[1]) + 1).to_dict()
+                                 for t in node.inputs.get("eagle_trees", [])}
     hs_backend = node.payload["backend"]
     summary.update({"drafter": ref.name, "drafter_path_name": ref.path.name,
                     "hidden_states_backend": hs_backend, "trained_on": ref.trained_on,
                     "trained_on_declared": ref.trained_on_declared,
                     "backend_mismatch": bool(ref.trained_on and ref.trained_on != hs_backend["kernel"]),
-                    "block_size": ref.block_size, "tree_budgets": budgets,
+                    "block_size": ref.block_size, "tree_budgets": budgets, "family": ref.family,
                     "max_blocks": node.inputs["max_blocks"]})
     return summary

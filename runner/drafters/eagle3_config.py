@@ -1,0 +1,151 @@
+"""An EAGLE-3 checkpoint's config.json as planning reads it (JSON only: no torch import).
+
+Two layouts: SpecForge's (``architectures: [LlamaForCausalLMEagle3]``, the layer ids in
+``eagle_config.eagle_aux_hidden_state_layer_ids``, read by SGLang) and speculators'
+(``speculators_model_type: eagle3``, the layer's fields under ``transformer_layer_config``, the
+ids at the top level, read by vLLM). dfcache's layer id k is the output of target decoder layer k
+(Hugging Face ``hidden_states[k+1]``), the convention SpecForge's ids have (SGLang captures the
+input of layer k+1); speculators' ids are Hugging Face ``hidden_states`` indices (vLLM captures the
+input of layer k), so a speculators id k is dfcache's k-1. Both defaults name the same tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from dfcache.errors import BadInputError
+
+SPECFORGE_ARCHS = ("LlamaForCausalLMEagle3", "Qwen3ForCausalLMEagle3", "Eagle3DraftModel")
+
+
+def is_eagle3_config(raw: dict) -> bool:
+    """True for a SpecForge/SGLang EAGLE-3 config or a speculators one (planning reads JSON only)."""
+    archs = raw.get("architectures") or []
+    return (raw.get("speculators_model_type") == "eagle3"
+            or any(isinstance(a, str) and a in SPECFORGE_ARCHS for a in archs))
+
+
+def default_layer_ids(num_target_layers: int) -> list[int]:
+    """SGLang's and SpecForge's default EAGLE-3 layers: outputs of layers 1, N//2-1, N-4."""
+    return [1, num_target_layers // 2 - 1, num_target_layers - 4]
+
+
+def _int_list(value) -> list[int] | None:
+    if isinstance(value, list) and value and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0
+                                                 for i in value):
+        return [int(i) for i in value]
+    return None
+
+
+@dataclass
+class Eagle3Config:
+    """The fields of an EAGLE-3 ``config.json`` that change what the drafter computes."""
+
+    hidden_size: int
+    target_hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int
+    draft_vocab_size: int
+    target_layer_ids: list[int] | None  # None: SGLang's default for the target's depth
+    layout: str = "specforge"           # "specforge" | "speculators" (where the layer's fields live)
+    norm_before_residual: bool = False
+    speculative_tokens: int | None = None  # the chain length the checkpoint declares, if any
+    declared_layer_ids: list[int] | None = None  # as the config spells them (speculators: HF indices)
+    fc_norm: bool = False      # SpecForge: an RMSNorm per target layer's features before fc
+    norm_output: bool = True   # SpecForge: False gives logits = lm_head(h) without the final norm
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "Eagle3Config":
+        if not isinstance(raw, dict):
+            raise BadInputError(f"{source}: expected a JSON object; point dfcache at the drafter's config.json.")
+        spec = raw.get("speculators_model_type") == "eagle3"
+        layer = raw.get("transformer_layer_config") if spec else raw
+        if not isinstance(layer, dict):
+            raise BadInputError(f"{source}: speculators config without a 'transformer_layer_config' object; "
+                                "re-save the checkpoint with speculators.")
+
+        def need(name, where=layer):
+            value = where.get(name)
+            if value is None:
+                raise BadInputError(f"{source}: missing field '{name}' of an EAGLE-3 drafter; "
+                                    "re-save the checkpoint with SpecForge or speculators.")
+            return value
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(layer.get("num_key_value_heads") or heads)
+        head_dim = int(layer.get("head_dim") or hidden // heads)
+        layers = int(layer.get("num_hidden_layers", 1))
+        if layers != 1:
+            raise BadInputError(f"{source}: num_hidden_layers={layers}; dfcache evaluates single-layer EAGLE-3 "
+                                "drafters (what SGLang and vLLM serve). Use a one-layer checkpoint.")
+        act = layer.get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise BadInputError(f"{source}: hidden_act={act!r}; EAGLE-3 drafters use a SwiGLU MLP ('silu').")
+        rope_scaling = layer.get("rope_scaling") or {}
+        rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default")) if isinstance(rope_scaling, dict) else "default"
+        if rtype not in (None, "default"):
+            raise BadInputError(f"{source}: rope_scaling type {rtype!r} is not supported (plain RoPE only); "
+                                "remove it if the drafter was trained without scaling.")
+        rope = layer.get("rope_theta", (layer.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        vocab = int(need("vocab_size"))
+        draft_vocab = int((raw if spec else layer).get("draft_vocab_size") or vocab)
+        if spec:
+            ids = raw.get("eagle_aux_hidden_state_layer_ids")
+        else:
+            ecfg = raw.get("eagle_config") or {}
+            ids = ecfg.get("eagle_aux_hidden_state_layer_ids") if isinstance(ecfg, dict) else None
+            ids = ids if ids is not None else raw.get("eagle_aux_hidden_state_layer_ids")
+        if ids is not None and (_int_list(ids) is None or len(ids) != 3):
+            raise BadInputError(f"{source}: eagle_aux_hidden_state_layer_ids must be 3 non-negative layer ids "
+                                f"(low, mid, high), got {ids!r}. Fix the drafter config.")
+        declared = None if ids is None else [int(i) for i in ids]
+        if spec and declared is not None:
+            # speculators (and vLLM) count Hugging Face hidden_states indices: id k is the input of
+            # layer k, the output of layer k-1 (speculators/convert/dflash/converter.py: "z-lab reads
+            # hidden_states[layer_id + 1] ... speculators uses the layer id directly"); dfcache's ids
+            # are SGLang's, the output of layer k.
+            if 0 in declared:
+                raise BadInputError(f"{source}: eagle_aux_hidden_state_layer_ids {declared} include 0, the "
+                                    "embedding output (hidden_states[0]), which no hidden-state stage stores; "
+                                    "use a drafter trained on decoder-layer outputs.")
+            ids = [k - 1 for k in declared]
+        k = None
+        if spec:
+            methods = ((raw.get("speculators_config") or {}).get("proposal_methods") or [])
+            if methods and isinstance(methods[0], dict) and isinstance(methods[0].get("speculative_tokens"), int):
+                k = methods[0]["speculative_tokens"]
+        return cls(hidden_size=hidden, target_hidden_size=int(raw.get("target_hidden_size") or layer.get("target_hidden_size") or hidden),
+                   num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+                   intermediate_size=int(need("intermediate_size")), rms_norm_eps=float(layer.get("rms_norm_eps", 1e-6)),
+                   rope_theta=float(rope), vocab_size=vocab, draft_vocab_size=draft_vocab,
+                   target_layer_ids=None if ids is None else [int(i) for i in ids],
+                   layout="speculators" if spec else "specforge", declared_layer_ids=declared,
+                   norm_before_residual=bool(raw.get("norm_before_residual", False)), speculative_tokens=k,
+                   fc_norm=bool(layer.get("fc_norm", False)), norm_output=bool(layer.get("norm_output", True)))
+
+    def to_dict(self) -> dict[str, Any]:
+        """A config.json as SpecForge writes one (LlamaForCausalLMEagle3, read by SGLang)."""
+        out = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+               "hidden_size": self.hidden_size, "num_attention_heads": self.num_attention_heads,
+               "num_key_value_heads": self.num_key_value_heads, "head_dim": self.head_dim,
+               "intermediate_size": self.intermediate_size, "num_hidden_layers": 1, "hidden_act": "silu",
+               "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta, "vocab_size": self.vocab_size,
+               "draft_vocab_size": self.draft_vocab_size, "max_position_embeddings": 4096,
+               "pretraining_tp": 1, "tie_word_embeddings": False}
+        if self.target_hidden_size != self.hidden_size:
+            out["target_hidden_size"] = self.target_hidden_size
+        if self.fc_norm:
+            out["fc_norm"] = True
+        if not self.norm_output:
+            out["norm_output"] = False
+        if self.target_layer_ids is not None:
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.target_layer_ids)}
+        return out

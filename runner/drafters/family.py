@@ -1,0 +1,175 @@
+"""The drafter-family interface: what a family needs from the target, how its checkpoints are
+recognised and validated, how it loads; the stage and ``parity`` dispatch on ``DrafterRef.family``.
+
+* ``recognises(config)``: planning reads ``config.json`` as JSON (no torch) and asks each family
+  in turn; :func:`family_of` refuses a checkpoint no family claims (exit 6, naming the families
+  and what the config says it is).
+* ``plan(path, config, target)`` (EAGLE-3): the planning fields (:class:`Plan`): the target layers
+  whose outputs it reads (``layers``; resolved against the target's depth where the family has a
+  default), whether it needs the target's final-layer state (``final_state``; no family yet), the
+  block size the report uses (draft depth + 1) and the key inputs only this family has. Every
+  check that needs no weights (and the d2t map, read with numpy) runs here, before any work.
+  DFlash's planning is ``runner.stages.drafter_eval.read_drafter``'s, unchanged: it adds no key input.
+* ``load(path, device, dtype)``: the torch model.
+* Drafting from cached features, batched over all roots of a response: DFlash
+  ``runner.drafters.dflash.iter_score_roots``, EAGLE-3 ``runner.drafters.eagle3.score_roots`` and
+  ``dynamic_tree`` (reduced to RootScores / accepted lengths in ``runner.stages.drafter_eval``).
+* The reference online loops for ``parity``: ``runner.trust.parity.online_dflash`` /
+  ``online_ddtree`` and ``online_eagle3`` / ``online_eagle_tree``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dfcache.errors import BadInputError
+
+from .eagle3_config import Eagle3Config, default_layer_ids, is_eagle3_config
+
+
+@dataclass
+class Plan:
+    """What planning knows of one drafter for a given target (no weights read but headers)."""
+
+    family: str
+    layers: list[int]          # target layer ids whose outputs the drafter reads, in its order
+    block_size: int            # drafts per block + 1 (the bonus token)
+    final_state: bool = False  # needs the target's final-layer state (no family yet)
+    key_inputs: dict[str, Any] = field(default_factory=dict)  # family-only key inputs (DFlash: none)
+    summary: str = ""
+
+
+class DFlash:
+    name = "dflash"
+    what = "DFlash block-diffusion drafter (config.json with dflash_config)"
+
+    @staticmethod
+    def recognises(raw: dict) -> bool:
+        return isinstance(raw.get("dflash_config"), dict) or "DFlashDraftModel" in (raw.get("architectures") or [])
+
+    @staticmethod
+    def load(path, device, dtype):
+        from .dflash import DFlashDrafter
+
+        return DFlashDrafter.from_pretrained(path, device=device, dtype=dtype)
+
+
+class Eagle3:
+    name = "eagle3"
+    what = "EAGLE-3 drafter (SpecForge LlamaForCausalLMEagle3 or speculators eagle3)"
+    DEFAULT_STEPS = 5  # SGLang's --speculative-num-steps in its EAGLE-3 examples
+
+    @staticmethod
+    def recognises(raw: dict) -> bool:
+        return is_eagle3_config(raw)
+
+    @staticmethod
+    def config(path: Path, raw: dict) -> Eagle3Config:
+        return Eagle3Config.from_dict(raw, source=str(path / "config.json"))
+
+    @classmethod
+    def plan(cls, path: Path, raw: dict, *, num_target_layers: int | None, target_hidden: int | None,
+             target_vocab: int | None, steps: int | None) -> Plan:
+        """Planning fields against the target; a config that does not fit it is exit 6 here."""
+        cfg = cls.config(path, raw)
+        ids = cfg.target_layer_ids
+        if ids is None:
+            if not num_target_layers or num_target_layers < 5:
+                raise BadInputError(f"EAGLE-3 drafter {path}: no eagle_aux_hidden_state_layer_ids and the target's "
+                                    f"depth ({num_target_layers}) gives no default; add the ids to its config.json.")
+            ids = default_layer_ids(num_target_layers)
+        if num_target_layers is not None and max(ids) >= num_target_layers:
+            raise BadInputError(f"EAGLE-3 drafter {path}: layer ids {ids} reach past the target's {num_target_layers} "
+                                "layers; pass the target it was trained for (or fix eagle_aux_hidden_state_layer_ids).")
+        if target_hidden is not None and cfg.target_hidden_size != target_hidden:
+            raise BadInputError(f"EAGLE-3 drafter {path}: its fc reads 3 x {cfg.target_hidden_size} features but the "
+                                f"target is {target_hidden} wide; pass the drafter trained for this target.")
+        if target_vocab is not None and cfg.vocab_size != target_vocab:
+            raise BadInputError(f"EAGLE-3 drafter {path}: its vocab maps are for a {cfg.vocab_size}-token vocabulary, "
+                                f"the target has {target_vocab}; pass the drafter trained for this target.")
+        problem = d2t_problem(path, cfg)
+        if problem:
+            raise BadInputError(f"EAGLE-3 drafter {path}: {problem}")
+        depth = int(steps or cfg.speculative_tokens or cls.DEFAULT_STEPS)
+        return Plan("eagle3", list(ids), depth + 1, key_inputs={"family": "eagle3", "draft_depth": depth},
+                    summary=f"eagle3 chain {depth}, layers {list(ids)}")
+
+    @staticmethod
+    def load(path, device, dtype):
+        from .eagle3 import Eagle3Drafter
+
+        return Eagle3Drafter.from_pretrained(path, device=device, dtype=dtype)
+
+
+FAMILIES = {f.name: f for f in (DFlash, Eagle3)}
+
+
+def describe_config(raw: dict) -> str:
+    """What a config says it is, for the refusal of an unknown family."""
+    bits = []
+    for k in ("architectures", "model_type", "speculators_model_type"):
+        if raw.get(k):
+            bits.append(f"{k}={raw[k]!r}")
+    return ", ".join(bits) or f"fields {sorted(raw)[:6]}"
+
+
+def family_of(path: Path, raw: dict):
+    """The family whose checkpoints look like ``raw``; BadInputError (exit 6) naming the known ones."""
+    for fam in FAMILIES.values():
+        if fam.recognises(raw):
+            return fam
+    known = "; ".join(f"{f.name}: {f.what}" for f in FAMILIES.values())
+    raise BadInputError(f"drafter {path}: config.json is of no drafter family dfcache knows ({describe_config(raw)}). "
+                        f"Known families: {known}. Pass a checkpoint of one of them (a DFlash config.json "
+                        "has dflash_config with the target_layer_ids, mask_token_id and block_size it was trained with).")
+
+
+def d2t_problem(path: Path, cfg: Eagle3Config) -> str | None:
+    """Read only the ``d2t`` tensor (its safetensors bytes: no torch, no numpy, which a cached run
+    never imports) and check it maps the draft vocabulary into the target's."""
+    from ..models.safetensors_header import read_ints, tensor_index
+
+    try:
+        index = tensor_index(path)
+        info = index.get("d2t") or index.get("model.d2t")
+        d2t = read_ints(info) if info is not None else None
+    except (OSError, ValueError, KeyError) as e:
+        return f"cannot read its d2t tensor ({e}); re-download or re-save the checkpoint."
+    if d2t is None:
+        if cfg.draft_vocab_size != cfg.vocab_size:
+            return (f"draft_vocab_size {cfg.draft_vocab_size} != vocab_size {cfg.vocab_size} but no d2t tensor; "
+                    "re-save the checkpoint with its vocab maps.")
+        return None
+    if len(d2t) != cfg.draft_vocab_size:
+        return (f"d2t has {len(d2t)} entries, not draft_vocab_size = {cfg.draft_vocab_size}; "
+                "re-save the checkpoint with its vocab maps.")
+    mapped = [i + o for i, o in enumerate(d2t)]
+    lo, hi = min(mapped), max(mapped)
+    if lo < 0 or hi >= cfg.vocab_size:
+        return (f"d2t maps draft ids to target ids {lo}..{hi}, outside the target vocabulary "
+                f"0..{cfg.vocab_size - 1}; pass the drafter trained for this target.")
+    return None
+
+
+def eagle_trees(opts) -> list[list[int]]:
+    """``--eagle-tree TOPK,STEPS,TOKENS`` values (SGLang's --speculative-eagle-topk, -num-steps,
+    -num-draft-tokens), parsed, sorted and unique."""
+    from dfcache.errors import UsageError
+
+    out = set()
+    for value in getattr(opts, "eagle_trees", None) or []:
+        try:
+            topk, steps, tokens = (int(x) for x in str(value).replace("x", ",").split(","))
+        except ValueError:
+            raise UsageError(f"--eagle-tree {value!r}: give TOPK,STEPS,TOKENS (e.g. 8,5,32), SGLang's "
+                             "--speculative-eagle-topk, --speculative-num-steps, --speculative-num-draft-tokens.") from None
+        if min(topk, steps, tokens) < 1:
+            raise UsageError(f"--eagle-tree {value!r}: every number must be positive.")
+        out.add((topk, steps, tokens))
+    return [list(t) for t in sorted(out)]
+
+
+def tree_label(tree) -> str:
+    return "eagle-{}x{}x{}".format(*tree)
