@@ -1,0 +1,201 @@
+"""DSpark (SpecForge 0.2 ``DSparkDraftModel``, speculators 0.9 ``dspark``): a DFlash backbone plus
+a low-rank Markov logit bias over the previous block token, and a confidence head.
+
+Read from the peers' model code (not copied): the backbone is DFlash's unchanged (same config,
+same ``fc``/``hidden_norm``/layers/``norm``); after ``base = lm_head(norm(h))`` slot ``k`` of a
+block gets ``base[k] + markov_w2(f(prev_k, h_k))`` where ``prev_k`` is the token before slot
+``k`` (the root for slot 1, then the token drafted at ``k - 1``) and ``h_k`` the backbone's normed
+hidden state at the slot:
+
+* ``vanilla``: ``f = markov_w1[prev]``;
+* ``gated``: ``f = sigmoid(gate_proj([h; w1[prev]])) * w1[prev]``;
+* ``rnn``: a state ``s`` (zeros at slot 1) updated per slot from ``joint_proj([s; w1[prev]; h])``
+  split into gate / candidate / output; ``f = tanh(output)``.
+
+The confidence head (``confidence_head.proj``) predicts acceptance and does not change the draft:
+greedy τ ignores it.
+
+Greedy acceptance needs no sequential loop: a slot counts only while every earlier draft equalled
+the target's token, so along the accepted prefix ``prev_k`` *is* the target's token. The accepted
+length of a block is therefore the first mismatch of ``argmax(base + block_bias(prev = the
+target's tokens))`` (:func:`accepted_lengths`), batched over all roots at once; :func:`greedy_chain`
+is the sequential draft (the reference online loop's), equal to it block for block (tested).
+
+Layouts: SpecForge keeps the DSpark fields in ``dflash_config`` (``projector_type: "dspark"``,
+``markov_rank`` default 0 = no head, ``markov_head_type``, ``enable_confidence_head``,
+``confidence_head_with_markov``) and drafts slots 1..B-1 as DFlash does. speculators puts them at
+the top level (``speculators_model_type: "dspark"``, ``markov_rank`` default 256) and by default
+``sample_from_anchor: true``: the anchor slot drafts too (B drafts, slot ``k`` conditioned on block
+token ``k``); that convention and a draft vocabulary smaller than the target's (``d2t``) are
+refused by :func:`head_config` until the backbone scoring gives slot 0's logits.
+
+Not yet wired in as a family (``runner.drafters.family.FAMILIES``): the backbone's normed hidden
+states must come out of ``DFlashDrafter.block_logits`` first.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from dfcache.errors import BadInputError
+
+HEAD_TYPES = ("vanilla", "gated", "rnn")
+
+
+@dataclass(frozen=True)
+class DSparkHeadConfig:
+    layout: str                  # "specforge" | "speculators"
+    markov_rank: int             # 0: no Markov head (pure DFlash drafting)
+    head_type: str               # one of HEAD_TYPES
+    confidence: bool
+    confidence_with_markov: bool
+    sample_from_anchor: bool
+
+
+def is_dspark_config(raw: dict) -> bool:
+    """A DSpark checkpoint's ``config.json`` in either peer's layout."""
+    dflash = raw.get("dflash_config")
+    if isinstance(dflash, dict) and dflash.get("projector_type") == "dspark":
+        return True
+    return raw.get("speculators_model_type") == "dspark" or "DSparkDraftModel" in (raw.get("architectures") or [])
+
+
+def head_config(raw: dict, source: str = "config.json") -> DSparkHeadConfig:
+    """The Markov/confidence head fields; BadInputError (exit 6) for what dfcache cannot score."""
+    if raw.get("speculators_model_type") == "dspark":
+        layout, fields = "speculators", raw
+        rank_default, conf_default, with_markov_default, anchor_default = 256, True, True, True
+    else:
+        layout, fields = "specforge", raw.get("dflash_config") or {}
+        rank_default, anchor_default = 0, False
+        conf_default = float(fields.get("confidence_head_alpha", 0.0) or 0.0) > 0.0
+        with_markov_default = False
+    rank = int(fields.get("markov_rank", rank_default) or 0)
+    head_type = str(fields.get("markov_head_type", "vanilla")).lower()
+    if rank < 0:
+        raise BadInputError(f"DSpark drafter {source}: markov_rank {rank} is negative; re-save the checkpoint.")
+    if head_type not in HEAD_TYPES:
+        raise BadInputError(f"DSpark drafter {source}: markov_head_type {head_type!r} is none of {list(HEAD_TYPES)}; "
+                            "pass a checkpoint of SpecForge 0.2 or speculators 0.9.")
+    confidence = bool(fields.get("enable_confidence_head", conf_default))
+    with_markov = bool(fields.get("confidence_head_with_markov", with_markov_default)) and confidence
+    if with_markov and rank == 0:
+        raise BadInputError(f"DSpark drafter {source}: confidence_head_with_markov needs markov_rank > 0; "
+                            "re-save the checkpoint with its Markov head.")
+    anchor = bool(fields.get("sample_from_anchor", anchor_default))
+    if anchor:
+        raise BadInputError(f"DSpark drafter {source}: sample_from_anchor (the anchor slot drafts too) is not "
+                            "scored yet; pass a checkpoint trained with sample_from_anchor: false.")
+    draft_vocab = fields.get("draft_vocab_size")
+    if draft_vocab is not None and raw.get("vocab_size") is not None and int(draft_vocab) != int(raw["vocab_size"]):
+        raise BadInputError(f"DSpark drafter {source}: a draft vocabulary of {draft_vocab} tokens (target "
+                            f"{raw['vocab_size']}) is not scored yet; pass a full-vocabulary checkpoint.")
+    return DSparkHeadConfig(layout, rank, head_type, confidence, with_markov, anchor)
+
+
+class MarkovHead(nn.Module):
+    """The Markov logit bias; parameter names as both peers save them (``markov_w1``/``_w2``,
+    ``gate_proj``, ``joint_proj``) under ``markov_head.``."""
+
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, head_type: str = "vanilla"):
+        super().__init__()
+        if head_type not in HEAD_TYPES:
+            raise ValueError(f"head_type {head_type!r}")
+        self.head_type, self.rank = head_type, int(rank)
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+        if head_type == "gated":
+            self.gate_proj = nn.Linear(hidden_size + rank, rank)
+        elif head_type == "rnn":
+            self.joint_proj = nn.Linear(2 * rank + hidden_size, 3 * rank)
+
+    def _rnn_step(self, state, emb, hidden):
+        gate, cand, out = self.joint_proj(torch.cat([state, emb, hidden], dim=-1)).chunk(3, dim=-1)
+        gate = torch.sigmoid(gate)
+        return gate * state + (1.0 - gate) * torch.tanh(cand), self.markov_w2(torch.tanh(out))
+
+    def step_bias(self, prev: torch.Tensor, hidden: torch.Tensor, state: torch.Tensor | None):
+        """Bias [n, V] for one slot and the next state (rnn; None otherwise)."""
+        emb = self.markov_w1(prev.long())
+        if self.head_type == "vanilla":
+            return self.markov_w2(emb), None
+        hidden = hidden.to(emb.dtype)
+        if self.head_type == "gated":
+            gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, emb], dim=-1)))
+            return self.markov_w2(gate * emb), None
+        if state is None:
+            state = emb.new_zeros(emb.shape[:-1] + (self.rank,))
+        state, bias = self._rnn_step(state, emb, hidden)
+        return bias, state
+
+    def block_bias(self, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced bias [n, K, V] for slots whose previous tokens are ``prev`` [n, K]
+        (``hidden`` [n, K, H]); all slots at once where the head has no state."""
+        emb = self.markov_w1(prev.long())
+        if self.head_type == "vanilla":
+            return self.markov_w2(emb)
+        hidden = hidden.to(emb.dtype)
+        if self.head_type == "gated":
+            return self.markov_w2(torch.sigmoid(self.gate_proj(torch.cat([hidden, emb], dim=-1))) * emb)
+        state, out = emb.new_zeros(emb.shape[0], self.rank), []
+        for k in range(emb.shape[1]):
+            state, bias = self._rnn_step(state, emb[:, k], hidden[:, k])
+            out.append(bias)
+        return torch.stack(out, dim=1)
+
+
+def load_markov_head(tensors: dict[str, torch.Tensor], cfg: DSparkHeadConfig, vocab_size: int,
+                     hidden_size: int) -> MarkovHead | None:
+    """The head from a checkpoint's tensors (``markov_head.*``, SpecForge's early
+    ``logit_head.markov_head.*`` and a ``model.`` prefix accepted); None where markov_rank is 0."""
+    if cfg.markov_rank == 0:
+        return None
+    head = MarkovHead(vocab_size, cfg.markov_rank, hidden_size, cfg.head_type)
+    state = {}
+    for name, t in tensors.items():
+        for prefix in ("model.logit_head.markov_head.", "logit_head.markov_head.", "model.markov_head.", "markov_head."):
+            if name.startswith(prefix):
+                state[name[len(prefix):]] = t
+                break
+    missing = sorted(set(head.state_dict()) - set(state))
+    if missing:
+        raise BadInputError(f"DSpark drafter: markov_head tensors {missing} missing for a {cfg.head_type} head of "
+                            f"rank {cfg.markov_rank}; re-save the checkpoint.")
+    shapes = {k: tuple(v.shape) for k, v in head.state_dict().items()}
+    bad = [k for k in shapes if tuple(state[k].shape) != shapes[k]]
+    if bad:
+        raise BadInputError(f"DSpark drafter: markov_head tensors {bad} have shapes "
+                            f"{[tuple(state[k].shape) for k in bad]}, expected {[shapes[k] for k in bad]} "
+                            f"(vocabulary {vocab_size}, hidden {hidden_size}); pass the drafter for this target.")
+    head.load_state_dict({k: state[k] for k in shapes})
+    return head
+
+
+@torch.no_grad()
+def greedy_chain(head: MarkovHead | None, base: torch.Tensor, root: torch.Tensor, hidden: torch.Tensor):
+    """The sequential draft (the online loop's): tokens [n, K] and corrected logits [n, K, V] from the
+    backbone's logits ``base`` [n, K, V] and normed hidden ``hidden`` [n, K, H] for slots 1..K,
+    ``root`` [n] the token before slot 1; batched over the n blocks."""
+    if head is None:
+        return base.argmax(-1), base
+    prev, state, toks, logits = root.long(), None, [], []
+    for k in range(base.shape[1]):
+        bias, state = head.step_bias(prev, hidden[:, k], state)
+        step = base[:, k] + bias
+        prev = step.argmax(-1)
+        toks.append(prev)
+        logits.append(step)
+    return torch.stack(toks, 1), torch.stack(logits, 1)
+
+
+@torch.no_grad()
+def accepted_lengths(head: MarkovHead | None, base: torch.Tensor, hidden: torch.Tensor,
+                     block_tokens: torch.Tensor) -> torch.Tensor:
+    """Greedy accepted drafts per block [n] (0..K), all slots at once: ``block_tokens`` [n, K + 1]
+    are the root then the target's next K tokens (the previous tokens of the accepted prefix)."""
+    logits = base if head is None else base + head.block_bias(block_tokens[:, :-1], hidden)
+    match = (logits.argmax(-1) == block_tokens[:, 1:]).to(torch.int64)
+    return match.cumprod(dim=1).sum(dim=1)
