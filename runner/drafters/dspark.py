@@ -29,8 +29,12 @@ the top level (``speculators_model_type: "dspark"``, ``markov_rank`` default 256
 token ``k``); that convention and a draft vocabulary smaller than the target's (``d2t``) are
 refused by :func:`head_config` until the backbone scoring gives slot 0's logits.
 
-Not yet wired in as a family (``runner.drafters.family.FAMILIES``): the backbone's normed hidden
-states must come out of ``DFlashDrafter.block_logits`` first.
+:class:`DSparkDrafter` is the DFlash backbone (``DFlashDrafter``, its loader and batched
+``block_logits``) with the head; its final norm records its output so the head reads the normed
+hidden states of the slots ``block_logits`` and the parity reference draft computed.
+:func:`score_roots` gives the accepted lengths of all roots of a response, batched;
+``runner.trust.parity.online_dspark`` is the reference online loop. Not yet a family in
+``runner.drafters.family.FAMILIES`` (``run eval`` refuses a DSpark checkpoint with a Markov head).
 """
 
 from __future__ import annotations
@@ -38,7 +42,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from collections.abc import Sequence
+from pathlib import Path
+
 from dfcache.errors import BadInputError
+
+from .dflash import DFlashDrafter, TargetHead, iter_score_roots
 
 from .dspark_config import HEAD_TYPES, DSparkHeadConfig, head_config, is_dspark_config  # noqa: F401
 
@@ -146,3 +155,71 @@ def accepted_lengths(head: MarkovHead | None, base: torch.Tensor, hidden: torch.
     logits = base if head is None else base + head.block_bias(block_tokens[:, :-1], hidden)
     match = (logits.argmax(-1) == block_tokens[:, 1:]).to(torch.int64)
     return match.cumprod(dim=1).sum(dim=1)
+
+
+class _RecordingNorm(nn.Module):
+    """The backbone's final norm, keeping its last output (the hidden states the head reads)."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.inner, self.last = norm, None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = self.inner(x)
+        return self.last
+
+
+class DSparkDrafter(DFlashDrafter):
+    """A DSpark checkpoint in SpecForge's layout: the DFlash backbone plus ``markov`` (None where
+    markov_rank is 0)."""
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
+                        dtype: torch.dtype = torch.float32) -> "DSparkDrafter":
+        import json
+
+        from safetensors import safe_open
+
+        path = Path(path)
+        raw = json.loads((path / "config.json").read_text())
+        hcfg = head_config(raw, source=str(path / "config.json"))
+        model = super().from_pretrained(path, device=device, dtype=dtype)
+        tensors = {}
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt", device="cpu") as st:
+                for name in st.keys():
+                    if "markov_head." in name:
+                        tensors[name] = st.get_tensor(name)
+        vocab = int(raw.get("vocab_size") or model.fc.weight.shape[0])
+        head = load_markov_head(tensors, hcfg, vocab, model.config.hidden_size)
+        model.markov = None if head is None else head.to(device=device, dtype=dtype).eval()
+        model.norm = _RecordingNorm(model.norm)
+        return model
+
+
+def _block_tokens(token_ids: torch.Tensor, roots: Sequence[int], B: int) -> torch.Tensor:
+    """[n, B]: the root's token then the target's next B-1 (-1 past the end: never a match)."""
+    T = token_ids.shape[0]
+    idx = torch.tensor(roots, dtype=torch.long)[:, None] + torch.arange(B)
+    return torch.where(idx < T, token_ids[idx.clamp(max=T - 1)], torch.full_like(idx, -1))
+
+
+@torch.no_grad()
+def score_roots(drafter: DSparkDrafter, head: TargetHead, context_features: torch.Tensor,
+                token_ids: torch.Tensor, roots: Sequence[int], **chunking) -> torch.Tensor:
+    """Greedy accepted drafts [len(roots)] for the blocks rooted at each p in ``roots`` (the target's
+    tokens ``token_ids`` [T]; features as ``runner.drafters.dflash.score_roots`` takes them), all
+    roots through the backbone in batches and the head teacher-forced (:func:`accepted_lengths`)."""
+    token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).cpu()
+    roots = [int(r) for r in roots]
+    out = torch.zeros(len(roots), dtype=torch.long)
+    B = drafter.block_size
+    for idx, base in iter_score_roots(drafter, head, context_features, token_ids, roots, **chunking):
+        # block_logits ran its roots in ascending order (iter_score_roots hands them so): the
+        # recorded hidden rows are in the order of idx.
+        hidden = drafter.norm.last
+        block = _block_tokens(token_ids, [roots[i] for i in idx], B).to(base.device)
+        acc = accepted_lengths(drafter.markov, base.float(), hidden.float(), block.clamp(min=0))
+        valid = (block[:, 1:] >= 0).to(torch.int64).cumprod(1).sum(1)
+        out[torch.tensor(idx)] = torch.minimum(acc, valid).cpu()
+    return out
