@@ -26,6 +26,7 @@ from typing import Any
 
 from dfcache.errors import BadInputError
 
+from .dspark_config import draft_differs_from_dflash, is_dspark_config
 from .eagle3_config import Eagle3Config, default_layer_ids, is_eagle3_config
 
 
@@ -47,6 +48,10 @@ class DFlash:
 
     @staticmethod
     def recognises(raw: dict) -> bool:
+        # A DSpark checkpoint carries a dflash_config too; only one that drafts as its DFlash
+        # backbone does (no Markov head: a confidence head changes no draft) is DFlash's.
+        if is_dspark_config(raw) and draft_differs_from_dflash(raw):
+            return False
         return isinstance(raw.get("dflash_config"), dict) or "DFlashDraftModel" in (raw.get("architectures") or [])
 
     @staticmethod
@@ -120,6 +125,11 @@ def family_of(path: Path, raw: dict):
     for fam in FAMILIES.values():
         if fam.recognises(raw):
             return fam
+    if is_dspark_config(raw):
+        raise BadInputError(f"drafter {path}: a DSpark drafter ({describe_config(raw)}) whose Markov head or "
+                            "anchor-slot drafting changes DFlash's drafts; dfcache does not evaluate those yet (runner.drafters."
+                            "dspark has the head, not the family). Pass a DFlash or EAGLE-3 drafter, or a DSpark "
+                            "checkpoint with markov_rank 0.")
     known = "; ".join(f"{f.name}: {f.what}" for f in FAMILIES.values())
     raise BadInputError(f"drafter {path}: config.json is of no drafter family dfcache knows ({describe_config(raw)}). "
                         f"Known families: {known}. Pass a checkpoint of one of them (a DFlash config.json "

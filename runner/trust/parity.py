@@ -367,6 +367,40 @@ def online_dflash(model, drafter, head, prompt: list[int], max_new_tokens: int, 
     return _completion(out, P, start, max_length, stop_ids), blocks, draft_logits
 
 
+def online_dspark(model, drafter, head, prompt: list[int], max_new_tokens: int, stop_ids, *, rebind=None,
+                  loop: str = "cache"):
+    """Greedy DSpark decoding (SpecForge 0.2 ``DSparkDraftModel.spec_generate``): :func:`online_dflash`'s
+    loop, each block's drafts sampled one slot at a time through the Markov head from the previous
+    drafted token (``runner.drafters.dspark.greedy_chain``). Returns (completion, [(root, value)])."""
+    import torch
+
+    from ..drafters.dspark import greedy_chain
+    from ..stages.drafter_eval.metrics import chain_accept
+
+    B = drafter.block_size
+    verifier = make_verifier(loop, model, drafter.target_layer_ids, B, rebind)
+    with torch.no_grad():
+        out, P, max_length, ctx = _prefill(verifier, drafter, prompt, max_new_tokens)
+        start, blocks = P, []
+        while start < max_length:
+            block = out[start:start + B]
+            base = reference_draft(drafter, head, ctx, torch.tensor(block), start)
+            hidden = drafter.norm.last                                   # norm(h[1:]), recorded
+            toks, _ = greedy_chain(drafter.markov, base[None].float(), torch.tensor([block[0]]), hidden[None].float())
+            block[1:] = toks[0].tolist()
+            rows = verifier.verify(block)
+            acc = chain_accept(block[1:], rows.post[:-1])
+            verifier.accept(block[:acc + 1])
+            out[start:start + acc + 1] = block[:acc + 1]
+            out[start + acc + 1] = rows.post[acc]
+            ctx = torch.cat([ctx, rows.feats[:acc + 1].to(ctx.device)])
+            blocks.append((start, acc + 1))
+            start += acc + 1
+            if _stopped(out, P, start, stop_ids):
+                break
+    return _completion(out, P, start, max_length, stop_ids), blocks
+
+
 # --------------------------------------------------------------------------------------------
 # EAGLE-3's online loop (runner/drafters/eagle3.py drafts)
 # --------------------------------------------------------------------------------------------
