@@ -353,13 +353,8 @@ class RMSNorm(nn.Module):
         # round the same way the reference does.
         dtype = x.dtype
         xf = x.float()
-        if torch.is_grad_enabled() or dtype != torch.float32:
-            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-            return self.weight * xf.to(dtype)
-        # Inference in float32: the same operations in the same order (x * x is pow(2)'s bits,
-        # w * y is y * w's), two buffers fewer.
-        r = torch.mul(xf, xf).mean(-1, keepdim=True).add_(self.eps).rsqrt_()
-        return torch.mul(xf, r).mul_(self.weight)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -420,42 +415,14 @@ class DFlashLayer(nn.Module):
         # config says otherwise (dflash.md §1.5).
         self.is_causal = (layer_type == "sliding_attention") if cfg.is_causal is None else cfg.is_causal
 
-    def mlp_forward(self, x: torch.Tensor, w_gate_up: torch.Tensor | None = None) -> torch.Tensor:
-        """The SwiGLU MLP; ``w_gate_up`` (inference, see :meth:`fused_weights`): gate and up in
-        one product, the same bits."""
+    def mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
         m = self.mlp
         if torch.is_grad_enabled():
             return m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
         # Same operations in the same order, in place: two [rows, intermediate] buffers fewer
         # (a fifth of the batched scorer's MLP time on the CPU).
-        if w_gate_up is None:
-            g = m.gate_proj(x)
-            return m.down_proj(F.silu(g, inplace=True).mul_(m.up_proj(x)))
-        gu = F.linear(x, w_gate_up)
-        i = gu.shape[-1] // 2
-        return m.down_proj(F.silu(gu[..., :i], inplace=True).mul_(gu[..., i:]))
-
-    def fused_weights(self):
-        """``(w_qkv, w_gate_up)``: the q/k/v and gate/up projections' weights stacked, for one
-        product each where many rows share them (inference: :meth:`qkv_unrotated`,
-        :meth:`mlp_forward`). Each output column is the same dot product as its own layer's
-        (the CPU GEMM's bits do not depend on the other columns; tests pin the scorer's logits).
-        ``w_qkv`` is None with attention biases. Built per call (two small copies): never stale."""
-        a, m = self.self_attn, self.mlp
-        qkv = None if a.q_proj.bias is not None else torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
-        return qkv, torch.cat([m.gate_proj.weight, m.up_proj.weight])
-
-    def qkv_unrotated(self, x: torch.Tensor, w_qkv: torch.Tensor | None = None):
-        """:meth:`q_unrotated` and :meth:`kv_unrotated` of ``x``: with ``w_qkv`` (see
-        :meth:`fused_weights`) one product for the three, the same bits."""
-        if w_qkv is None:
-            return (self.q_unrotated(x), *self.kv_unrotated(x))
-        a, nh, kvh, hd = self.self_attn, self.num_heads, self.num_kv_heads, self.head_dim
-        y = F.linear(x, w_qkv)
-        lead = x.shape[:-1]
-        q = y[..., :nh * hd].view(lead + (nh, hd))
-        k = y[..., nh * hd:(nh + kvh) * hd].view(lead + (kvh, hd))
-        return a.q_norm(q), a.k_norm(k), y[..., (nh + kvh) * hd:].view(lead + (kvh, hd))
+        g = m.gate_proj(x)
+        return m.down_proj(F.silu(g, inplace=True).mul_(m.up_proj(x)))
 
     def kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Keys/values of ``x`` [..., L, H] -> ([..., kvh, L, hd], [..., kvh, L, hd])."""
@@ -634,8 +601,7 @@ class DFlashDrafter(nn.Module):
         return (layer.rotate(spread(q0), cos, sin), layer.rotate(spread(k0), cos, sin),
                 spread(v0).transpose(1, 2))
 
-    def _rows_qkv(self, layer: "DFlashLayer", h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, first: bool,
-                  w_qkv: torch.Tensor | None = None):
+    def _rows_qkv(self, layer: "DFlashLayer", h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, first: bool):
         """q, k, v of a layer for :func:`_block_attention_split`, RoPE written straight into its
         layouts: q [n, kvh, g*B, hd] (a KV head's query heads stacked as rows), k and v
         [n, kvh, B, hd]. ``first``: the blocks enter as [x[p], MASK, ..., MASK] (see block_logits)."""
@@ -657,7 +623,8 @@ class DFlashDrafter(nn.Module):
             v = torch.cat([v0[:n, None], v0[n:, None].expand(n, B - 1, kvh, hd)], dim=1)
         else:
             x = layer.input_layernorm(h)
-            qu, ku, v = layer.qkv_unrotated(x, w_qkv)                       # [n, B, nh|kvh, hd]
+            qu = layer.q_unrotated(x)                                       # [n, B, nh, hd]
+            ku, v = layer.kv_unrotated(x)                                   # [n, B, kvh, hd]
             _rope_into(qu.view(n, B, kvh, g, hd), c5, s5, qv)
             _rope_into(ku, c4, s4, kv_)
         return q.view(n, kvh, g * B, hd), k, v.transpose(1, 2)
@@ -686,9 +653,8 @@ class DFlashDrafter(nn.Module):
         for i, (layer, (k_ctx, v_ctx)) in enumerate(zip(self.layers, ctx_kv)):
             # Every block enters the first layer as [x[p], MASK, ..., MASK]: the B-1 MASK rows are
             # the same vector in every block until RoPE, so project them once, not n*(B-1) times.
-            w_qkv, w_gu = layer.fused_weights() if split else (None, None)
             if split:
-                q, k_blk, v_blk = self._rows_qkv(layer, h, cos, sin, first=i == 0, w_qkv=w_qkv)
+                q, k_blk, v_blk = self._rows_qkv(layer, h, cos, sin, first=i == 0)
                 attn = _block_attention_split(q, k_ctx, v_ctx, k_blk, v_blk, sorted_roots, groups,
                                               causal=layer.is_causal, window=layer.sliding_window, masks=masks)
             else:
@@ -703,12 +669,8 @@ class DFlashDrafter(nn.Module):
             if i == last:
                 # Only slots 1..B-1 give logits (§1.7); slot 0's last residual/MLP step is unused.
                 h, attn = h[:, 1:], attn[:, 1:]
-            if split:  # inference: the residual sums in the fresh products' buffers (h + y is y + h)
-                h = layer.self_attn.o_proj(attn).add_(h)
-                h = layer.mlp_forward(layer.post_attention_layernorm(h), w_gu).add_(h)
-            else:
-                h = h + layer.self_attn.o_proj(attn)
-                h = h + layer.mlp_forward(layer.post_attention_layernorm(h))
+            h = h + layer.self_attn.o_proj(attn)
+            h = h + layer.mlp_forward(layer.post_attention_layernorm(h))
         unsorted = bool((order[1:] < order[:-1]).any()) if order.numel() > 1 else False
         hidden = h if last >= 0 else h[:, 1:]
         if unsorted:
@@ -844,10 +806,10 @@ def _block_attention_split(q, k_ctx, v_ctx, k_blk, v_blk, roots, groups, *, caus
 def _merge_into(dest, o_ctx, lse_ctx, o_blk, lse_blk, g: int) -> None:
     """dest [m, kvh, g, B, hd] = the softmax over context and block keys from the two partial
     ones (outputs [m, kvh, g*B, hd], log-sum-exps [m, kvh, g*B]): each weighted by exp(its lse -
-    the union's). o_ctx, o_blk and both lse are overwritten (each group's rows are merged once)."""
+    the union's). o_ctx is scaled in place."""
     lse = torch.logaddexp(lse_ctx, lse_blk)
-    a = o_ctx.mul_(lse_ctx.sub_(lse).exp_()[..., None])
-    b = o_blk.mul_(lse_blk.sub_(lse).exp_()[..., None])
+    a = o_ctx.mul_((lse_ctx - lse).exp_()[..., None])
+    b = o_blk * (lse_blk - lse).exp_()[..., None]
     m, kvh, gB, hd = a.shape
     torch.add(a.view(m, kvh, g, gB // g, hd), b.view(m, kvh, g, gB // g, hd), out=dest)
 
