@@ -130,10 +130,26 @@ def _bad(msg: str, key: str | None) -> UntrustedManifestError:
                                   fix="Delete it and recompute, or pull it again from a trusted remote.")
 
 
-def _refuse_unknown(name: str, dtype: Any, codec: Any, key: str | None) -> None:
-    """A dtype or codec this dfcache does not read: a newer dfcache's (exit 2, named), or junk (5)."""
+def _newer_than_this(version: Any) -> bool:
+    """Whether a manifest's ``dfcache_version`` claims a later release than this one (numeric
+    parts compared; anything else is not newer)."""
+    from . import __version__
+
+    def parts(v: Any) -> tuple[int, ...] | None:
+        m = re.match(r"^(\d{1,6})\.(\d{1,6})(?:\.(\d{1,6}))?", v) if isinstance(v, str) else None
+        return tuple(int(x or 0) for x in m.groups()) if m else None
+
+    theirs, ours = parts(version), parts(__version__)
+    return theirs is not None and ours is not None and theirs > ours
+
+
+def _refuse_unknown(name: str, dtype: Any, codec: Any, key: str | None, written_by: Any) -> None:
+    """A dtype or codec this dfcache does not read: a newer dfcache's (exit 2, named: the manifest
+    says a later release wrote it), or junk (5). A manifest that claims this release or an older
+    one and names a codec no release wrote ("pickle", "object") is a hostile or damaged one
+    (tests/reliability/test_hostile_remote.py), not one to upgrade for."""
     what, value = ("dtype", dtype) if dtype not in STORAGE_DTYPE else ("codec", codec)
-    if isinstance(value, str) and NAME_PATTERN.match(value):
+    if isinstance(value, str) and NAME_PATTERN.match(value) and _newer_than_this(written_by):
         raise UnknownCodecError(f"artifact {key} stores array {name} with {what} {value!r}, which this dfcache does "
                                 "not read (a newer dfcache wrote it).", key=key,
                                 fix=f"Upgrade dfcache to read it, or use states stored with a codec it reads "
@@ -187,7 +203,7 @@ def validate_manifest(data: Any, *, expect_key: str | None = None) -> Manifest:
                 or not all(_int(s) and 0 <= s < 1 << 40 for s in shape)):
             raise _bad(f"array {name} has shape {shape!r}", k)
         if dtype not in STORAGE_DTYPE or spec.get("codec", "none") not in CODECS:
-            _refuse_unknown(name, dtype, spec.get("codec", "none"), k)
+            _refuse_unknown(name, dtype, spec.get("codec", "none"), k, data.get("dfcache_version"))
         if dtype == FP8_DTYPE and (len(shape) != 2 or shape[1] < SCALE_BYTES):
             raise _bad(f"array {name} of {dtype} has shape {shape} (rows of codes and a 4-byte scale)", k)
         cr = spec.get("chunk_rows")

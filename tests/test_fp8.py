@@ -161,6 +161,7 @@ def test_a_dtype_or_codec_this_dfcache_does_not_read_is_exit_2_naming_it(tmp_pat
         w.write_array("hidden", fp8.quantize(_states()), dtype=fp8.FP8_DTYPE)
     path = tmp_path / "s" / "artifacts" / key[:2] / key / "manifest.json"
     m = json.loads(path.read_text())
+    m["dfcache_version"] = "99.0.0"  # what a later release writes; the same names from this release are junk (5)
     for field, value in (("dtype", "float8_e5m2_blockscaled"), ("codec", "fp8-e5m2")):
         edited = json.loads(json.dumps(m))
         edited["arrays"]["hidden"][field] = value
@@ -168,6 +169,10 @@ def test_a_dtype_or_codec_this_dfcache_does_not_read_is_exit_2_naming_it(tmp_pat
         r = dfcache("show", key, store=tmp_path / "s")
         assert r.code == 2, r.err
         assert value in r.err and "newer dfcache" in r.err and "Traceback" not in r.err
+    from dfcache import __version__
+    edited["dfcache_version"] = __version__  # the same name claimed by this release: no release wrote it
+    path.write_text(json.dumps(edited))
+    assert dfcache("show", key, store=tmp_path / "s").code == 5
     m["arrays"]["hidden"]["dtype"] = "../x"  # junk, not a name: an untrusted manifest (5)
     path.write_text(json.dumps(m))
     assert dfcache("show", key, store=tmp_path / "s").code == 5

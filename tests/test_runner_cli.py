@@ -74,8 +74,10 @@ def env(tmp_path_factory):
     home = tmp_path_factory.mktemp("dfcache-home")
     e = {k: v for k, v in os.environ.items()
          if k not in ("DFCACHE_OFFLINE", "HF_HUB_OFFLINE", "DFCACHE_STORE", "DFCACHE_DEBUG", "DFCACHE_CONFIG")}
+    # Timed progress lines (every 10 s off a terminal) only where a test asks for them: under load a
+    # run took longer than that and a line came before the one 'error:' paragraph (CI-like, busy).
     e.update(DFCACHE_HOME=str(home), DFCACHE_CONFIG=str(home / "absent.toml"),
-             HF_HUB_DISABLE_UPDATE_CHECK="1", PYTHONPATH=str(REPO))
+             HF_HUB_DISABLE_UPDATE_CHECK="1", PYTHONPATH=str(REPO), DFCACHE_PROGRESS_INTERVAL="86400")
     return e
 
 
