@@ -11,14 +11,15 @@ printed), roots 1..T-1. The target row pins both sides to one torch thread (issu
 batched calls scale over cores and the reference's small one-block calls hardly do (16-core Xeon
 host: 7.7x at 1 thread, 11.4x at 2, 15.7x at 16), and on a busy 2-core machine the reference's
 oversubscription (OpenMP spin-waiting while a colleague's job runs) inflated the default-thread
-ratio from 8.3x to 22.5x: a figure of the machine's load, not of the batching. The same at
+ratio from 8.3x to 22.5x: a figure of the machine's load, not of the batching. Judged by CPU
+time (this process's user + system seconds; the wall time is in the details). The same at
 torch's default thread count (as an eval runs) is printed beside it (INFO).
 The speed-up grows with T (the reference re-projects a context of length p for each root p).
 """
 
 from __future__ import annotations
 
-from ._common import Ctx, Result, Row, alternate, med, ms, profile_top, rmtree, skipped, summary
+from ._common import Ctx, Result, Row, alternate, cpu_now, med, ms, profile_top, rmtree, skipped, summary
 
 NAME = "eval-batching"
 BASE_TOKENS = 512  # one-at-a-time costs O(T^2): 0.8 s per run at 512 tokens on the 2-core Intel VM
@@ -26,7 +27,7 @@ BLOCK = 16
 
 
 def run(ctx: Ctx) -> Result:
-    measure = "draft logits of all block roots: batched score_roots vs one block at a time"
+    measure = "draft logits of all block roots, CPU time: batched score_roots vs one block at a time"
     try:
         from runner.drafters import dflash as D
         D.score_roots, D.score_roots_one_at_a_time  # noqa: B018
@@ -96,27 +97,35 @@ def _compare(ctx: Ctx, D, drafter, head, T: int, reps: int, threads: int):
     import torch
 
     feats, ids, roots = make_inputs(head, T)
-    out = {}
+    out, cpu = {}, {"batched": [], "one_at_a_time": []}
 
-    def c(name, fn):
+    def c(name, key, fn):
         def go() -> float:
+            c0 = cpu_now()
             t = time.perf_counter()
             out[name] = fn(drafter, head, feats, ids, roots)
-            return time.perf_counter() - t
+            dt = time.perf_counter() - t
+            cpu[key].append(cpu_now() - c0)
+            return dt
         return go
 
-    times = alternate({"batched": c("batched", D.score_roots),
-                       "one_at_a_time": c("one", D.score_roots_one_at_a_time)}, reps, log=ctx.log)
+    wall = alternate({"batched": c("batched", "batched", D.score_roots),
+                      "one_at_a_time": c("one", "one_at_a_time", D.score_roots_one_at_a_time)}, reps, log=ctx.log)
+    # Judged by CPU time (issue 36): on the busy 2-core VM the wall time of either side is mostly
+    # waiting for a core; at one thread its CPU time is the work done. Wall time is in the details.
+    times = cpu
     diff = (out["batched"] - out["one"]).abs().max().item()
     agree = (out["batched"].argmax(-1) == out["one"].argmax(-1)).float().mean().item()
     if not torch.allclose(out["batched"], out["one"], atol=1e-3, rtol=1e-3):
         raise AssertionError(f"batched and one-at-a-time logits differ at {T} tokens: max |diff| {diff:.3g}")
     m = {k: med(v) for k, v in times.items()}
+    w = {k: med(v) for k, v in wall.items()}
     row = Row(NAME, "", ms(m["batched"]), ms(m["one_at_a_time"]), m["one_at_a_time"] / m["batched"],
-              note=f"speed-up; same results: max |diff| {diff:.2g}, argmax agreement {agree * 100:.1f} %; "
-              f"{threads} torch thread{'s' * (threads > 1)}")
+              note=f"speed-up by CPU time (wall {w['one_at_a_time'] / w['batched']:.2f}x); same results: max |diff| "
+              f"{diff:.2g}, argmax agreement {agree * 100:.1f} %; {threads} torch thread{'s' * (threads > 1)}")
     return row, {"tokens": T, "roots": len(roots), "max_abs_diff": diff, "argmax_agreement": agree,
-                 "seconds": {k: summary(v) for k, v in times.items()}}
+                 "cpu_seconds": {k: summary(v) for k, v in times.items()},
+                 "seconds": {k: summary(v) for k, v in wall.items()}}
 
 
 def _profile(D, drafter, head, T: int) -> list[dict]:

@@ -58,6 +58,9 @@ def test_eval_batching_target_row_pins_one_thread_on_both_sides(tmp_path):
     res = eb.run(_ctx(tmp_path, 0.01))
     judged = [r for r in res.rows if r.target is not None]
     assert len(judged) == 1 and "1 torch thread)" in judged[0].measure
+    assert "CPU time" in judged[0].measure  # judged by CPU time; the wall time is in the details
+    run = res.details["runs"][next(k for k in res.details["runs"] if k.endswith("x1"))]
+    assert run["cpu_seconds"]["batched"]["n"] == run["seconds"]["batched"]["n"] > 0
     assert res.details["judged_threads"] == 1
     assert torch.get_num_threads() == before
 
