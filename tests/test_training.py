@@ -262,6 +262,69 @@ def test_export_speculators_without_datasets_is_bad_input_naming_the_extra(cache
     assert err.count("error:") == 1 and not out.exists()
 
 
+EAGLE_LAYERS = [3, 1, LAST]  # an EAGLE-3 drafter's three layers, the target's last among them
+
+
+@pytest.fixture(scope="module")
+def eagle_drafter(cached, tiny_target):
+    """An (untrained) EAGLE-3 checkpoint in SpecForge's layout reading layers 3, 1 and the last."""
+    from runner.drafters.dflash import load_target_head
+    from runner.drafters.eagle3 import Eagle3Config, Eagle3Drafter, init_eagle3_weights, save_eagle3
+
+    head = load_target_head(tiny_target)
+    H, V, DV = head.hidden_size, head.vocab_size, 64
+    cfg = Eagle3Config(hidden_size=H, target_hidden_size=H, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=H // 4, intermediate_size=2 * H, rms_norm_eps=1e-6, rope_theta=10000.0,
+                       vocab_size=V, draft_vocab_size=DV, target_layer_ids=list(EAGLE_LAYERS))
+    d = init_eagle3_weights(Eagle3Drafter(cfg), 0)
+    d.d2t = torch.zeros(DV, dtype=torch.long)  # draft token j is target token j
+    return save_eagle3(d, cached["root"] / "eagle3")
+
+
+def test_export_eagle3_speculators_reads_back_its_three_layers_and_the_last(cached, eagle_drafter, tmp_path, capsys):
+    """Issue 32 point 4: an EAGLE-3 drafter's export in speculators' layout holds its three layers
+    as they are (the target's last one too) and then the last layer; speculators' own reader and its
+    EAGLE-3 batch shift give the stored rows."""
+    pytest.importorskip("datasets")
+    data = pytest.importorskip("speculators.train.data")
+    shift = pytest.importorskip("speculators.models.eagle3.data")
+    out = tmp_path / "sp-eagle"
+    assert cli_main(["--store", str(cached["store"]), "export", "--format", "speculators", "--out", str(out),
+                     "--drafter", str(eagle_drafter), "--no-progress", "--json", *_cli_sel(cached)]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["layers"] == EAGLE_LAYERS + [LAST] and res["written"] == 4
+    man = json.loads((out / "dfcache-export.json").read_text())
+    assert man["drafter_family"] == "eagle3" and man["aux_hidden_state_layer_ids"] == [k + 1 for k in EAGLE_LAYERS]
+    theirs = data.ArrowDataset(max_len=4096, datapath=str(out), on_missing="raise")
+    aux = api.hidden_state_dataset(store=cached["store"], layers=EAGLE_LAYERS, **cached["sel"])
+    last = api.hidden_state_dataset(store=cached["store"], layers=[LAST], **cached["sel"])
+    assert len(theirs) == 4
+    for i in range(4):
+        item, mine = theirs[i], aux[i]
+        assert item["hidden_states"].shape == (mine["input_ids"].shape[1], 3 * 128)
+        assert _same(item["hidden_states"], mine["hidden_states"][0])
+        assert _same(item["verifier_last_hidden_states"], last[i]["hidden_states"][0])
+        assert _same(item["input_ids"], mine["input_ids"][0])
+        assert _same(item["loss_mask"], mine["loss_mask"][0])
+        n = item["input_ids"].shape[0]
+        b = shift.shift_batch({**item, "lengths": torch.tensor([n]), "position_ids": torch.arange(n)})
+        assert _same(b["hidden_states"], mine["hidden_states"][0][:-1])
+        assert _same(b["verifier_last_hidden_states"], last[i]["hidden_states"][0][1:])
+
+
+def test_export_eagle3_specforge_is_refused_naming_the_final_state_nothing_written(cached, eagle_drafter, tmp_path,
+                                                                                  capsys):
+    """SpecForge's offline EAGLE-3 files need `hidden_state`, the target's state after its final norm,
+    which no stage stores: exit 6 naming it and the format that can be exported; nothing written."""
+    out = tmp_path / "sf-eagle"
+    code = cli_main(["--store", str(cached["store"]), "export", "--format", "specforge", "--out", str(out),
+                     "--drafter", str(eagle_drafter), "--no-progress", *_cli_sel(cached)])
+    err = capsys.readouterr().err
+    assert code == 6, err
+    assert "'hidden_state'" in err and "final norm" in err and "--format speculators" in err
+    assert err.count("error:") == 1 and "Traceback" not in err and not out.exists()
+
+
 def test_fp8_states_export_in_speculators_fp8_layout_and_their_reader_gives_our_bf16(cached, tmp_path, capsys):
     """Issue 33: FP8 states go out as stored (codes and scales, no requantization); hs-connectors'
     FP8Transfer (speculators' FP8 backend reader) dequantizes them to the dataset's bf16 bit for bit."""

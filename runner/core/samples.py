@@ -400,6 +400,7 @@ class Selection:
     backend: dict
     nodes: list = field(default_factory=list)
     drafter_layers: list[int] | None = None
+    drafter_family: str | None = None  # the first --drafter's family (runner/drafters/family.py)
 
     tokens_node: object = None
     layer_nodes: list = field(default_factory=list)
@@ -425,7 +426,9 @@ def resolve_selection(opts: EvalOptions, *, store, layers: list[int] | None = No
 
     Layers: ``layers``, else ``opts.layers`` (their order), else the first drafter's
     ``target_layer_ids``. ``last_layer_last``: the target's last layer is moved (or added) to the
-    end, as speculators' layout wants. ``out``: where notes go (default: stderr).
+    end, as speculators' layout wants; an EAGLE-3 drafter's three layers are kept as they are
+    (its ``fc`` reads exactly three) and the last layer added after them. ``out``: where notes go
+    (default: stderr).
     """
     from .graph import RunContext, resolve, topo_order
     from ..models.target import read_model_info
@@ -433,20 +436,22 @@ def resolve_selection(opts: EvalOptions, *, store, layers: list[int] | None = No
 
     ctx = RunContext(store, opts, remotes=[], argv=argv or ["run", "hidden-states"], out=out)
     tok = tokens.build(ctx, completions.build(ctx, prompts.build(ctx)))
-    drafter_layers = None
+    drafter_layers = drafter_family = None
     if layers is None:
         if opts.layers:
             layers = list(dict.fromkeys(opts.layers))
         elif opts.drafters:
             refs = drafter_eval.resolve_drafters(ctx)
             drafter_layers = list(refs[0].target_layer_ids)
+            drafter_family = refs[0].family
             layers = list(drafter_layers)
         else:
             raise BadInputError("no hidden-state layers selected: pass --drafter DIR (its "
                                 "dflash_config.target_layer_ids) or --layer K (repeatable).")
     info = read_model_info(tok.payload["target_dir"])
     if last_layer_last:
-        layers = [k for k in layers if k != info.num_layers - 1] + [info.num_layers - 1]
+        keep = layers if drafter_family == "eagle3" else [k for k in layers if k != info.num_layers - 1]
+        layers = list(keep) + [info.num_layers - 1]
     nodes_by_layer = hidden_states.build(ctx, tok, sorted(set(layers)))
     nodes = resolve(ctx, topo_order(list(nodes_by_layer.values())))
     wanted = [tok] + [nodes_by_layer[k] for k in layers]
@@ -462,7 +467,7 @@ def resolve_selection(opts: EvalOptions, *, store, layers: list[int] | None = No
     return Selection(store=store, options=opts, layers=list(layers), tokens_key=tok.key,
                      layer_keys=[nodes_by_layer[k].key for k in layers], target_dir=tok.payload["target_dir"],
                      num_layers=info.num_layers, hidden_size=info.hidden_size, backend=hs0.inputs["backend"],
-                     nodes=nodes, drafter_layers=drafter_layers, tokens_node=tok,
+                     nodes=nodes, drafter_layers=drafter_layers, drafter_family=drafter_family, tokens_node=tok,
                      layer_nodes=[nodes_by_layer[k] for k in layers])
 
 

@@ -23,6 +23,20 @@ Layouts (read from the peers' own code; docs/peers.md has the sources):
   (``[n, 1, 1]``); their reader's ``fp8.to(bf16) * scale.to(bf16)`` broadcasts either, and gives
   dfcache's bf16 bit for bit. SpecForge has no FP8 layout: it gets them dequantized to bf16.
 
+EAGLE-3 (the selection's first ``--drafter`` is an EAGLE-3 checkpoint): what it trains on is its
+three layers (its ``fc`` input, in its order) and the target's final state (the teacher's logits).
+
+* ``speculators`` (``speculators.models.eagle3``): the layout above with the three layers kept as
+  they are (none dropped, even the target's last) and the target's last layer after them:
+  ``hidden_states`` ``[n, 4, hidden]``; ``ArrowDataset`` gives ``hidden_states`` ``[n, 3 x hidden]``
+  and ``verifier_last_hidden_states``, to which speculators' EAGLE-3 applies the target's norm itself
+  (``verifier_norm``), so the stored last layer (before the final norm) is what it wants.
+* ``specforge``: SpecForge's offline EAGLE-3 files (``specforge.algorithms.eagle3.data``,
+  ``_OFFLINE_EAGLE3_KEYS``) hold ``aux_hidden_state`` (the three layers concatenated) and
+  ``hidden_state``: the target's state *after* its final norm (SGLang's ``last_hidden_states``,
+  the logits processor's input; SpecForge's target head is the bare ``lm_head``). No stage stores
+  that state, so the export is refused (exit 6, naming it) and nothing is written.
+
 Every file is written to a temporary name in its directory and renamed into place, so a file
 that exists is complete; ``dfcache-export.json`` (the selection, the files, ``complete``) is
 written first and marked complete last. An interrupted export resumes: files present are kept.
@@ -146,6 +160,15 @@ def export(sel: Selection, fmt: str, out: str | os.PathLike, *, progress=None) -
             raise BadInputError("--format speculators also writes the prepared dataset speculators trains "
                                 "from, with the `datasets` package, which is not installed; install it with "
                                 "pip install 'dfcache[peers]' (or pip install datasets).") from None
+    if fmt == "specforge" and getattr(sel, "drafter_family", None) == "eagle3":
+        raise BadInputError(
+            f"--format specforge for an EAGLE-3 drafter: SpecForge's offline EAGLE-3 files need "
+            f"'aux_hidden_state' (layers {sel.layers}, which are stored) and 'hidden_state', the target's "
+            "last state after its final norm (what its lm_head reads), which no dfcache stage stores "
+            "(layer K is decoder layer K's output, before the final norm); SpecForge's reader refuses a "
+            "file without it, so nothing was written. Export with --format speculators instead (its "
+            "EAGLE-3 applies the target's norm to the stored last layer itself), or pass --layer K ... "
+            "instead of --drafter for SpecForge's DFlash layout of those layers.")
     check_destination(fmt, sel, out)
     src = sel.source()
     keys = src.keys()
@@ -155,6 +178,8 @@ def export(sel: Selection, fmt: str, out: str | os.PathLike, *, progress=None) -
                 "backend": sel.backend, "dtype": src.dtype,
                 "provenance": "exported by dfcache from the artifacts named in identity",
                 "files": [{"file": rel(i), "key": keys[i]} for i in range(len(src))]}
+    if getattr(sel, "drafter_family", None):
+        manifest["drafter_family"] = sel.drafter_family
     if fmt == "speculators":
         manifest["aux_hidden_state_layer_ids"] = [k + 1 for k in sel.layers[:-1]]
         manifest["note"] = ("hidden_states holds the layers listed in 'layers' (dfcache ids: output of decoder "
