@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from .target import LayerCapture
+
 ATTN_NAME = "dfcache_varlen"
 MODES = ("segments", "varlen")
 
@@ -215,52 +217,36 @@ def forward_layers_packed(target, input_ids, lengths: Sequence[int], layers, *, 
     module = target.modeling_module
     cfg = target.base.config
     want = sorted(set(int(k) for k in layers))
-    deepest = want[-1]
-    out: dict[int, Any] = {}
-
-    def make_hook(i: int):
-        def hook(mod, args, output):
-            out[i] = output[0] if isinstance(output, (tuple, list)) else output
-            if i == deepest:
-                raise _Stop
-
-        return hook
-
-    handles = [target.layers[i].register_forward_hook(make_hook(i)) for i in want]
-    target.rebind()
-    old_attn = cfg._attn_implementation
-    patched: dict[str, Any] = {}
-    if module is not None:
-        conv = getattr(module, "causal_conv1d_fn", None)
-        if conv is not None:
-            patched["causal_conv1d_fn"] = conv
-            module.causal_conv1d_fn = (_padded_conv(conv) if conv_mode == "padded"
-                                       else _per_sample(conv, dim=2, n_positional=1))
-        rule = getattr(module, "torch_chunk_gated_delta_rule", None)
-        if rule is not None and (delta == "segments" or target.backend.kernel != "fla"):
-            patched["torch_chunk_gated_delta_rule"] = rule
-            module.torch_chunk_gated_delta_rule = _per_sample(rule, dim=1, n_positional=3, keywords=("g", "beta"))
-    _mode["attention"] = attention
-    try:
-        cfg._attn_implementation = ATTN_NAME
-        with torch.no_grad():
-            target.base(input_ids=input_ids, position_ids=pos, use_cache=False,
-                        attention_mask={"full_attention": None, "linear_attention": None},
-                        cu_seq_lens_q=cu, _dfcache_bounds=bounds)
-    except _Stop:
-        pass
-    finally:
-        cfg._attn_implementation = old_attn
-        for name, fn in patched.items():
-            setattr(module, name, fn)
-        for h in handles:
-            h.remove()
-    missing = [i for i in want if i not in out]
+    capture = LayerCapture(target.layers, want)
+    with capture as out:
+        target.rebind()
+        old_attn = cfg._attn_implementation
+        patched: dict[str, Any] = {}
+        if module is not None:
+            conv = getattr(module, "causal_conv1d_fn", None)
+            if conv is not None:
+                patched["causal_conv1d_fn"] = conv
+                module.causal_conv1d_fn = (_padded_conv(conv) if conv_mode == "padded"
+                                           else _per_sample(conv, dim=2, n_positional=1))
+            rule = getattr(module, "torch_chunk_gated_delta_rule", None)
+            if rule is not None and (delta == "segments" or target.backend.kernel != "fla"):
+                patched["torch_chunk_gated_delta_rule"] = rule
+                module.torch_chunk_gated_delta_rule = _per_sample(rule, dim=1, n_positional=3,
+                                                                  keywords=("g", "beta"))
+        _mode["attention"] = attention
+        try:
+            cfg._attn_implementation = ATTN_NAME
+            with torch.no_grad():
+                target.base(input_ids=input_ids, position_ids=pos, use_cache=False,
+                            attention_mask={"full_attention": None, "linear_attention": None},
+                            cu_seq_lens_q=cu, _dfcache_bounds=bounds)
+        finally:
+            cfg._attn_implementation = old_attn
+            for name, fn in patched.items():
+                setattr(module, name, fn)
+    missing = capture.missing()
     if missing:
         raise RuntimeError(f"layers {missing} did not run in the packed forward")
     target.tokens_forwarded += bounds[-1]
     return out
 
-
-class _Stop(Exception):
-    pass

@@ -409,6 +409,44 @@ class _StopForward(Exception):
     """Raised by the hook on the deepest wanted layer: nothing after it is computed."""
 
 
+class LayerCapture:
+    """Forward hooks on decoder layers ``want`` (sorted unique ids into ``layers``) that keep each
+    one's output in ``outputs`` and stop the forward right after the deepest.
+
+    ``with LayerCapture(layers, want) as outputs:`` runs the forward; leaving the block removes
+    the hooks and swallows the stop, so the caller reads ``outputs`` after it and checks
+    ``missing()`` (a model whose forward skips a decoder layer never fills its entry).
+    """
+
+    def __init__(self, layers, want: list[int]) -> None:
+        self.layers = layers
+        self.want = want
+        self.outputs: dict[int, Any] = {}
+        self._handles: list = []
+
+    def _hook(self, i: int, deepest: bool):
+        def hook(module, args, output):
+            self.outputs[i] = output[0] if isinstance(output, (tuple, list)) else output
+            if deepest:
+                raise _StopForward
+
+        return hook
+
+    def __enter__(self) -> dict[int, Any]:
+        last = self.want[-1]
+        self._handles = [self.layers[i].register_forward_hook(self._hook(i, i == last)) for i in self.want]
+        return self.outputs
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        return exc_type is not None and issubclass(exc_type, _StopForward)
+
+    def missing(self) -> list[int]:
+        return [i for i in self.want if i not in self.outputs]
+
+
 class TargetModel:
     """A loaded target, bound to one backend class, that returns selected layer outputs.
 
@@ -457,31 +495,14 @@ class TargetModel:
         want = sorted(set(int(k) for k in layers))
         if not want:
             return {}
-        deepest = want[-1]
-        out: dict[int, Any] = {}
-
-        def make_hook(i: int):
-            def hook(module, args, output):
-                h = output[0] if isinstance(output, (tuple, list)) else output
-                out[i] = h
-                if i == deepest:
-                    raise _StopForward
-
-            return hook
-
-        handles = [self.layers[i].register_forward_hook(make_hook(i)) for i in want]
-        self.rebind()
-        try:
+        capture = LayerCapture(self.layers, want)
+        with capture as out:
+            self.rebind()
             # no_grad, not inference_mode: what transformers itself uses around fla's autograd
             # Functions, and the outputs stay ordinary tensors for the copies that follow.
             with torch.no_grad():
                 self.base(input_ids=input_ids, use_cache=False)
-        except _StopForward:
-            pass
-        finally:
-            for h in handles:
-                h.remove()
-        missing = [i for i in want if i not in out]
+        missing = capture.missing()
         if missing:
             raise RuntimeError(f"layers {missing} of {type(self.model).__name__} did not run; the model's "
                                "forward skips decoder layers, which dfcache does not support.")
