@@ -45,12 +45,57 @@ from .options import EvalOptions
 
 SAMPLE_KEY_VERSION = 1  # of ArtifactSamples' keys
 
-class _ByLocation:
-    """A sample source that holds its store's location, not a handle: pickled (a spawned
-    DataLoader worker), it carries no handle and the worker opens the store on first read."""
+class _SampleSource:
+    """What both layouts' sample sources share: the store's location, not a handle (pickled for a
+    spawned DataLoader worker, it carries no handle and the worker opens the store on first read),
+    the layers' common dtype and widths, one key per sample, the pipeline's loss mask (prompt 0,
+    completion 1) unless the tokens carry their own, and the :class:`Sample` an item is.
+
+    :class:`StoredSamples` reads the sample-granular layout, :class:`ArtifactSamples` the set-level
+    one; each adds only how its layout is opened and read."""
 
     store_location: str
     endpoint_url: str | None
+    prompt_lens: np.ndarray
+    _keys: list[str]
+
+    def _init_location(self, store_location: str, endpoint_url: str | None, n_layers: int,
+                       layers: list[int] | None) -> None:
+        if not n_layers:
+            raise BadInputError("no hidden-state layers selected: pass --layer or a drafter.")
+        self.store_location = store_location
+        self.endpoint_url = endpoint_url
+        self.layers = list(layers) if layers is not None else None
+        self._pid: int | None = None
+        self._handles: dict | None = None
+        self.widths: list[int] = []
+        self.dtype = None
+
+    def _add_layer(self, spec) -> None:
+        """Take one layer's ``hidden`` array spec: its width, and its dtype, which all layers share."""
+        if self.dtype not in (None, spec.dtype):
+            raise BadInputError(f"the selected layers mix dtypes ({self.dtype}, {spec.dtype}); select "
+                                "layers extracted with one --dtype.")
+        self.dtype = spec.dtype
+        self.widths.append(int(spec.shape[1]))
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def _prompt_mask(self, index: int, n: int) -> np.ndarray:
+        mask = np.zeros(n, dtype=np.int64)
+        mask[int(self.prompt_lens[index]):] = 1
+        return mask
+
+    def _sample(self, index: int, ids: np.ndarray, mask: np.ndarray, hidden: np.ndarray,
+                tensors: dict | None = None) -> Sample:
+        return Sample(key=self._keys[index],
+                      arrays={"input_ids": ids, "loss_mask": mask, "hidden_states": hidden},
+                      dtypes={"input_ids": "int64", "loss_mask": "int64", "hidden_states": self.dtype},
+                      tensors=tensors if tensors is not None else {})
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -64,7 +109,7 @@ class _ByLocation:
         return open_store(self.store_location, create=False, endpoint_url=self.endpoint_url)
 
 
-class StoredSamples(_ByLocation):
+class StoredSamples(_SampleSource):
     """:class:`dfcache.training.SampleSource` over stored tokens samples and per-layer samples.
 
     Holds the store's location and the sample keys; pickled (a spawned DataLoader worker) it
@@ -84,18 +129,12 @@ class StoredSamples(_ByLocation):
     def __init__(self, store_location: str, tokens_partition: str, tokens_keys: list[str],
                  layer_partitions: list[str], layer_sample_keys: list[list[str]], sample_ids: list[str], *,
                  layers: list[int] | None = None, endpoint_url: str | None = None, store=None) -> None:
-        if not layer_partitions:
-            raise BadInputError("no hidden-state layers selected: pass --layer or a drafter.")
-        self.store_location = store_location
-        self.endpoint_url = endpoint_url
+        self._init_location(store_location, endpoint_url, len(layer_partitions), layers)
         self.tokens_partition = tokens_partition
         self.tokens_keys = list(tokens_keys)
         self.layer_partitions = list(layer_partitions)
         self.layer_sample_keys = [list(k) for k in layer_sample_keys]
-        self.layers = list(layers) if layers is not None else None
         self.sample_ids = list(sample_ids)
-        self._pid: int | None = None
-        self._handles: dict | None = None
         self.concatenated: tuple[str, list[str]] | None = None  # (partition, sample keys): use_concatenated
         h = self._open(store)
         docs = h["tokens"].docs()
@@ -103,19 +142,12 @@ class StoredSamples(_ByLocation):
         self._lengths = np.asarray([h["tokens"].rows(i, "ids") for i in range(len(docs))], dtype=np.int64)
         # Imported tokens carry the peer's own loss mask; the pipeline's is prompt 0, completion 1.
         self.has_loss_mask = bool(len(docs)) and "loss_mask" in h["tokens"].segment(0)[0].artifact.manifest.arrays
-        self.widths: list[int] = []
-        self.dtype = None
         self.fp8 = False  # FP8 layers (dfcache.fp8): read as codes + per-layer scales, the dataset dequantizes
         for ss in h["layers"]:
             seg, pos = ss.segment(0) if len(ss) else (None, 0)
             spec = seg.artifact.manifest.arrays["hidden"] if seg is not None else None
-            if spec is None:
-                continue
-            if self.dtype not in (None, spec.dtype):
-                raise BadInputError(f"the selected layers mix dtypes ({self.dtype}, {spec.dtype}); select "
-                                    "layers extracted with one --dtype.")
-            self.dtype = spec.dtype
-            self.widths.append(int(spec.shape[1]))
+            if spec is not None:
+                self._add_layer(spec)
         if self.dtype == FP8_DTYPE:
             self.fp8, self.widths = True, [hidden_width(w) for w in self.widths]
         self._keys = [xxhash.xxh3_128_hexdigest(canonical_encode(
@@ -138,12 +170,6 @@ class StoredSamples(_ByLocation):
             self._pid = os.getpid()
         return self._handles
 
-    def __len__(self) -> int:
-        return len(self.tokens_keys)
-
-    def keys(self) -> list[str]:
-        return list(self._keys)
-
     def lengths(self) -> np.ndarray:
         return self._lengths.copy()
 
@@ -158,9 +184,7 @@ class StoredSamples(_ByLocation):
         """One sample's loss mask (int64): 0 on the prompt, 1 on the completion (an import's: its own)."""
         if self.has_loss_mask:
             return self._open()["tokens"].read_raw(index, "loss_mask", mapped=True).astype(np.int64)
-        mask = np.zeros(int(self._lengths[index]), dtype=np.int64)
-        mask[int(self.prompt_lens[index]):] = 1
-        return mask
+        return self._prompt_mask(index, int(self._lengths[index]))
 
     takes_alloc = True  # read(i, alloc=...): see dfcache.training.shared_alloc
 
@@ -176,10 +200,7 @@ class StoredSamples(_ByLocation):
                                                          "hidden_states_scales": scales},
                           dtypes={"input_ids": "int64", "loss_mask": "int64", "hidden_states": "float8_e4m3fn",
                                   "hidden_states_scales": "float32"})
-        return Sample(key=self._keys[index],
-                      arrays={"input_ids": ids, "loss_mask": mask, "hidden_states": self._hidden(index, alloc, tensors)},
-                      dtypes={"input_ids": "int64", "loss_mask": "int64", "hidden_states": self.dtype},
-                      tensors=tensors)
+        return self._sample(index, ids, mask, self._hidden(index, alloc, tensors), tensors)
 
     def use_concatenated(self, partition: str, keys: list[str]) -> None:
         """Read hidden states from the selection's concatenated copy (runner.core.concat): each sample's
@@ -254,7 +275,7 @@ class StoredSamples(_ByLocation):
         return [fp8_dequantize(x) for x in layers] if self.fp8 else layers  # FP8: the bf16 its readers get
 
 
-class ArtifactSamples(_ByLocation):
+class ArtifactSamples(_SampleSource):
     """:class:`dfcache.training.SampleSource` over a set-level tokens artifact (``token_ids``,
     ``offsets``, ``prompt_lens``, ``samples``, optionally ``loss_mask``) and one ``hidden`` artifact per
     layer (rows in the tokens' order): the layout `dfcache import` writes. Sample ``i`` is rows
@@ -265,15 +286,9 @@ class ArtifactSamples(_ByLocation):
 
     def __init__(self, store_location: str, tokens_key: str, layer_keys: list[str], *,
                  layers: list[int] | None = None, endpoint_url: str | None = None, store=None) -> None:
-        if not layer_keys:
-            raise BadInputError("no hidden-state layers selected: pass --layer or a drafter.")
-        self.store_location = store_location
-        self.endpoint_url = endpoint_url
+        self._init_location(store_location, endpoint_url, len(layer_keys), layers)
         self.tokens_key = tokens_key
         self.layer_keys = list(layer_keys)
-        self.layers = list(layers) if layers is not None else None
-        self._pid: int | None = None
-        self._handles: dict | None = None
         st = store if store is not None else self._store()
         art = st.open(tokens_key)
         self.offsets = art.array("offsets").read().astype(np.int64)
@@ -286,18 +301,12 @@ class ArtifactSamples(_ByLocation):
                                 f"samples disagree); delete it (dfcache gc --key {tokens_key[:12]} --yes) "
                                 "and run again.")
         total = int(self.offsets[-1])
-        self.widths: list[int] = []
-        self.dtype = None
         for k in self.layer_keys:
             spec = st.manifest(k).arrays.get("hidden")
             if spec is None or spec.shape[0] != total:
                 raise BadInputError(f"hidden-state artifact {k} does not hold {total} rows for tokens "
                                     f"{tokens_key}; it belongs to other tokens.")
-            if self.dtype not in (None, spec.dtype):
-                raise BadInputError(f"the selected layers mix dtypes ({self.dtype}, {spec.dtype}); select "
-                                    "layers extracted with one --dtype.")
-            self.dtype = spec.dtype
-            self.widths.append(int(spec.shape[1]))
+            self._add_layer(spec)
         self._keys = [compute_key("sample", SAMPLE_KEY_VERSION, {"index": i, "id": sid},
                                   {"tokens": tokens_key, "hidden_states": self.layer_keys})
                       for i, sid in enumerate(self.sample_ids)]
@@ -312,12 +321,6 @@ class ArtifactSamples(_ByLocation):
             self._pid = os.getpid()
         return self._handles
 
-    def __len__(self) -> int:
-        return len(self.prompt_lens)
-
-    def keys(self) -> list[str]:
-        return list(self._keys)
-
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
 
@@ -326,10 +329,7 @@ class ArtifactSamples(_ByLocation):
         a, b = int(self.offsets[index]), int(self.offsets[index + 1])
         ids = self._rows("tokens", a, b).astype(np.int64)
         mask = self.loss_mask(index)
-        hidden = self._hidden(h["layers"], a, b)
-        return Sample(key=self._keys[index],
-                      arrays={"input_ids": ids, "loss_mask": mask, "hidden_states": hidden},
-                      dtypes={"input_ids": "int64", "loss_mask": "int64", "hidden_states": self.dtype})
+        return self._sample(index, ids, mask, self._hidden(h["layers"], a, b))
 
     def _rows(self, name: str, a: int, b: int) -> np.ndarray:
         """Rows of a per-token array of the tokens artifact. Its chunks hold ~256k tokens (4 bytes
@@ -369,9 +369,7 @@ class ArtifactSamples(_ByLocation):
         a, b = int(self.offsets[index]), int(self.offsets[index + 1])
         if self.has_loss_mask:
             return self._rows("loss_mask", a, b).astype(np.int64)
-        mask = np.zeros(b - a, dtype=np.int64)
-        mask[int(self.prompt_lens[index]):] = 1
-        return mask
+        return self._prompt_mask(index, b - a)
 
     def read_tokens(self, index: int) -> np.ndarray:
         """One sample's token ids (int64)."""
