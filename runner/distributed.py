@@ -257,7 +257,7 @@ def plan_share(ctx, nodes, worker: Worker, *, missing_only: bool) -> Share:
         unit_of.setdefault(u, []).append(i)
         if u not in weight:
             w = exact.get(i)
-            weight[u] = w if w is not None else _estimate(prompts.payload[i]["messages"], ctx.options.max_new_tokens)
+            weight[u] = w if w is not None else _estimate(prompts.spec.records[i]["messages"], ctx.options.max_new_tokens)
     mine_units = share(weight.items(), worker.rank, worker.world)
     mine = {i for u in mine_units for i in unit_of[u]}
     units = [(todo[unit_of[u][0]], weight[u]) for u in sorted(weight) if unit_of[u][0] in todo]

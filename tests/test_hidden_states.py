@@ -18,7 +18,7 @@ import pytest
 
 from dfcache import fingerprint_path, open_store
 from dfcache.errors import BadInputError
-from runner.core.graph import Node, RunCache, RunContext, RunHooks, resolve
+from runner.core.graph import Node, RunCache, RunContext, RunHooks, TokensSpec, resolve
 from runner.core.pipeline import execute
 from runner.core.options import EvalOptions
 
@@ -48,7 +48,7 @@ def write_tokens(store, target_dir, lengths=LENGTHS, seed=0) -> Node:
     ups = [record_digest({"seed": seed, "i": i}) for i in range(len(lengths))]
     node = Node.make_samples("tokens", 2, inputs={"target": fp, "tokenizer": fp, "seed": seed}, upstream_samples=ups,
                              ids=[str(i) for i in range(len(lengths))], needs="cpu",
-                             payload={"target_dir": str(target_dir)}, label="tokens")
+                             spec=TokensSpec(target_dir=str(target_dir)), label="tokens")
     ids = [rng.integers(3, 500, n).astype(np.int32) for n in lengths]
     if index_of(store).missing(node.partition.key, node.sample_keys):
         with SampleSink(store, node.partition, arrays={"ids": SampleArray((), "int32")}) as sink:
@@ -307,7 +307,7 @@ def test_subset_superset_and_order_reuse_every_sample(fp32_run, tiny_target, tmp
 def subset(node, positions):
     return Node.make_samples(node.stage, node.version, inputs=node.inputs,
                              upstream_samples=[node.upstream_samples[i] for i in positions],
-                             ids=[node.ids[i] for i in positions], needs=node.needs, payload=node.payload,
+                             ids=[node.ids[i] for i in positions], needs=node.needs, spec=node.spec,
                              label=node.label)
 
 
@@ -493,7 +493,7 @@ except Exception as e:
     frames = [f.filename for f in traceback.extract_tb(e.__traceback__)]
     fla_forward = "failed in fla" if any("/fla/ops/" in f for f in frames) else f"failed: {e!r}"
 print(json.dumps({"control": control, "auto": [auto.kernel, auto.device],
-                  "parts": {n.payload["layer"]: n.partition.key for n in nodes}, "fla_forward": fla_forward}))
+                  "parts": {n.spec.layer: n.partition.key for n in nodes}, "fla_forward": fla_forward}))
 '''
 
 

@@ -70,7 +70,7 @@ def test_tokens_are_chat_template_prompt_plus_completion(tiny_target, local_toke
 
     samples = SampleSet(ctx.store, nodes["tokens"].partition.key, nodes["tokens"].sample_keys).docs()
     assert [s["tokens_source"] for s in samples] == ["local"] * n
-    assert nodes["tokens"].payload["target_dir"] == str(Path(tiny_target).absolute())
+    assert nodes["tokens"].spec.target_dir == str(Path(tiny_target).absolute())
     assert nodes["tokens"].inputs["target"] == nodes["completions"].inputs["target"]
 
 

@@ -231,7 +231,7 @@ class Watch:
             return []
         ctx = RunContext(self.store, self.opts, remotes=self.remotes, argv=self.argv)
         tok = tokens.build(ctx, completions.build(ctx, prompts.build(ctx)))
-        self.tokens_key, self.tokens_node, self.target_dir = tok.key, tok, tok.payload["target_dir"]
+        self.tokens_key, self.tokens_node, self.target_dir = tok.key, tok, tok.spec.target_dir
         hs = hidden_states.build(ctx, tok, hidden_states.requested_layers(ctx, todo))
         evals = []
         for ref in todo:

@@ -84,9 +84,10 @@ def _tokens_of(ctx, tokens_node, positions: list[int]) -> tuple[dict[int, int], 
         return {i: int(d["prompt_len"]) + int(d["completion_len"]) for i, d in zip(positions, docs)}, True
     # not tokenized yet: the prompt's characters (a token holds about 4 of them; fewer would
     # undercount code) plus every token the completion may have
-    prompts = ((tokens_node.payload or {}).get("completions") or None)
-    prompts = (getattr(prompts, "payload", None) or {}).get("prompts") if prompts is not None else None
-    records = getattr(prompts, "payload", None) or []
+    completions = getattr(tokens_node.spec, "completions", None)
+    prompts = getattr(completions.spec, "prompts", None) if completions is not None else None
+    records = getattr(prompts.spec, "records", None) if prompts is not None else None
+    records = records or []
     max_new = int(getattr(ctx.options, "max_new_tokens", 0) or 0)
     out = {}
     for i in positions:
@@ -107,12 +108,12 @@ def estimate(ctx, nodes) -> list[dict]:
     gpu = this_gpu()
     out = []
     for group in groups.values():
-        p = group[0].payload
-        info = read_model_info(p["target_dir"])
-        dtype = p["backend"]["dtype"]
+        p = group[0].spec
+        info = read_model_info(p.target_dir)
+        dtype = p.backend.dtype
         width = info.hidden_size * (4 if dtype == "float32" else 2)
-        tokens_node = p["tokens"]
-        todo = {n.payload["layer"]: n.positions_distinct(n.produce) for n in group}
+        tokens_node = p.tokens
+        todo = {n.spec.layer: n.positions_distinct(n.produce) for n in group}
         positions = sorted({i for ps in todo.values() for i in ps})
         per, exact = _tokens_of(ctx, tokens_node, positions) if positions else ({}, True)
         forward_tokens = sum(per.values())
@@ -120,7 +121,7 @@ def estimate(ctx, nodes) -> list[dict]:
         deepest = max((k for k, ps in todo.items() if ps), default=max(todo))
         rate = pick_rate(ctx.store, info, dtype, deepest, gpu)
         out.append({
-            "target": str(p["target_dir"]), "backend": group[0].payload["backend"], "layers": sorted(todo),
+            "target": str(p.target_dir), "backend": p.backend_key(), "layers": sorted(todo),
             "samples_to_extract": len(positions), "tokens_to_extract": forward_tokens, "tokens_exact": exact,
             "bytes": {codec: int(stored * r) for codec, r in CODEC_RATIO.items()},
             "bytes_note": "none is exact; the codecs' sizes use the size bench's ratios on tiny-model states",

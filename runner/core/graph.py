@@ -51,7 +51,7 @@ class Node:
     fix: str | None = None  # a command that produces it on a machine that can
     summary: str = ""
     deps: list["Node"] = field(default_factory=list)
-    payload: Any = None  # stage-private, never keyed (e.g. a resolved local path)
+    spec: "StageSpec | None" = None  # stage-private, never keyed (a resolved local path, nodes it reads)
     status: str = ""  # cached | remote | compute (cpu) | compute (gpu) | network | not needed
     remote: Any = None  # the remote store it was found in
     # Per-sample nodes (see runner/core/sampling.py); None for set-level nodes (a report).
@@ -128,6 +128,59 @@ class Node:
             d["partition"] = self.partition.key
             d["samples"] = self.samples_dict()
         return d
+
+# ------------------------------------------------------------------------------ per-stage specs
+# What a stage's produce() needs beyond the keyed inputs: never keyed, one typed record per stage
+# (types of the layers above are named in strings: this module imports none of them).
+
+
+@dataclass
+class PromptsSpec:
+    records: list  # one record (its "messages" and fields) per position of the prompt set
+
+
+@dataclass
+class CompletionsSpec:
+    target_dir: str
+    prompts: Node
+    server: str | None = None  # the URL, when a server produces them
+
+
+@dataclass
+class TokensSpec:
+    target_dir: str
+    completions: Node | None = None
+    prompts: Node | None = None
+
+
+@dataclass
+class HiddenStatesSpec:
+    target_dir: str
+    layer: int
+    backend: "KernelSpec"  # runner.models.target: how the target runs, its note included
+    tokens: Node
+    states: str | None = None  # a lossy codec the rows are stored in (keyed in the backend)
+
+    def backend_key(self) -> dict:
+        """The ``backend`` of the node's key: the kernel class, and ``states`` when lossy."""
+        return {**self.backend.to_key(), **({"states": self.states} if self.states else {})}
+
+
+@dataclass
+class DrafterEvalSpec:
+    drafter: "DrafterRef"  # runner.drafters.checkpoints
+    target_dir: str
+    backend: dict  # the hidden states' keyed backend
+    tokens: Node
+    layers: list[Node]
+
+
+@dataclass
+class ReportSpec:
+    target_dir: str | None
+
+
+StageSpec = PromptsSpec | CompletionsSpec | TokensSpec | HiddenStatesSpec | DrafterEvalSpec | ReportSpec
 
 
 @dataclass(frozen=True)

@@ -446,7 +446,7 @@ def resolve_selection(opts: EvalOptions, *, store, layers: list[int] | None = No
         else:
             raise BadInputError("no hidden-state layers selected: pass --drafter DIR (its "
                                 "dflash_config.target_layer_ids) or --layer K (repeatable).")
-    info = read_model_info(tok.payload["target_dir"])
+    info = read_model_info(tok.spec.target_dir)
     if last_layer_last:
         keep = layers if drafter_family == "eagle3" else [k for k in layers if k != info.num_layers - 1]
         layers = list(keep) + [info.num_layers - 1]
@@ -463,7 +463,7 @@ def resolve_selection(opts: EvalOptions, *, store, layers: list[int] | None = No
         raise OfflineMissingError("\n".join(lines), missing=[n.to_plan_dict() for n in missing])
     hs0 = nodes_by_layer[layers[0]]
     return Selection(store=store, options=opts, layers=list(layers), tokens_key=tok.key,
-                     layer_keys=[nodes_by_layer[k].key for k in layers], target_dir=tok.payload["target_dir"],
+                     layer_keys=[nodes_by_layer[k].key for k in layers], target_dir=tok.spec.target_dir,
                      num_layers=info.num_layers, hidden_size=info.hidden_size, backend=hs0.inputs["backend"],
                      nodes=nodes, drafter_layers=drafter_layers, drafter_family=drafter_family, tokens_node=tok,
                      layer_nodes=[nodes_by_layer[k] for k in layers])

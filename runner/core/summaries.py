@@ -61,7 +61,7 @@ def samples_origin(store, completions_node) -> str:
     node, the served model from a stored completion's provenance (what the server said it was)."""
     if completions_node is None:
         return "?"
-    prompts = completions_node.payload.get("prompts") if isinstance(completions_node.payload, dict) else None
+    prompts = getattr(completions_node.spec, "prompts", None)
     set_name = prompt_set_name(prompts)
     endpoint = completions_node.inputs.get("endpoint")
     if endpoint == "local":

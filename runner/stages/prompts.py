@@ -27,7 +27,7 @@ import xxhash
 from dfcache.errors import BadInputError
 from dfcache.keys import messages_digest  # record_digest({"messages": ...}), spelled out for speed
 
-from ..core.graph import KeyRecipe, Node, RunContext
+from ..core.graph import KeyRecipe, Node, PromptsSpec, RunContext
 from ..suites import sets
 from ..suites.sources import ROLES, FieldMap, read_table, read_text_file, rows_to_records
 from ..suites.sources import check_roles as _check_roles  # noqa: F401  (ROLES: public here too)
@@ -289,7 +289,7 @@ def build(ctx: RunContext) -> Node:
     if opts.mix is not None:
         sets.parse_mix(opts.mix, sets.names(opts.prompts))  # before any work: exit 6 naming the fix
     return KEY.samples(inputs={}, upstream_samples=upstream, ids=ids, needs="cpu", label="prompts",
-                       payload=records, summary=f"{len(ids)} prompts from {sets.display(opts.prompts)}")
+                       spec=PromptsSpec(records), summary=f"{len(ids)} prompts from {sets.display(opts.prompts)}")
 
 
 def _first(spec: str, ids: list[str], upstream: list[str], records, n: int | None):
@@ -314,7 +314,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         with SampleSink(ctx.store, node.partition, summary=f"prompt records of {prompt_set_name(node)}",
                         provenance={"source": _source_kind(ctx.options.prompts)}) as sink:
             for i in node.positions_distinct(node.produce):
-                sink.add(node.upstream_samples[i], doc={"messages": node.payload[i]["messages"]})
+                sink.add(node.upstream_samples[i], doc={"messages": node.spec.records[i]["messages"]})
 
 
 def _source_kind(prompts) -> str:

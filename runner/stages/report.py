@@ -34,7 +34,7 @@ from __future__ import annotations
 import os
 
 from ..core import report_view
-from ..core.graph import KeyRecipe, Node, RunContext
+from ..core.graph import KeyRecipe, Node, ReportSpec, RunContext
 
 # version 2: steps, report.html, tau_by_step.png; 3: "latest" is the highest step; 4: "definitions", the
 # legend; 5: per-sample evals; 6: self-describing (the selection, each row's completion sources and
@@ -51,11 +51,11 @@ FILES = report_view.FILES  # file name -> document or array of the artifact
 
 
 def build(ctx: RunContext, evals: list[Node]) -> Node:
-    names = [e.payload["drafter"].name for e in evals]
-    steps = [getattr(e.payload["drafter"], "step", None) for e in evals]
+    names = [e.spec.drafter.name for e in evals]
+    steps = [getattr(e.spec.drafter, "step", None) for e in evals]
     return KEY.node(inputs={"drafters": names, "steps": steps}, upstream={"evals": [e.key for e in evals]},
                      needs="cpu", deps=list(evals), label="report",
-                     payload={"target_dir": evals[0].payload["target_dir"] if evals else None},
+                     spec=ReportSpec(target_dir=evals[0].spec.target_dir if evals else None),
                      summary="report: " + " vs ".join(names))
 
 
@@ -168,7 +168,7 @@ def html_page(store, report: dict, pngs: dict[str, bytes], target_dir: str | Non
         step = f" (step {d['step']})" if d.get("step") is not None else ""
         docs = responses[i] if responses is not None else read_responses(store, evals[i])
         views.append(reporting.DrafterView(f"{role}{d['drafter']}{step}", docs, int(d["block_size"])))
-    toks = read_tokens(store, evals[0].payload["tokens"]) if drafters else None
+    toks = read_tokens(store, evals[0].spec.tokens) if drafters else None
     budgets = sorted({int(b) for d in drafters for b in d["tau_tree"]})
     section = ("<h2>Per prompt</h2>" + reporting.legend_html(max((v.block_size for v in views), default=2))
                + reporting.per_prompt_html(views, toks, reporting.TokenText.from_target(target_dir), budgets))
@@ -236,17 +236,17 @@ def describe(ctx: RunContext, evals: list[Node]) -> dict:
     import dfcache
 
     opts = ctx.options
-    tok = evals[0].payload["tokens"]
-    comp = tok.payload["completions"]
-    prompts = comp.payload["prompts"]
+    tok = evals[0].spec.tokens
+    comp = tok.spec.completions
+    prompts = comp.spec.prompts
     layers: dict[int, Node] = {}
     for e in evals:
-        for ln in e.payload["layers"]:
-            layers[ln.payload["layer"]] = ln
+        for ln in e.spec.layers:
+            layers[ln.spec.layer] = ln
     ci = comp.inputs
     comp_prov = _segments_provenance(ctx.store, comp.partition.key, comp.sample_keys)
     server = _distinct([p.get("server") for p in comp_prov if p.get("server")]) or \
-        (comp.payload.get("server") if isinstance(comp.payload, dict) else None)
+        getattr(comp.spec, "server", None)
     served = _distinct([p.get("served_model") for p in comp_prov if p.get("served_model")]) or ci.get("served_model")
     counts, not_exact = completion_sources(ctx.store, tok)
     hs_prov = [p for k in sorted(layers) for p in _segments_provenance(ctx.store, layers[k].partition.key,
@@ -257,7 +257,7 @@ def describe(ctx: RunContext, evals: list[Node]) -> dict:
             versions.setdefault(name, []).append(v)
     first = layers[min(layers)] if layers else None
     spec = prompts.summary.partition(" prompts from ")[2] if prompts.summary else opts.prompts
-    target_dir = tok.payload.get("target_dir")
+    target_dir = tok.spec.target_dir
     e0 = evals[0].inputs
     return {
         "target": {"name": opts.target, "path": os.path.abspath(target_dir) if target_dir else None,
@@ -290,7 +290,7 @@ def describe(ctx: RunContext, evals: list[Node]) -> dict:
 
 
 def _row(e: Node, counts: dict[str, int]) -> dict:
-    ref = e.payload["drafter"]
+    ref = e.spec.drafter
     return {"path": os.path.abspath(ref.path), "fingerprint": ref.fingerprint,
             "target_layer_ids": list(ref.target_layer_ids), "mask_token_id": ref.mask_token_id,
             "completions": report_view.sources_text(counts), "completion_sources": counts,
@@ -312,19 +312,19 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         selection = describe(ctx, evals) if evals else None
         by_tokens: dict[str, dict] = {}
         for e in evals:  # every row of one graph shares one tokens node; counted once per set
-            tok = e.payload["tokens"]
+            tok = e.spec.tokens
             if tok.key not in by_tokens:
                 by_tokens[tok.key] = completion_sources(ctx.store, tok)[0]
-        rows = [_row(e, by_tokens[e.payload["tokens"].key]) for e in evals]
+        rows = [_row(e, by_tokens[e.spec.tokens.key]) for e in evals]
         report = make_report([read_summary(ctx.store, e, docs=r) for e, r in zip(evals, responses)],
                              [e.key for e in evals], node.inputs.get("steps"), rows=rows, selection=selection)
         pngs = _plots(report)
-        target_dir = node.payload.get("target_dir") if isinstance(node.payload, dict) else None
+        target_dir = getattr(node.spec, "target_dir", None)
         page = html_page(ctx.store, report, pngs, target_dir, evals, responses)
         # Per prompt, what `dfcache explain` compares: the prompt's id and record digest (every
         # stage's sample key derives from it and the partitions in "selection"), and each row's τ.
         per_prompt = {"ids": list(evals[0].ids) if evals else [],
-                      "records": list(evals[0].payload["tokens"].payload["completions"].payload["prompts"]
+                      "records": list(evals[0].spec.tokens.spec.completions.spec.prompts
                                       .upstream_samples) if evals else [],
                       "tau_chain": [[_mean(r["chain"]) for r in rs] for rs in responses]}
         refs = [{"partition": e.partition.key, "keys": list(dict.fromkeys(e.sample_keys))} for e in evals]

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING
 
 from dfcache.errors import BadInputError
 
-from ..core.graph import KeyRecipe, Node, RunContext
+from ..core.graph import KeyRecipe, Node, RunContext, TokensSpec
 from ..core.summaries import samples_origin
 from ..models.resolve import check_chat_template, resolved_target
 
@@ -73,8 +73,8 @@ def build(ctx: RunContext, completions_node: Node) -> Node:
                        partition_upstream={"sample": completions_node.partition.key}, ids=completions_node.ids,
                        needs="cpu", deps=[completions_node], label="tokens",
                        precheck=lambda: check_chat_template(target.dir),  # before any work, if it renders
-                       payload={"target_dir": str(target.dir), "completions": completions_node,
-                                "prompts": completions_node.payload["prompts"]},
+                       spec=TokensSpec(target_dir=str(target.dir), completions=completions_node,
+                                       prompts=completions_node.spec.prompts),
                        summary=f"prompt + completion ids ({completions_node.label or 'completions'})")
 
 
@@ -95,9 +95,9 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         todo = node.positions_distinct(node.produce)
         if not todo:
             continue
-        target_dir = node.payload["target_dir"]
-        comps_node = node.payload["completions"]
-        messages = prompts_stage.read_messages(ctx.store, node.payload["prompts"], todo)
+        target_dir = node.spec.target_dir
+        comps_node = node.spec.completions
+        messages = prompts_stage.read_messages(ctx.store, node.spec.prompts, todo)
         comps = SampleSet(ctx.store, comps_node.partition.key, [comps_node.sample_keys[i] for i in todo]).docs()
         tok = load_tokenizer(target_dir, ctx.cache)
         eos = stop_ids(target_dir, tok)

@@ -180,7 +180,7 @@ def section(store, nodes, opts, report_key: str, read_responses, other=None) -> 
     def cut(graph):
         prompts = next(n for n in graph if n.stage == "prompts")
         evals = [n for n in graph if n.stage == "drafter_eval"]
-        rows = [{"drafter": e.payload["drafter"].name, "block_size": e.payload["drafter"].block_size} for e in evals]
+        rows = [{"drafter": e.spec.drafter.name, "block_size": e.spec.drafter.block_size} for e in evals]
         return per_set(list(prompts.ids), names, rows, [read_responses(store, e) for e in evals], mix)
 
     doc = cut(nodes)

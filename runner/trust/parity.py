@@ -888,11 +888,11 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
     from ..stages.tokens import read_tokens
 
     backend = KernelSpec.from_key(hs[0].inputs["backend"])
-    target_dir = tokens_node.payload["target_dir"]
+    target_dir = tokens_node.spec.target_dir
     target = get_target(ctx, target_dir, backend)
     dtype = torch.float32 if opts.dtype == "float32" else torch.bfloat16
     dev = target.device
-    ref = ev.payload["drafter"]
+    ref = ev.spec.drafter
     eagle3 = ref.family == "eagle3"
     if eagle3:  # runner/drafters/: its own drafter, online loop and batched scoring; no DDTree
         from ..drafters.eagle3 import Eagle3Drafter
@@ -954,7 +954,7 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
             # drafts the eval computed
             roots = candidate_roots(P, resp["completion_len"], ended_by_stop=resp["ended_by_stop"])
             if aligned_roots and roots:
-                states = [SampleSet(store, ln.partition.key, [ln.sample_keys[i]]) for ln in ev.payload["layers"]]
+                states = [SampleSet(store, ln.partition.key, [ln.sample_keys[i]]) for ln in ev.spec.layers]
                 stop = min(max(max(roots), n_aligned), len(seq))
                 stored_feats = read_context(states, 0, stop, head.hidden_size).to(device=dev)
                 if eagle3:

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 from dfcache.errors import BadInputError, UsageError
 
-from ...core.graph import KeyRecipe, Node, RunContext
+from ...core.graph import CompletionsSpec, KeyRecipe, Node, RunContext
 from ...models.resolve import check_chat_template, context_window, require_weights, resolved_target
 from .. import prompts as prompts_stage
 
@@ -122,7 +122,7 @@ def build(ctx: RunContext, prompts_node: Node) -> Node:
                            needs="gpu" if backend.device == "cuda" else "cpu", deps=[prompts_node],
                            label=f"completions (local, {backend.label})",
                            precheck=lambda: check_chat_template(target.dir),
-                           payload={"target_dir": str(target.dir), "prompts": prompts_node},
+                           spec=CompletionsSpec(target_dir=str(target.dir), prompts=prompts_node),
                            summary=f"local greedy completions, {opts.max_new_tokens} new tokens max")
     from .sources import server_url
 
@@ -130,7 +130,7 @@ def build(ctx: RunContext, prompts_node: Node) -> Node:
     return KEY.samples(inputs=inputs, **samples, needs="network",
                      deps=[prompts_node], label=f"completions ({kind} server)", contacts=server,
                      fix=ctx.command_with(drop=("--offline",)),
-                     payload={"target_dir": str(target.dir), "server": server, "prompts": prompts_node},
+                     spec=CompletionsSpec(target_dir=str(target.dir), prompts=prompts_node, server=server),
                      summary=f"completions from {kind} server {server}")
 
 
@@ -146,7 +146,7 @@ def preflight(ctx: RunContext, nodes: list[Node]) -> None:
 
     for node in nodes:
         if node.stage == NAME and node.status == "network" and node.inputs["endpoint"] != "local":
-            source = make_source(ctx, node.payload["target_dir"])
+            source = make_source(ctx, node.spec.target_dir)
             try:
                 source.check_server()
             finally:
@@ -166,18 +166,18 @@ def _produce_one(ctx: RunContext, node: Node) -> None:
     todo = node.positions_distinct(node.produce)
     if not todo:
         return
-    messages = prompts_stage.read_messages(ctx.store, node.payload["prompts"], todo)
+    messages = prompts_stage.read_messages(ctx.store, node.spec.prompts, todo)
     records = {i: {"id": node.ids[i], "messages": m} for i, m in zip(todo, messages)}
     stored = len(node.local) + len(node.in_remote)
     if stored:
         ctx.log(f"completions: {stored} of {len(node.sample_keys)} already stored, {len(todo)} to fetch")
-    source = make_source(ctx, node.payload["target_dir"])
+    source = make_source(ctx, node.spec.target_dir)
     source.prepare()  # readiness and model check, once, before any generation request
     verify = None if source.kind == "local" else _Verifier(ctx, node)
     try:
         from ...core.summaries import prompt_set_name
 
-        summary = f"{prompt_set_name(node.payload['prompts'])}: {node.summary}"  # the set: ls --by selection
+        summary = f"{prompt_set_name(node.spec.prompts)}: {node.summary}"  # the set: ls --by selection
         with SampleSink(ctx.store, node.partition, summary=summary, provenance=source.provenance,
                         max_samples=COMMIT_EVERY, max_seconds=COMMIT_EVERY_S) as sink:
             refused = _run(ctx, sink, node, source, records, todo, verify)
@@ -196,7 +196,7 @@ class _Verifier:
 
     def __init__(self, ctx: RunContext, node: Node) -> None:
         self.ctx = ctx
-        self.target_dir = node.payload["target_dir"]
+        self.target_dir = node.spec.target_dir
         self.tokenizer = None
         self.eos: list[int] = []
         self.enable_thinking = bool(node.inputs["enable_thinking"])

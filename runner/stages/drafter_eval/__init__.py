@@ -56,7 +56,7 @@ from pathlib import Path
 from dfcache.errors import BadInputError, ModelNotFoundError
 from dfcache.keys import fingerprint_path
 
-from ...core.graph import KeyRecipe, Node, RunContext
+from ...core.graph import DrafterEvalSpec, KeyRecipe, Node, RunContext
 from ...core.values import int_list, json_kind
 from ...core.worker import device_for
 from ...drafters.family import eagle_trees, tree_label
@@ -218,7 +218,7 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
     from ...models.target import read_model_info
 
     # Checked here, before any work: a drafter for another target must not cost an extraction.
-    info = read_model_info(tokens_node.payload["target_dir"])
+    info = read_model_info(tokens_node.spec.target_dir)
     width = info.hidden_size
     if drafter.hidden_size is not None and drafter.hidden_size != width:
         raise BadInputError(f"drafter {drafter.path} has hidden_size {drafter.hidden_size} but the target "
@@ -259,8 +259,8 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
                                            "hidden_states": [n.partition.key for n in layers]},
                        ids=tokens_node.ids, needs="gpu" if device == "cuda" else "cpu",
                        deps=[tokens_node, *layers], label=f"drafter_eval {drafter.name}", problem=problem,
-                       payload={"drafter": drafter, "target_dir": tokens_node.payload["target_dir"],
-                                "backend": backend, "tokens": tokens_node, "layers": layers},
+                       spec=DrafterEvalSpec(drafter=drafter, target_dir=tokens_node.spec.target_dir,
+                                            backend=backend, tokens=tokens_node, layers=layers),
                        summary=f"{drafter.name}: budgets {budgets or '-'}, layers {drafter.target_layer_ids}")
 
 
@@ -297,9 +297,9 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
         todo = node.positions_distinct(node.produce)
         if not todo:
             continue
-        ref: DrafterRef = node.payload["drafter"]
+        ref: DrafterRef = node.spec.drafter
         device = device_for(ctx.worker, node.inputs["device"])  # cuda:LOCAL_RANK under torchrun
-        head = load_target_head(node.payload["target_dir"], device=device, dtype=dtype)
+        head = load_target_head(node.spec.target_dir, device=device, dtype=dtype)
         if ref.family == "eagle3":
             from ...drafters.eagle3 import Eagle3Drafter
 
@@ -307,16 +307,15 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
             drafter.layer_ids = list(ref.target_layer_ids)
         else:
             drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
-        toks = read_tokens(ctx.store, node.payload["tokens"], todo)
-        stops = eos_token_ids(node.payload["target_dir"])
+        toks = read_tokens(ctx.store, node.spec.tokens, todo)
+        stops = eos_token_ids(node.spec.target_dir)
         budgets = node.inputs["tree_budgets"]
         states = [SampleSet(ctx.store, ln.partition.key, [ln.sample_keys[i] for i in todo])
-                  for ln in node.payload["layers"]]
+                  for ln in node.spec.layers]
         bar = ctx.progress(len(todo), desc=f"eval {ref.name}", unit="resp")
         from ...core.summaries import samples_origin
 
-        tp = node.payload["tokens"].payload
-        origin = samples_origin(ctx.store, tp.get("completions") if isinstance(tp, dict) else None)
+        origin = samples_origin(ctx.store, getattr(node.spec.tokens.spec, "completions", None))
         with SampleSink(ctx.store, node.partition, summary=f"{node.summary}; {origin}", max_samples=COMMIT_EVERY,
                         provenance={"torch": torch.__version__, "device": device}) as sink:
             for j, i in enumerate(todo):
@@ -448,7 +447,7 @@ def read_summary(store, node: Node, docs: list[dict] | None = None) -> dict:
     from .metrics import aggregate
 
     docs = read_responses(store, node) if docs is None else docs
-    ref: DrafterRef = node.payload["drafter"]
+    ref: DrafterRef = node.spec.drafter
     budgets = node.inputs["tree_budgets"]
     rules = {d["rule"] for d in docs}
     summary = {"rule": rules.pop() if len(rules) == 1 else node.inputs["end_rule"],
@@ -459,7 +458,7 @@ def read_summary(store, node: Node, docs: list[dict] | None = None) -> dict:
         summary["eagle_tree"] = {tree_label(t): aggregate([d.get("eagle_tree", {}).get(tree_label(t), []) for d in docs],
                                                           int(t[1]) + 1).to_dict()
                                  for t in node.inputs.get("eagle_trees", [])}
-    hs_backend = node.payload["backend"]
+    hs_backend = node.spec.backend
     summary.update({"drafter": ref.name, "drafter_path_name": ref.path.name,
                     "hidden_states_backend": hs_backend, "trained_on": ref.trained_on,
                     "trained_on_declared": ref.trained_on_declared,

@@ -40,7 +40,7 @@ from dfcache.errors import BadInputError, UsageError
 from dfcache.fp8 import check_applies, stored_array
 from dfcache.keys import fingerprint_path
 
-from ...core.graph import KeyRecipe, Node, RunContext
+from ...core.graph import HiddenStatesSpec, KeyRecipe, Node, RunContext
 from ...core.summaries import samples_origin
 from ...models.target import KernelSpec, kernel_problem, check_layer_ids, read_model_info, resolve_kernel
 from ...core.provenance_keys import key_version_inputs
@@ -84,8 +84,7 @@ def requested_layers(ctx: RunContext, drafters) -> list[int]:
 def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
     """One node per layer; resolves the backend class without importing torch."""
     opts = ctx.options
-    payload = tokens_node.payload if isinstance(tokens_node.payload, dict) else {}
-    target_dir = payload.get("target_dir") or opts.target
+    target_dir = getattr(tokens_node.spec, "target_dir", None) or opts.target
     if not target_dir:
         raise UsageError("no target model: pass --target with the model whose hidden states to extract.")
     info = read_model_info(target_dir)
@@ -112,8 +111,8 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
             problem=f"(hidden states for {backend.label}) {problem}" if problem else None,
             fix=(f"{ctx.command_with()} (on a machine with a CUDA GPU)" if needs == "gpu" else None),
             summary=f"layer {k}/{info.num_layers}",
-            payload={"target_dir": str(target_dir), "layer": k, "backend": key_backend,
-                     "note": backend.note, "tokens": tokens_node},
+            spec=HiddenStatesSpec(target_dir=str(target_dir), layer=k, backend=backend, tokens=tokens_node,
+                                  states=lossy or None),
             precheck=lambda: _require_weights(target_dir))
     return nodes
 
@@ -208,7 +207,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
     from ..tokens import read_tokens
     from .extract import LayerSink, extract
 
-    nodes = sorted(nodes, key=lambda n: n.payload["layer"])
+    nodes = sorted(nodes, key=lambda n: n.spec.layer)
     # Which layers each missing tokens sample lacks (another process may have committed some since
     # planning); samples lacking the same layers share forward passes.
     lacking: dict[str, list[Node]] = {}
@@ -219,25 +218,25 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
                 lacking.setdefault(n.upstream_samples[i], []).append(n)
     if not lacking:
         return
-    p = nodes[0].payload
-    tokens_node = p["tokens"]
-    backend = KernelSpec.from_key(p["backend"])
-    if p.get("note"):
-        ctx.log(f"hidden states: {p['note']}")
-    target = get_target(ctx, p["target_dir"], backend)
-    target.check_layers([n.payload["layer"] for n in nodes])  # planning read config.json; verify on the model
+    p = nodes[0].spec
+    tokens_node = p.tokens
+    backend = p.backend
+    if backend.note:
+        ctx.log(f"hidden states: {backend.note}")
+    target = get_target(ctx, p.target_dir, backend)
+    target.check_layers([n.spec.layer for n in nodes])  # planning read config.json; verify on the model
     position_of = {u: i for i, u in enumerate(tokens_node.sample_keys)}
     by_layers: dict[tuple, list[str]] = {}
     for u, ns in lacking.items():
-        by_layers.setdefault(tuple(n.payload["layer"] for n in ns), []).append(u)
+        by_layers.setdefault(tuple(n.spec.layer for n in ns), []).append(u)
     row_shape, stored_dtype, lossless = stored_array(target.hidden_size, backend.dtype, ctx.options.compression)
     lossy = stored_dtype != backend.dtype  # FP8: extract quantizes where the rows are computed
     row_bytes = row_shape[0] * (4 if stored_dtype == "float32" else 1 if lossy else 2)
     budget = max(1, segment_bytes() // row_bytes)  # tokens a segment of one layer
     provenance = {**target.provenance, "batching": "equal-length samples per batch, no padding",
                   "batch_tokens": ctx.options.batch_tokens}
-    node_of = {n.payload["layer"]: n for n in nodes}
-    origin = samples_origin(ctx.store, (tokens_node.payload or {}).get("completions"))
+    node_of = {n.spec.layer: n for n in nodes}
+    origin = samples_origin(ctx.store, getattr(tokens_node.spec, "completions", None))
     total_tokens, segments = 0, 0
     import time
 
@@ -315,8 +314,8 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
         from ...core.extract_rates import record_rate  # for `dfcache plan --estimate` of later runs
 
         record_rate(ctx.store, target.info, backend.dtype, target.provenance.get("gpu") or backend.device,
-                    [n.payload["layer"] for n in nodes], total_tokens, wall)
-    ctx.log(f"hidden states: {len(lacking)} sample(s), layers {[n.payload['layer'] for n in nodes]} "
+                    [n.spec.layer for n in nodes], total_tokens, wall)
+    ctx.log(f"hidden states: {len(lacking)} sample(s), layers {[n.spec.layer for n in nodes]} "
             f"({backend.label}{', ' + ctx.options.compression if lossy else ''}): {total_tokens} tokens in "
             f"{segments} segment(s), {wall:.1f} s ({total_tokens / wall if wall > 0 else 0:,.0f} tok/s)")
     if lossy:
@@ -342,7 +341,7 @@ def _log_lossy_error(ctx: RunContext, nodes: list[Node]) -> None:
         if not keys or any(k not in have for k in keys):
             continue
         d = diff_sample_sets(ctx.store, (exact.key, keys), (n.partition.key, n.sample_keys), "hidden")
-        ctx.log(f"hidden states: layer {n.payload['layer']} {n.inputs['backend']['states']} vs the cached "
+        ctx.log(f"hidden states: layer {n.spec.layer} {n.inputs['backend']['states']} vs the cached "
                 f"{exact_backend.get('dtype')} states of the same {len(keys)} sample(s): rel_l2 {d.rel_l2:.6f}, "
                 f"max_abs {d.max_abs:.4g}, cos_mean {d.cos_mean:.6f}, cos_min {d.cos_min:.6f}")
         shown = True
