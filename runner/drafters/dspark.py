@@ -33,8 +33,10 @@ refused by :func:`head_config` until the backbone scoring gives slot 0's logits.
 ``block_logits``) with the head; its final norm records its output so the head reads the normed
 hidden states of the slots ``block_logits`` and the parity reference draft computed.
 :func:`score_roots` gives the accepted lengths of all roots of a response, batched;
-``runner.trust.parity.online_dspark`` is the reference online loop. Not yet a family in
-``runner.drafters.family.FAMILIES`` (``run eval`` refuses a DSpark checkpoint with a Markov head).
+:func:`iter_drafts` the teacher-forced drafts the eval's chain walk reads (equal to the sequential
+draft up to and including its first rejected token, so the chain's accepted lengths are equal);
+``runner.trust.parity.online_dspark`` is the reference online loop. The family is
+``runner.drafters.family.DSpark``.
 """
 
 from __future__ import annotations
@@ -148,6 +150,16 @@ def greedy_chain(head: MarkovHead | None, base: torch.Tensor, root: torch.Tensor
 
 
 @torch.no_grad()
+def teacher_forced_drafts(head: MarkovHead | None, base: torch.Tensor, hidden: torch.Tensor,
+                          block_tokens: torch.Tensor) -> torch.Tensor:
+    """Drafts [n, K], slot ``k``'s previous token the target's (``block_tokens`` [n, K + 1]: the root
+    then the target's next K tokens): equal to :func:`greedy_chain`'s up to and including the
+    first draft that differs from the target's token, which is all a greedy chain walk reads."""
+    logits = base if head is None else base + head.block_bias(block_tokens[:, :-1], hidden)
+    return logits.argmax(-1)
+
+
+@torch.no_grad()
 def accepted_lengths(head: MarkovHead | None, base: torch.Tensor, hidden: torch.Tensor,
                      block_tokens: torch.Tensor) -> torch.Tensor:
     """Greedy accepted drafts per block [n] (0..K), all slots at once: ``block_tokens`` [n, K + 1]
@@ -205,21 +217,35 @@ def _block_tokens(token_ids: torch.Tensor, roots: Sequence[int], B: int) -> torc
 
 
 @torch.no_grad()
-def score_roots(drafter: DSparkDrafter, head: TargetHead, context_features: torch.Tensor,
-                token_ids: torch.Tensor, roots: Sequence[int], **chunking) -> torch.Tensor:
-    """Greedy accepted drafts [len(roots)] for the blocks rooted at each p in ``roots`` (the target's
-    tokens ``token_ids`` [T]; features as ``runner.drafters.dflash.score_roots`` takes them), all
-    roots through the backbone in batches and the head teacher-forced (:func:`accepted_lengths`)."""
+def iter_drafts(drafter: DSparkDrafter, head: TargetHead, context_features: torch.Tensor,
+                token_ids: torch.Tensor, roots: Sequence[int], **chunking):
+    """(indices into ``roots``, drafts [n, B-1]) per batched pass of the backbone
+    (``runner.drafters.dflash.iter_score_roots``), the head teacher-forced
+    (:func:`teacher_forced_drafts`); slots past the end of ``token_ids`` see token 0 as their
+    previous token and are never matched (the walk stops at the end)."""
     token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).cpu()
     roots = [int(r) for r in roots]
-    out = torch.zeros(len(roots), dtype=torch.long)
     B = drafter.block_size
     for idx, base in iter_score_roots(drafter, head, context_features, token_ids, roots, **chunking):
         # block_logits ran its roots in ascending order (iter_score_roots hands them so): the
         # recorded hidden rows are in the order of idx.
         hidden = drafter.norm.last
         block = _block_tokens(token_ids, [roots[i] for i in idx], B).to(base.device)
-        acc = accepted_lengths(drafter.markov, base.float(), hidden.float(), block.clamp(min=0))
-        valid = (block[:, 1:] >= 0).to(torch.int64).cumprod(1).sum(1)
-        out[torch.tensor(idx)] = torch.minimum(acc, valid).cpu()
+        yield idx, teacher_forced_drafts(drafter.markov, base.float(), hidden.float(), block.clamp(min=0))
+
+
+@torch.no_grad()
+def score_roots(drafter: DSparkDrafter, head: TargetHead, context_features: torch.Tensor,
+                token_ids: torch.Tensor, roots: Sequence[int], **chunking) -> torch.Tensor:
+    """Greedy accepted drafts [len(roots)] for the blocks rooted at each p in ``roots`` (the target's
+    tokens ``token_ids`` [T]; features as ``runner.drafters.dflash.score_roots`` takes them), all
+    roots through the backbone in batches and the head teacher-forced (:func:`iter_drafts`)."""
+    token_ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1).cpu()
+    roots = [int(r) for r in roots]
+    out = torch.zeros(len(roots), dtype=torch.long)
+    B = drafter.block_size
+    for idx, drafts in iter_drafts(drafter, head, context_features, token_ids, roots, **chunking):
+        block = _block_tokens(token_ids, [roots[i] for i in idx], B).to(drafts.device)
+        match = (drafts == block[:, 1:]).to(torch.int64)  # -1 past the end: never a match
+        out[torch.tensor(idx)] = match.cumprod(dim=1).sum(dim=1).cpu()
     return out

@@ -4,18 +4,22 @@ recognised and validated, how it loads; the stage and ``parity`` dispatch on ``D
 * ``recognises(config)``: planning reads ``config.json`` as JSON (no torch) and asks each family
   in turn; :func:`family_of` refuses a checkpoint no family claims (exit 6, naming the families
   and what the config says it is).
-* ``plan(path, config, target)`` (EAGLE-3): the planning fields (:class:`Plan`): the target layers
-  whose outputs it reads (``layers``; resolved against the target's depth where the family has a
-  default), whether it needs the target's final-layer state (``final_state``; no family yet), the
-  block size the report uses (draft depth + 1) and the key inputs only this family has. Every
+* ``plan(path, config, target)`` (EAGLE-3, DSpark): the planning fields (:class:`Plan`): the target
+  layers whose outputs it reads (``layers``; resolved against the target's depth where the family
+  has a default), whether it needs the target's final-layer state (``final_state``; no family yet),
+  the block size the report uses (draft depth + 1) and the key inputs only this family has. Every
   check that needs no weights (and the d2t map, read with numpy) runs here, before any work.
   DFlash's planning is ``runner.stages.drafter_eval.read_drafter``'s, unchanged: it adds no key input.
+  DSpark's is DFlash's (its backbone's layers, block size and MASK id) plus the key input
+  ``family: "dspark"``; its Markov head is in the checkpoint, so in the drafter fingerprint.
 * ``load(path, device, dtype)``: the torch model.
 * Drafting from cached features, batched over all roots of a response: DFlash
   ``runner.drafters.dflash.iter_score_roots``, EAGLE-3 ``runner.drafters.eagle3.score_roots`` and
-  ``dynamic_tree`` (reduced to RootScores / accepted lengths in ``runner.stages.drafter_eval``).
+  ``dynamic_tree``, DSpark ``runner.drafters.dspark.iter_drafts`` (the head teacher-forced; chain
+  only: DDTree budgets are DFlash's), reduced to RootScores / accepted lengths in
+  ``runner.stages.drafter_eval``.
 * The reference online loops for ``parity``: ``runner.trust.parity.online_dflash`` /
-  ``online_ddtree`` and ``online_eagle3`` / ``online_eagle_tree``.
+  ``online_ddtree``, ``online_eagle3`` / ``online_eagle_tree`` and ``online_dspark``.
 """
 
 from __future__ import annotations
@@ -108,7 +112,39 @@ class Eagle3:
         return Eagle3Drafter.from_pretrained(path, device=device, dtype=dtype)
 
 
-FAMILIES = {f.name: f for f in (DFlash, Eagle3)}
+class DSpark:
+    name = "dspark"
+    what = ("DSpark drafter (SpecForge DSparkDraftModel: a DFlash backbone, dflash_config.projector_type "
+            "'dspark', with a Markov head)")
+
+    @staticmethod
+    def recognises(raw: dict) -> bool:
+        # One without a Markov head drafts as its backbone: DFlash's (DFlash.recognises).
+        return is_dspark_config(raw) and draft_differs_from_dflash(raw)
+
+    @staticmethod
+    def plan(path: Path, raw: dict, *, layers: list[int], block_size: int) -> Plan:
+        """Planning fields: the backbone's (read as DFlash's by the caller); what the head cannot be
+        scored with (the anchor slot drafting, a draft vocabulary, speculators' layout) is exit 6."""
+        from .dspark_config import head_config
+
+        cfg = head_config(raw, source=str(path / "config.json"))
+        if cfg.layout != "specforge" or not isinstance(raw.get("dflash_config"), dict):
+            raise BadInputError(f"DSpark drafter {path}: speculators' layout (speculators_model_type 'dspark', "
+                                "no dflash_config) is not scored yet; pass a checkpoint in SpecForge's layout "
+                                "(DSparkDraftModel with dflash_config).")
+        return Plan("dspark", list(layers), int(block_size), key_inputs={"family": "dspark"},
+                    summary=f"dspark {cfg.head_type} head rank {cfg.markov_rank}, chain {block_size - 1}, "
+                            f"layers {list(layers)}")
+
+    @staticmethod
+    def load(path, device, dtype):
+        from .dspark import DSparkDrafter
+
+        return DSparkDrafter.from_pretrained(path, device=device, dtype=dtype)
+
+
+FAMILIES = {f.name: f for f in (DFlash, Eagle3, DSpark)}
 
 
 def describe_config(raw: dict) -> str:
@@ -125,11 +161,6 @@ def family_of(path: Path, raw: dict):
     for fam in FAMILIES.values():
         if fam.recognises(raw):
             return fam
-    if is_dspark_config(raw):
-        raise BadInputError(f"drafter {path}: a DSpark drafter ({describe_config(raw)}) whose Markov head or "
-                            "anchor-slot drafting changes DFlash's drafts; dfcache does not evaluate those yet (runner.drafters."
-                            "dspark has the head, not the family). Pass a DFlash or EAGLE-3 drafter, or a DSpark "
-                            "checkpoint with markov_rank 0.")
     known = "; ".join(f"{f.name}: {f.what}" for f in FAMILIES.values())
     raise BadInputError(f"drafter {path}: config.json is of no drafter family dfcache knows ({describe_config(raw)}). "
                         f"Known families: {known}. Pass a checkpoint of one of them (a DFlash config.json "

@@ -155,7 +155,7 @@ def run_doctor(target: str, drafter: str, *, target_revision: str | None = None,
             f"{tcfg.get('vocab_size', tcfg_all.get('vocab_size'))}")
     t_tensors = _safe_index(rep, tdir, "target weights")
     d_tensors = _safe_index(rep, ddir, "drafter weights")
-    from ..drafters.family import Eagle3, FAMILIES, describe_config
+    from ..drafters.family import DSpark, Eagle3, FAMILIES, describe_config
 
     fam = next((f for f in FAMILIES.values() if f.recognises(dcfg)), None)
     if fam is None:
@@ -175,7 +175,42 @@ def run_doctor(target: str, drafter: str, *, target_revision: str | None = None,
     _check_attention(rep, dcfg, tcfg)
     _check_rope(rep, dcfg, tcfg)
     _check_embedding_scale(rep, model_type, tcfg, hidden, float(dval("input_embedding_scale", 1.0) or 1.0))
+    if fam is DSpark:  # the DFlash backbone checked above; its Markov head here
+        _check_dspark(rep, ddir, dcfg, vocab_rows, d_tensors)
     return _completions_checks(rep, store, completions_from, tdir)
+
+
+def _check_dspark(rep: DoctorReport, ddir: Path, dcfg: dict, vocab: int | None, d_tensors: dict) -> None:
+    """DSpark's Markov head: a layout and fields dfcache scores, and its tensors there with the
+    shapes the config and the target's vocabulary give (headers only)."""
+    from ..drafters.dspark_config import head_config
+
+    try:
+        cfg = head_config(dcfg, source=str(ddir / "config.json"))
+        if cfg.layout != "specforge":
+            raise BadInputError("speculators' layout (no dflash_config) is not scored yet")
+    except BadInputError as e:
+        rep.add("dspark head", "error", str(e), "pass a DSpark checkpoint in SpecForge's layout with "
+                "sample_from_anchor false and the full vocabulary")
+        return
+    rank, hidden = cfg.markov_rank, dcfg.get("hidden_size")
+    want = {"markov_w1.weight": (vocab, rank), "markov_w2.weight": (vocab, rank)}
+    if cfg.head_type == "gated" and isinstance(hidden, int):
+        want["gate_proj.weight"] = (rank, hidden + rank)
+    elif cfg.head_type == "rnn" and isinstance(hidden, int):
+        want["joint_proj.weight"] = (3 * rank, 2 * rank + hidden)
+    prefixes = ("model.logit_head.markov_head.", "logit_head.markov_head.", "model.markov_head.", "markov_head.")
+    found = {n[len(p):]: t for n, t in d_tensors.items() for p in prefixes if n.startswith(p)}
+    bad = [f"{k} {'missing' if k not in found else list(found[k].shape)} (expected {[d for d in shape]})"
+           for k, shape in want.items()
+           if k not in found or (None not in shape and tuple(found[k].shape) != shape)]
+    if d_tensors and bad:
+        rep.add("dspark head", "error", "markov_head tensors: " + "; ".join(bad),
+                "re-save the checkpoint with its Markov head, for this target's vocabulary")
+        return
+    rep.add("dspark head", "info", f"{cfg.head_type} Markov head of rank {rank} ({cfg.layout} layout)"
+            + (", a confidence head (changes no draft)" if cfg.confidence else "")
+            + "; evaluated as a chain (DDTree budgets are DFlash's)")
 
 
 def _completions_checks(rep: DoctorReport, store, completions_from: str | None, tdir: Path) -> DoctorReport:

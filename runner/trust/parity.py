@@ -368,10 +368,11 @@ def online_dflash(model, drafter, head, prompt: list[int], max_new_tokens: int, 
 
 
 def online_dspark(model, drafter, head, prompt: list[int], max_new_tokens: int, stop_ids, *, rebind=None,
-                  loop: str = "cache"):
+                  loop: str = "cache", record: dict | None = None):
     """Greedy DSpark decoding (SpecForge 0.2 ``DSparkDraftModel.spec_generate``): :func:`online_dflash`'s
     loop, each block's drafts sampled one slot at a time through the Markov head from the previous
-    drafted token (``runner.drafters.dspark.greedy_chain``). Returns (completion, [(root, value)])."""
+    drafted token (``runner.drafters.dspark.greedy_chain``). Returns (completion, [(root, value)]);
+    ``record`` receives what :func:`online_dflash` records."""
     import torch
 
     from ..drafters.dspark import greedy_chain
@@ -381,7 +382,7 @@ def online_dspark(model, drafter, head, prompt: list[int], max_new_tokens: int, 
     verifier = make_verifier(loop, model, drafter.target_layer_ids, B, rebind)
     with torch.no_grad():
         out, P, max_length, ctx = _prefill(verifier, drafter, prompt, max_new_tokens)
-        start, blocks = P, []
+        start, blocks, trace = P, [], []
         while start < max_length:
             block = out[start:start + B]
             base = reference_draft(drafter, head, ctx, torch.tensor(block), start)
@@ -395,9 +396,12 @@ def online_dspark(model, drafter, head, prompt: list[int], max_new_tokens: int, 
             out[start + acc + 1] = rows.post[acc]
             ctx = torch.cat([ctx, rows.feats[:acc + 1].to(ctx.device)])
             blocks.append((start, acc + 1))
+            trace.append(OnlineBlock(start, block[1:], rows.post, rows.margin, acc + 1))
             start += acc + 1
             if _stopped(out, P, start, stop_ids):
                 break
+    if record is not None:
+        record.update(blocks=trace, context=ctx, loop=verifier.name)
     return _completion(out, P, start, max_length, stop_ids), blocks
 
 
@@ -893,12 +897,17 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
     dtype = torch.float32 if opts.dtype == "float32" else torch.bfloat16
     dev = target.device
     ref = ev.spec.drafter
-    eagle3 = ref.family == "eagle3"
+    eagle3, dspark = ref.family == "eagle3", ref.family == "dspark"
     if eagle3:  # runner/drafters/: its own drafter, online loop and batched scoring; no DDTree
         from ..drafters.eagle3 import Eagle3Drafter
 
         drafter = Eagle3Drafter.from_pretrained(Path(opts.drafter).expanduser(), device=dev, dtype=dtype)
         drafter.layer_ids, drafter.block_size = list(ref.target_layer_ids), ref.block_size
+        budgets = []
+    elif dspark:  # the DFlash backbone with its Markov head; a chain only (no DDTree)
+        from ..drafters.dspark import DSparkDrafter
+
+        drafter = DSparkDrafter.from_pretrained(Path(opts.drafter).expanduser(), device=dev, dtype=dtype)
         budgets = []
     else:
         drafter = DFlashDrafter.from_pretrained(Path(opts.drafter).expanduser(), device=dev, dtype=dtype)
@@ -927,6 +936,9 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
                 completion, blocks, _ = online_eagle3(target.model, drafter, head, prompt, opts.max_new_tokens, stops,
                                                       depth=B - 1, rebind=target.rebind, loop=opts.online_loop,
                                                       record=record)
+            elif dspark:
+                completion, blocks = online_dspark(target.model, drafter, head, prompt, opts.max_new_tokens, stops,
+                                                   rebind=target.rebind, loop=opts.online_loop, record=record)
             else:
                 completion, blocks, _ = online_dflash(target.model, drafter, head, prompt, opts.max_new_tokens, stops,
                                                       rebind=target.rebind, loop=opts.online_loop, record=record)
@@ -962,6 +974,10 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
 
                     scores, _ = score_eagle3(drafter, head, stored_feats.to(dtype), seq, roots, B - 1, [], P,
                                              resp["completion_len"])
+                elif dspark:
+                    from ..stages.drafter_eval import score_dspark
+
+                    scores = score_dspark(drafter, head, stored_feats.to(dtype), seq, roots)
                 else:
                     scores = score_response(drafter, head, stored_feats.to(dtype), seq, roots, k=0)
                 offline_drafts = {p: scores.argmax[q].tolist() for q, p in enumerate(scores.roots)}
@@ -975,7 +991,11 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
             for p in aligned_roots:
                 if p in offline_drafts and p in by_root:
                     align.drafts[0] += 1
-                    align.drafts[1] += offline_drafts[p] == by_root[p].drafts
+                    want = by_root[p].drafts
+                    if dspark:  # the eval's drafts are teacher-forced: equal up to the first rejected one
+                        want = want[:by_root[p].value]
+                        offline_drafts[p] = offline_drafts[p][:len(want)]
+                    align.drafts[1] += offline_drafts[p] == want
             if parted is not None:
                 blk = next((b for b in record["blocks"] if b.root < parted <= b.root + b.value), None)
                 if blk is not None:
@@ -1003,7 +1023,7 @@ def run_parity(store, opts: ParityOptions, log=None) -> ParityResult:
                         "drafts": b.drafts, "offline_drafts": offline_drafts.get(p), "target": b.target,
                         "cached": stored[p - P + 1:p - P + B] if k != "after" else None,
                         "margin": [round(x, 6) for x in b.margin]}) + "\n")
-            if served is not None and not eagle3:
+            if served is not None and not (eagle3 or dspark):
                 compare_blocks(served, resp["id"], serving_features_walk(target.model, drafter, head, prompt, stored,
                                                                          rebind=target.rebind, loop=opts.online_loop),
                                off, 0)

@@ -15,8 +15,8 @@ Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
         end_rule          within (continuation is refused)
         dtype             compute dtype of the drafter
         device            cpu | cuda, where the eval runs (--eval-device; not the states' device)
-        family            the drafter family when not DFlash (eagle3), from its config.json (only
-                          some runs have it)
+        family            the drafter family when not DFlash (eagle3, dspark), from its config.json
+                          (only some runs have it)
         draft_depth       EAGLE-3: drafts per root of the chain (--eagle-steps, else the
                           checkpoint's, else 5) (only some runs have it)
         eagle_trees       EAGLE-3: sorted unique --eagle-tree [topk, steps, draft tokens] (only some
@@ -28,7 +28,9 @@ Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
 Families (runner/drafters/family.py): a DFlash drafter's inputs are those above without the
 EAGLE-3 ones, exactly as before families existed; an EAGLE-3 drafter has no mask_token_id and
 no DDTree budgets (it drafts its own tree: ``eagle_trees``), and ``block_size`` is its chain
-depth + 1.
+depth + 1. A DSpark drafter has DFlash's inputs (its backbone's) plus ``family``, and no DDTree
+budgets (``tree_budgets`` [], with a note: its Markov head drafts a chain; DDTree over its
+per-slot marginals is not the peers' decoding).
 
 The hidden-state partitions are upstream, so the backend class that produced the states (fla or
 torch, device, dtype) is part of this key through them; a response's eval reads the states of
@@ -76,7 +78,7 @@ KEY = KeyRecipe("drafter_eval", 4, inputs={
     "end_rule": "within (continuation is refused)",
     "dtype": "compute dtype of the drafter",
     "device": "cpu | cuda, where the eval runs (--eval-device; not the states' device)",
-    "family": "the drafter family when not DFlash (eagle3), from its config.json",
+    "family": "the drafter family when not DFlash (eagle3, dspark), from its config.json",
     "draft_depth": "EAGLE-3: drafts per root of the chain (--eagle-steps, else the checkpoint's, else 5)",
     "eagle_trees": "EAGLE-3: sorted unique --eagle-tree [topk, steps, draft tokens]",
 }, upstream={"sample": "the tokens partition",
@@ -134,9 +136,10 @@ def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
     if not isinstance(cfg, dict):
         raise BadInputError(f"{cfg_path}: a JSON {json_kind(cfg)}, not an object; a drafter's config.json is one "
                             "object of its settings (with dflash_config): fix or re-download the checkpoint.")
-    from ...drafters.family import Eagle3, family_of
+    from ...drafters.family import DSpark, Eagle3, family_of
 
-    if family_of(path, cfg) is Eagle3:
+    family = family_of(path, cfg)
+    if family is Eagle3:
         info = target_info() if target_info is not None else None
         plan = Eagle3.plan(path, cfg, num_target_layers=info.num_layers if info else None,
                            target_hidden=info.hidden_size if info else None,
@@ -160,11 +163,15 @@ def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
         raise BadInputError(f"{cfg_path}: dflash_config.mask_token_id is missing; set the MASK token id "
                             "the drafter was trained with.")
     declared = dcfg.get("trained_on_backend") or cfg.get("trained_on_backend")
-    return DrafterRef(path=path, name=path.name, fingerprint=fingerprint_path(path), block_size=block_size,
-                      target_layer_ids=list(ids), mask_token_id=mask,
-                      trained_on=trained_on or (declared if declared in ("fla", "torch") else None),
-                      trained_on_declared=declared if declared in ("fla", "torch") else None,
-                      hidden_size=cfg.get("hidden_size") if isinstance(cfg.get("hidden_size"), int) else None)
+    ref = DrafterRef(path=path, name=path.name, fingerprint=fingerprint_path(path), block_size=block_size,
+                     target_layer_ids=list(ids), mask_token_id=mask,
+                     trained_on=trained_on or (declared if declared in ("fla", "torch") else None),
+                     trained_on_declared=declared if declared in ("fla", "torch") else None,
+                     hidden_size=cfg.get("hidden_size") if isinstance(cfg.get("hidden_size"), int) else None)
+    if family is DSpark:  # the DFlash backbone's fields above, plus its head (checked here)
+        ref.plan = DSpark.plan(path, cfg, layers=ref.target_layer_ids, block_size=block_size)
+        ref.family = "dspark"
+    return ref
 
 
 def resolve_drafters(ctx: RunContext) -> list[DrafterRef]:
@@ -225,7 +232,7 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
                             f"is {width} wide; pass the drafter trained for this target (or that target).")
     # The MASK id indexes the target's embedding table: one outside it failed only in this
     # stage's produce(), after completions, tokens and hidden states had been computed.
-    if drafter.family == "dflash" and (drafter.mask_token_id < 0 or (info.vocab_size is not None and drafter.mask_token_id >= info.vocab_size)):
+    if drafter.mask_token_id is not None and (drafter.mask_token_id < 0 or (info.vocab_size is not None and drafter.mask_token_id >= info.vocab_size)):
         ids = f"ids 0..{info.vocab_size - 1}, vocab_size in its config.json" if info.vocab_size else "ids from 0"
         raise BadInputError(f"drafter {drafter.path}: mask_token_id {drafter.mask_token_id} is outside the "
                             f"target's vocabulary ({ids}); set dflash_config.mask_token_id to the MASK id the drafter was trained "
@@ -239,7 +246,14 @@ def build(ctx: RunContext, tokens_node: Node, hs_nodes: dict[int, Node], drafter
               "mask_token_id": drafter.mask_token_id, "tree_budgets": budgets,
               "max_blocks": opts.max_blocks, "end_rule": opts.end_rule, "dtype": opts.dtype,
               "device": device}
-    if drafter.family != "dflash":
+    if drafter.family == "dspark":
+        # DFlash's inputs (the backbone's) plus the family; DDTree budgets are DFlash's alone
+        if budgets:
+            ctx.log(f"note: {drafter.name} is a DSpark drafter: its chain is evaluated, --tree-budget "
+                    f"{','.join(map(str, budgets))} is DFlash's DDTree and is skipped for it")
+        inputs.update(drafter.plan.key_inputs, tree_budgets=[])
+        budgets = []
+    elif drafter.family != "dflash":
         # a family's own inputs; DDTree budgets are DFlash's (EAGLE-3 drafts its own tree)
         del inputs["mask_token_id"]
         inputs.update(drafter.plan.key_inputs, tree_budgets=[], eagle_trees=eagle_trees(opts))
@@ -305,6 +319,10 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
 
             drafter = Eagle3Drafter.from_pretrained(ref.path, device=device, dtype=dtype)
             drafter.layer_ids = list(ref.target_layer_ids)
+        elif ref.family == "dspark":
+            from ...drafters.dspark import DSparkDrafter
+
+            drafter = DSparkDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
         else:
             drafter = DFlashDrafter.from_pretrained(ref.path, device=device, dtype=dtype)
         toks = read_tokens(ctx.store, node.spec.tokens, todo)
@@ -331,6 +349,9 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
                     feats = read_context(states, j, max(roots), head.hidden_size).to(device=device, dtype=dtype)
                     scores, trees = score_eagle3(drafter, head, feats, seq, roots, ref.block_size - 1,
                                                  node.inputs["eagle_trees"], plen, n)
+                elif roots and ref.family == "dspark":
+                    feats = read_context(states, j, max(roots), head.hidden_size).to(device=device, dtype=dtype)
+                    scores = score_dspark(drafter, head, feats, seq, roots)
                 elif roots:
                     feats = read_context(states, j, max(roots), head.hidden_size).to(device=device, dtype=dtype)
                     scores = score_response(drafter, head, feats, seq, roots, k=max(budgets, default=0))
@@ -343,7 +364,7 @@ def produce(ctx: RunContext, nodes: list[Node]) -> None:
                         w.roots, w.values = w.roots[: opts.max_blocks], w.values[: opts.max_blocks]
                 doc = {"prompt_len": plen, "completion_len": n, "ended_by_stop": ended, "rule": ev.rule,
                        "chain": ev.chain.values, "tree": {str(b): w.values for b, w in ev.trees.items()}}
-                if ref.family != "dflash":
+                if ref.family == "eagle3":
                     doc["eagle_tree"] = {label: eagle_walk(acc, plen, n, ended, opts.max_blocks)
                                          for label, acc in trees.items()}
                 sink.add(node.upstream_samples[i], doc=doc)
@@ -378,6 +399,25 @@ def score_response(drafter, head, feats, seq, roots: list[int], k: int):
     # would not fit in memory with a 150k vocabulary.
     parts = [RootScores.from_logits([roots[q] for q in idx], logits, k=k)
              for idx, logits in iter_score_roots(drafter, head, feats, ids, roots)]
+    return RootScores.concat(parts)
+
+
+def score_dspark(drafter, head, feats, seq, roots: list[int]):
+    """DSpark: ``RootScores`` of the chain, the Markov head teacher-forced over each root's block
+    (``runner.drafters.dspark.iter_drafts``: drafts equal to the sequential ones up to and
+    including the first rejected one, all the chain walk reads), in the backbone's batched passes."""
+    import numpy as np
+    import torch
+
+    from .metrics import RootScores
+    from ...drafters.dspark import iter_drafts
+
+    ids = torch.as_tensor(seq.astype("int64") if hasattr(seq, "astype") else list(seq), dtype=torch.long)
+    parts = []
+    for idx, drafts in iter_drafts(drafter, head, feats, ids, roots):
+        empty = np.zeros(tuple(drafts.shape) + (0,))
+        parts.append(RootScores([roots[q] for q in idx], drafts.cpu().numpy().astype(np.int64),
+                                empty.astype(np.float32), empty.astype(np.int64), head.vocab_size))
     return RootScores.concat(parts)
 
 
@@ -454,7 +494,7 @@ def read_summary(store, node: Node, docs: list[dict] | None = None) -> dict:
                "chain": aggregate([d["chain"] for d in docs], ref.block_size).to_dict(),
                "tree": {str(b): aggregate([d["tree"][str(b)] for d in docs if str(b) in d["tree"]],
                                           ref.block_size).to_dict() for b in budgets}}
-    if ref.family != "dflash":
+    if ref.family == "eagle3":
         summary["eagle_tree"] = {tree_label(t): aggregate([d.get("eagle_tree", {}).get(tree_label(t), []) for d in docs],
                                                           int(t[1]) + 1).to_dict()
                                  for t in node.inputs.get("eagle_trees", [])}
