@@ -22,7 +22,7 @@ _EXAMPLES = examples(
 
 
 def doctor(target: str = declared("target", ...),
-           drafter: str = declared("drafters", ..., help="A DFlash drafter checkpoint directory."),
+           drafter: str = declared("drafters", ..., help="A drafter checkpoint directory (DFlash, EAGLE-3 or DSpark)."),
            revision: Optional[str] = declared("target_revision"),
            completions_from: Optional[str] = typer.Option(None, "--completions-from", metavar="KEY", help="Key (or prefix) of cached completions, tokens or an eval, to check template and thinking mode."),
            json_out: bool = typer.Option(False, "--json", help="Print the checks as JSON.")) -> None:

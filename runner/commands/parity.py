@@ -22,7 +22,7 @@ _EXAMPLES = examples(
 
 
 def parity(target: Optional[str] = declared("target"),
-           drafter: Optional[str] = declared("drafters", help="A DFlash drafter checkpoint directory."),
+           drafter: Optional[str] = declared("drafters", help="A drafter checkpoint directory (DFlash, EAGLE-3 or DSpark)."),
            example: bool = declared("example", False, help="The embedded tiny example's target and trained drafter (built once next to the store)."),
            prompts: str = declared("prompts", "builtin:coding"),
            num_prompts: int = declared("num_prompts", 4, help="Prompts to decode online."),

@@ -120,8 +120,8 @@ RUN_OPTIONS: tuple[RunOption, ...] = (  # in the order `run -h` lists them and m
     _O("target_revision", ("--revision", "--target-revision"), str, None,
        "Revision of a Hugging Face id (commit or branch in the local cache).", "models",
        keys=("completions", "tokens", "hidden_states", "drafter_eval"), metavar="REV"),
-    _O("drafters", ("--drafter",), str, (), "A DFlash drafter checkpoint directory, a training run's directory or "
-       "a quoted glob (repeatable).", "models", keys=("drafter_eval", "report"), metavar="PATH", repeat=True),
+    _O("drafters", ("--drafter",), str, (), "A drafter checkpoint directory (DFlash, EAGLE-3 or DSpark: the "
+       "family is read from its config), a training run's directory or a quoted glob (repeatable).", "models", keys=("drafter_eval", "report"), metavar="PATH", repeat=True),
     _O("trained_on", ("--trained-on",), str, None, "Backend the drafters were trained on (a mismatch is flagged "
        "when the report is shown).", "models", choices=("fla", "torch")),
     _O("prompts", ("--prompts",), str, "builtin:coding", "A prompt set: builtin:NAME (coding, reasoning), suite:NAME "
