@@ -254,7 +254,15 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
     args = b.args
     from dfcache import fingerprint_path, open_store
     from runner.stages.hidden_states.extract import plan_windows
-    from runner.core.graph import Node, RunCache, RunContext, resolve
+    from dataclasses import dataclass
+
+    from runner.core.graph import Node, RunCache, RunContext, TokensSpec, resolve
+
+    @dataclass
+    class _BenchTokens(TokensSpec):
+        """The tokens stage's spec plus the bench's own copy of the ids in position order."""
+        offsets: object = None
+        ids: object = None
     from runner.core.pipeline import execute
     from runner.models.target import resolve_kernel
     from runner.core.options import EvalOptions
@@ -325,7 +333,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         node = Node.make_samples("tokens", tokens_stage.VERSION, inputs={"target": fp, "tokenizer": fp, "bench": name,
                                                                          "seed": seed},
                                  upstream_samples=ups, ids=[str(i) for i in range(len(lengths))], needs="cpu",
-                                 payload={"target_dir": str(model_dir)}, label="tokens")
+                                 spec=_BenchTokens(target_dir=str(model_dir)), label="tokens")
         with SampleSink(store, node.partition, arrays={"ids": SampleArray((), "int32")}) as sink:
             for u, x in zip(ups, arrs):
                 sink.add(u, {"ids": x}, {"prompt_len": 0, "completion_len": len(x), "finish_reason": "length",
@@ -333,7 +341,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         offsets = np.zeros(len(lengths) + 1, np.int64)
         offsets[1:] = np.cumsum(lengths)
         # in position order, for the bench's own forwards (the stage orders samples its own way)
-        node.payload["offsets"], node.payload["ids"] = offsets, np.concatenate(arrs)
+        node.spec.offsets, node.spec.ids = offsets, np.concatenate(arrs)
         return node
 
     def read_rows(key: str, start: int, stop: int):
@@ -350,9 +358,9 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         lens = [int(x) for x in rng.permutation(lens)[: args.mixed]]
         mixed = write_tokens("mixed", lens, 2)
     b.res["data"] = {"equal": {"samples": args.samples, "seq_len": args.seq_len,
-                               "tokens": int(equal.payload["offsets"][-1])},
-                     "mixed": None if mixed is None else {"samples": len(mixed.payload["offsets"]) - 1,
-                                                          "tokens": int(mixed.payload["offsets"][-1])},
+                               "tokens": int(equal.spec.offsets[-1])},
+                     "mixed": None if mixed is None else {"samples": len(mixed.spec.offsets) - 1,
+                                                          "tokens": int(mixed.spec.offsets[-1])},
                      "batch_tokens": args.batch_tokens}
 
     def ctx_for(kernel: str, compression: str = "none") -> RunContext:
@@ -361,7 +369,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         return RunContext(store, opts, argv=["run", "hidden-states", "--backend", kernel], cache=caches[kernel])
 
     def batches_of(tok: Node):
-        offsets, ids = tok.payload["offsets"], tok.payload["ids"]
+        offsets, ids = tok.spec.offsets, tok.spec.ids
         windows, _ = plan_windows(offsets, 0, args.batch_tokens)
         out = []
         for w in windows:
@@ -414,7 +422,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         # without the FP8-vs-bf16 error the stage prints after a lossy extraction (a host pass over both)
         dt = time.perf_counter() - t - ctx.last_lossy_check_s
         st = ctx.last_extract_stats
-        row(f"dfcache extract ({label})", kernel, int(tok.payload["offsets"][-1]), dt, bare_rate)
+        row(f"dfcache extract ({label})", kernel, int(tok.spec.offsets[-1]), dt, bare_rate)
         if st:
             b.res.setdefault("extract_stats", {})[f"{kernel}/{label}"] = {
                 "tokens": st.tokens, "batches": st.batches, "windows": st.windows, "wall_s": st.wall_s,
@@ -487,8 +495,8 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
                 # batches pays them (timed and reported); the measured extraction is the steady state.
                 per = max(1, args.batch_tokens // args.seq_len)
                 m = min(args.samples, 3 * per)
-                off = equal.payload["offsets"][: m + 1]
-                st, dt, _ = direct_extract(target, off, equal.payload["ids"][: int(off[-1])], "first-in-process")
+                off = equal.spec.offsets[: m + 1]
+                st, dt, _ = direct_extract(target, off, equal.spec.ids[: int(off[-1])], "first-in-process")
                 r = row(f"dfcache extract, first in the process ({m} samples)", kernel, st.tokens, dt, bare)
                 b.res["first_extraction"] = {"tok_per_s": r["tok_per_s"], "wall_s": dt, "shape_checks": st.checks,
                                              **{k: v for k, v in st.extra.items() if k != "forward_gpu_ms"}}
@@ -648,7 +656,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
     def store_only():
         """The extraction pipeline (copies, window buffers, writer threads, store) with the
         forward replaced by ready-made GPU tensors: what the store path alone sustains."""
-        offsets, ids = equal.payload["offsets"], equal.payload["ids"]
+        offsets, ids = equal.spec.offsets, equal.spec.ids
         st, dt, _ = direct_extract(Fake(), offsets, ids, "store-only", stage="bench_store_only")
         r = row("store path only (no forward)", "none", st.tokens, dt)
         b.res["store_only"] = {"tok_per_s": r["tok_per_s"], "gbps": st.tokens * bytes_per_token / dt / 1e9,
@@ -658,7 +666,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         """Bare forwards of the same samples in batches of 1, 2, 4, ... and whether each size gives
         sample 0 a one-sample forward's bits: what the extraction's batch-shape check decides on."""
         target = targets["fla" if "fla" in targets else "torch"]
-        ids = equal.payload["ids"]
+        ids = equal.spec.ids
         L = args.seq_len
         per = max(1, args.batch_tokens // L)
         n = min(args.samples, 2 * per)
@@ -718,8 +726,8 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
 
         target = targets["fla" if "fla" in targets else "torch"]
         m = min(args.samples, 64)
-        offsets = equal.payload["offsets"][: m + 1]
-        ids = equal.payload["ids"][: int(offsets[-1])]
+        offsets = equal.spec.offsets[: m + 1]
+        ids = equal.spec.ids[: int(offsets[-1])]
         eb = batches_of(equal)[: max(1, (m * args.seq_len) // args.batch_tokens)]
         out = {}
         n, alone = bare_forward(target, eb)
@@ -774,8 +782,8 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
 
         target = targets["fla"]
         m = min(args.samples, args.profile_samples)
-        offsets = equal.payload["offsets"][: m + 1]
-        ids = equal.payload["ids"][: int(offsets[-1])]
+        offsets = equal.spec.offsets[: m + 1]
+        ids = equal.spec.ids[: int(offsets[-1])]
         out = {"samples": m}
         x = torch.from_numpy(ids[: args.seq_len].astype(np.int64))[None].to(DEV)
         sync()
@@ -844,7 +852,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
             from dfcache import compute_key
 
             target = targets[kernel]
-            offsets, ids = mixed.payload["offsets"], mixed.payload["ids"]
+            offsets, ids = mixed.spec.offsets, mixed.spec.ids
             # warm the packed shapes (fla autotunes per shape) outside the clock
             from runner.stages.hidden_states.extract import plan_windows
             from runner.models.packed import forward_layers_packed
@@ -941,7 +949,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
     b.phase("diff_fla_vs_torch", diffs)
 
     def exactness():
-        offsets, ids = equal.payload["offsets"], equal.payload["ids"]
+        offsets, ids = equal.spec.offsets, equal.spec.ids
         for kernel, target in targets.items():
             out = {}
             for s in (0, args.samples - 1):

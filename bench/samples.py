@@ -52,13 +52,13 @@ def _tokens_node(store, target: Path, n: int, seed: int = 0):
 
     from dfcache import fingerprint_path
     from dfcache.samples import SampleArray, SampleSink, record_digest
-    from runner.core.graph import Node
+    from runner.core.graph import Node, TokensSpec
 
     rng = np.random.default_rng(seed)
     fp = fingerprint_path(target)
     ups = [record_digest({"bench": seed, "i": i}) for i in range(n)]
     node = Node.make_samples("tokens", 2, inputs={"target": fp, "tokenizer": fp, "bench": seed}, upstream_samples=ups,
-                             ids=[str(i) for i in range(n)], needs="cpu", payload={"target_dir": str(target)},
+                             ids=[str(i) for i in range(n)], needs="cpu", spec=TokensSpec(target_dir=str(target)),
                              label="tokens")
     lengths = rng.integers(16, 113, n)
     with SampleSink(store, node.partition, arrays={"ids": SampleArray((), "int32")}) as sink:
@@ -73,7 +73,7 @@ def _subset(node, k: int):
     from runner.core.graph import Node
 
     return Node.make_samples(node.stage, node.version, inputs=node.inputs, upstream_samples=node.upstream_samples[:k],
-                             ids=node.ids[:k], needs=node.needs, payload=node.payload, label=node.label)
+                             ids=node.ids[:k], needs=node.needs, spec=node.spec, label=node.label)
 
 
 def _extract(store, tokens_node, cache) -> dict:
@@ -183,7 +183,7 @@ def _big_store(n: int) -> tuple[Path, Path, list[str]]:
         arrays = {}
         if node.stage == "prompts":
             def make(i, node=node):
-                return {}, {"messages": node.payload[i]["messages"]}
+                return {}, {"messages": node.spec.records[i]["messages"]}
         elif node.stage == "completions":
             def make(i):
                 return {}, {"text": "ok", "finish_reason": "length", "token_ids": [5, 6], "tokens_source": "local",

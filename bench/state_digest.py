@@ -103,7 +103,7 @@ def main() -> int:
 
     from dfcache import fingerprint_path, open_store
     from dfcache.samples import SampleArray, SampleSink, record_digest
-    from runner.core.graph import Node, RunCache, RunContext, resolve
+    from runner.core.graph import Node, RunCache, RunContext, TokensSpec, resolve
     from runner.models import target as target_mod
     from runner.core.options import EvalOptions
     from runner.core.pipeline import execute
@@ -160,7 +160,7 @@ def main() -> int:
         tok = Node.make_samples("tokens", tokens_stage.VERSION,
                                 inputs={"target": fp, "tokenizer": fp, "bench": "state_digest", "seed": 1},
                                 upstream_samples=ups, ids=[str(i) for i in range(args.samples)], needs="cpu",
-                                payload={"target_dir": str(model_dir)}, label="tokens")
+                                spec=TokensSpec(target_dir=str(model_dir)), label="tokens")
         with SampleSink(store, tok.partition, arrays={"ids": SampleArray((), "int32")}) as sink:
             for u, x in zip(ups, arrs):
                 sink.add(u, {"ids": x}, {"prompt_len": 0, "completion_len": len(x), "finish_reason": "length",
