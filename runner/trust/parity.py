@@ -329,53 +329,14 @@ def _prefill(verifier: _Verifier, drafter, prompt: list[int], max_new_tokens: in
     return out, P, P + max_new_tokens, rows.feats
 
 
-def online_dflash(model, drafter, head, prompt: list[int], max_new_tokens: int, stop_ids, *, rebind=None,
-                  loop: str = "cache", record: dict | None = None):
-    """Greedy DFlash decoding (z-lab/dflash HEAD 44947fb rules), the target run as ``loop`` says
-    (``cache``: as a serving engine; ``recompute``: the whole prefix each round).
-
-    Returns (completion, [(root, value)] per block, {root: draft logits}). ``record``, when given,
-    receives ``blocks`` ([OnlineBlock]), ``context`` (the features the drafter saw, [T, n*H]) and
-    ``loop``.
-    """
+def _chain_loop(model, drafter, prompt: list[int], max_new_tokens: int, stop_ids, draft, *, rebind, loop: str,
+                record: dict | None):
+    """The greedy block loop DFlash and DSpark share: ``draft(ctx, block, root)`` gives a block's
+    drafted tokens from the features so far; the target verifies, the longest agreeing prefix and
+    the target's next token are committed, and the accepted rows' features join the context.
+    Returns (completion, [(root, value)])."""
     import torch
 
-    from ..stages.drafter_eval.metrics import chain_accept
-
-    B = drafter.block_size
-    verifier = make_verifier(loop, model, drafter.target_layer_ids, B, rebind)
-    with torch.no_grad():
-        out, P, max_length, ctx = _prefill(verifier, drafter, prompt, max_new_tokens)
-        start, blocks, draft_logits, trace = P, [], {}, []
-        while start < max_length:
-            block = out[start:start + B]
-            draft_logits[start] = reference_draft(drafter, head, ctx, torch.tensor(block), start)
-            block[1:] = draft_logits[start].argmax(-1).tolist()
-            rows = verifier.verify(block)
-            acc = chain_accept(block[1:], rows.post[:-1])
-            verifier.accept(block[:acc + 1])
-            out[start:start + acc + 1] = block[:acc + 1]
-            out[start + acc + 1] = rows.post[acc]
-            ctx = torch.cat([ctx, rows.feats[:acc + 1].to(ctx.device)])
-            blocks.append((start, acc + 1))
-            trace.append(OnlineBlock(start, block[1:], rows.post, rows.margin, acc + 1))
-            start += acc + 1
-            if _stopped(out, P, start, stop_ids):
-                break
-    if record is not None:
-        record.update(blocks=trace, context=ctx, loop=verifier.name)
-    return _completion(out, P, start, max_length, stop_ids), blocks, draft_logits
-
-
-def online_dspark(model, drafter, head, prompt: list[int], max_new_tokens: int, stop_ids, *, rebind=None,
-                  loop: str = "cache", record: dict | None = None):
-    """Greedy DSpark decoding (SpecForge 0.2 ``DSparkDraftModel.spec_generate``): :func:`online_dflash`'s
-    loop, each block's drafts sampled one slot at a time through the Markov head from the previous
-    drafted token (``runner.drafters.dspark.greedy_chain``). Returns (completion, [(root, value)]);
-    ``record`` receives what :func:`online_dflash` records."""
-    import torch
-
-    from ..drafters.dspark import greedy_chain
     from ..stages.drafter_eval.metrics import chain_accept
 
     B = drafter.block_size
@@ -385,10 +346,7 @@ def online_dspark(model, drafter, head, prompt: list[int], max_new_tokens: int, 
         start, blocks, trace = P, [], []
         while start < max_length:
             block = out[start:start + B]
-            base = reference_draft(drafter, head, ctx, torch.tensor(block), start)
-            hidden = drafter.norm.last                                   # norm(h[1:]), recorded
-            toks, _ = greedy_chain(drafter.markov, base[None].float(), torch.tensor([block[0]]), hidden[None].float())
-            block[1:] = toks[0].tolist()
+            block[1:] = draft(ctx, block, start)
             rows = verifier.verify(block)
             acc = chain_accept(block[1:], rows.post[:-1])
             verifier.accept(block[:acc + 1])
@@ -403,6 +361,48 @@ def online_dspark(model, drafter, head, prompt: list[int], max_new_tokens: int, 
     if record is not None:
         record.update(blocks=trace, context=ctx, loop=verifier.name)
     return _completion(out, P, start, max_length, stop_ids), blocks
+
+
+def online_dflash(model, drafter, head, prompt: list[int], max_new_tokens: int, stop_ids, *, rebind=None,
+                  loop: str = "cache", record: dict | None = None):
+    """Greedy DFlash decoding (z-lab/dflash HEAD 44947fb rules), the target run as ``loop`` says
+    (``cache``: as a serving engine; ``recompute``: the whole prefix each round).
+
+    Returns (completion, [(root, value)] per block, {root: draft logits}). ``record``, when given,
+    receives ``blocks`` ([OnlineBlock]), ``context`` (the features the drafter saw, [T, n*H]) and
+    ``loop``.
+    """
+    import torch
+
+    draft_logits = {}
+
+    def draft(ctx, block, start):
+        draft_logits[start] = reference_draft(drafter, head, ctx, torch.tensor(block), start)
+        return draft_logits[start].argmax(-1).tolist()
+
+    completion, blocks = _chain_loop(model, drafter, prompt, max_new_tokens, stop_ids, draft, rebind=rebind,
+                                     loop=loop, record=record)
+    return completion, blocks, draft_logits
+
+
+def online_dspark(model, drafter, head, prompt: list[int], max_new_tokens: int, stop_ids, *, rebind=None,
+                  loop: str = "cache", record: dict | None = None):
+    """Greedy DSpark decoding (SpecForge 0.2 ``DSparkDraftModel.spec_generate``): :func:`online_dflash`'s
+    loop, each block's drafts sampled one slot at a time through the Markov head from the previous
+    drafted token (``runner.drafters.dspark.greedy_chain``). Returns (completion, [(root, value)]);
+    ``record`` receives what :func:`online_dflash` records."""
+    import torch
+
+    from ..drafters.dspark import greedy_chain
+
+    def draft(ctx, block, start):
+        base = reference_draft(drafter, head, ctx, torch.tensor(block), start)
+        hidden = drafter.norm.last                                   # norm(h[1:]), recorded
+        toks, _ = greedy_chain(drafter.markov, base[None].float(), torch.tensor([block[0]]), hidden[None].float())
+        return toks[0].tolist()
+
+    return _chain_loop(model, drafter, prompt, max_new_tokens, stop_ids, draft, rebind=rebind, loop=loop,
+                       record=record)
 
 
 # --------------------------------------------------------------------------------------------
