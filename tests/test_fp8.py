@@ -252,3 +252,20 @@ def test_extraction_keys_fp8_apart_quantizes_the_bf16_rows_and_reads_dequantize(
              * raw["hidden_states_scales"].to(torch.bfloat16)[..., None]).reshape(1, n, 256)  # hs-connectors' rule
     assert torch.equal(again.view(torch.int16), deq["hidden_states"].view(torch.int16))
     assert not torch.equal(deq["hidden_states"].view(torch.int16), exact["hidden_states"].view(torch.int16))
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU (quantization on the device)")
+def test_quantize_on_cuda_gives_the_hosts_bits():
+    """Extraction quantizes on the GPU (issue 33): its packed rows must be the host's bits, or FP8 states
+    made on a GPU and on a CPU would differ under one key."""
+    import torch
+
+    for seed in range(3):
+        bits = _states(n=2048, h=4096, seed=seed)
+        t = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+        on_device = fp8.quantize_torch(t.cuda()).cpu().numpy()
+        on_host = fp8.quantize(bits)
+        rows, cols = np.nonzero(on_device != on_host)
+        where = [(int(r), int(c), int(on_host[r, c]), int(on_device[r, c])) for r, c in zip(rows[:5], cols[:5])]
+        assert not len(rows), f"{len(rows)} bytes differ (row, column, host, device): {where}"
+
