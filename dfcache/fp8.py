@@ -112,8 +112,11 @@ def quantize_torch(rows):
     import torch
 
     f = rows.float()
-    scale = (f.abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp(min=MIN_SCALE) if f.shape[1] else \
-        torch.full((f.shape[0], 1), MIN_SCALE, device=f.device)
+    # Divide by a tensor, not the Python number: CUDA divides by a scalar as a multiplication by its
+    # reciprocal (1/448 is inexact), which gave 1,139 of 2,048 rows a scale one ulp off the host's on
+    # an H200 (2026-12-06, bench/results/gpu/fp8_cuda_diag.py); tensor by tensor division is IEEE there.
+    amax = f.abs().amax(dim=1, keepdim=True) if f.shape[1] else torch.zeros((f.shape[0], 1), device=f.device)
+    scale = (amax / torch.full_like(amax, E4M3_MAX)).clamp(min=MIN_SCALE)
     codes = (f / scale).to(torch.float8_e4m3fn)
     return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8).reshape(f.shape[0], SCALE_BYTES)], dim=1)
 
