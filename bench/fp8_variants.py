@@ -20,7 +20,9 @@ random samples in turn, CPU time (``time.thread_time``) of:
   ``memcpy_out``  - one copy of a bf16 sample's bytes (2 B per value): what any one pass writing
                     the output costs, the floor of a dequantization that numpy/ATen calls make
 * the reads: ``raw`` (``read_raw`` of the packed rows, warm), ``read`` (``ArrayReader.read``: raw +
-  the shipped dequantization), ``torch.load`` of the sample's bf16 SpecForge file.
+  the shipped dequantization), ``read_fused`` / ``read_fused128`` (the read sharing the pass:
+  ``read_raw`` of 256 / 128 rows at a time into one cache-sized buffer, dequantized from there),
+  ``torch.load`` of the sample's bf16 SpecForge file.
 
 Prints the medians and ratios vs torch.load; every variant's bits are checked against the casts.
 """
@@ -190,6 +192,7 @@ def main(argv=None) -> int:
             fns["raw"] = lambda: arr.read_raw(a, b)
             fns["read"] = lambda: arr.read(a, b)
             fns["read_fused"] = lambda: _fused(arr, a, b, out)
+            fns["read_fused128"] = lambda: _fused(arr, a, b, out, 128)
             fns["torch.load"] = lambda: torch.load(specforge_path(sf, i), weights_only=True)["hidden_states"]
             names = list(fns)
             for name in names[j % len(names):] + names[:j % len(names)]:
