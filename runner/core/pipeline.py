@@ -90,8 +90,9 @@ def later_turns(ctx: RunContext, first: Node) -> tuple[Node | None, Node | None]
             ids.append(f"{first.ids[b]}/turn{k + 1}")
             upstream.append(messages_digest(messages))
             records.append({"id": ids[-1], "messages": messages})
+        source = first.summary.partition(" prompts from ")[2]  # `ls` names the set by it (core/summaries.py)
         node = prompts.node(ids, upstream, prompts.JoinedRecords(node.spec.records, records), turns,
-                            f"{first.summary}, and {len(ids) - len(first.ids)} later turn(s)")
+                            f"{len(ids)} prompts from {source} (turns 1-{k + 1})")
         k += 1
 
 
