@@ -432,8 +432,14 @@ def resolve_selection(opts: EvalOptions, *, store, layers: list[int] | None = No
     from ..models.target import read_model_info
     from ..stages import completions, drafter_eval, hidden_states, prompts, tokens
 
+    from .pipeline import later_turns
+
     ctx = RunContext(store, opts, remotes=[], argv=argv or ["run", "hidden-states"], out=out)
-    tok = tokens.build(ctx, completions.build(ctx, prompts.build(ctx)))
+    # With a multi-turn set (suite:mt-bench), the later turns too; while the answers they are asked
+    # after are missing, those completions are what the selection lacks.
+    first = prompts.build(ctx)
+    whole, waiting = later_turns(ctx, first)
+    tok = tokens.build(ctx, completions.build(ctx, whole if whole is not None else first))
     drafter_layers = drafter_family = None
     if layers is None:
         if opts.layers:
@@ -451,8 +457,8 @@ def resolve_selection(opts: EvalOptions, *, store, layers: list[int] | None = No
         keep = layers if drafter_family == "eagle3" else [k for k in layers if k != info.num_layers - 1]
         layers = list(keep) + [info.num_layers - 1]
     nodes_by_layer = hidden_states.build(ctx, tok, sorted(set(layers)))
-    nodes = resolve(ctx, topo_order(list(nodes_by_layer.values())))
-    wanted = [tok] + [nodes_by_layer[k] for k in layers]
+    nodes = resolve(ctx, topo_order(list(nodes_by_layer.values()) + ([waiting] if waiting is not None else [])))
+    wanted = ([waiting] if waiting is not None else []) + [tok] + [nodes_by_layer[k] for k in layers]
     missing = [n for n in wanted if len(n.local) != len(n.sample_keys)]
     if missing:
         cmd = "dfcache " + " ".join(_quote(a) for a in _run_args(ctx.argv, layers))
