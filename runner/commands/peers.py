@@ -47,7 +47,8 @@ def export_command(ctx: typer.Context, **kw) -> None:
     fmt, out = kw.pop("format"), kw.pop("out")
     opts = _options(ctx, kw)
     store = get_store(create=False)
-    sel = resolve_selection(opts, store=store, argv=_argv(ctx), last_layer_last=(fmt == "speculators"))
+    sel = resolve_selection(opts, store=store, argv=_argv(ctx), last_layer_last=(fmt == "speculators"),
+                            export_format=fmt)
     progress = None
     if opts.progress:
         from tqdm.auto import tqdm
