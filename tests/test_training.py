@@ -318,7 +318,8 @@ def test_export_eagle3_and_dspark_specforge_carry_the_final_state_specforges_rea
     its final norm: the hidden-state layer "final", keyed apart. Missing, the export is exit 3 naming the
     command; `run hidden-states --drafter` of an EAGLE-3 drafter extracts it (only it: the layers are
     cached); SpecForge's reader and normalizer take the files, and lm_head(hidden_state) is the target's
-    logits. A DSpark drafter's export then reuses that same artifact as `target_last_hidden_states`."""
+    logits; `import` brings it back as layer "final". A DSpark drafter's export then reuses that same
+    artifact as `target_last_hidden_states`."""
     import shutil
 
     offline_reader = pytest.importorskip("specforge.runtime.data_plane.offline_reader")
@@ -366,6 +367,19 @@ def test_export_eagle3_and_dspark_specforge_carry_the_final_state_specforges_rea
     with torch.no_grad(), single_thread():  # the teacher: the target's own logits from the stored final state
         logits = target(input_ids=aux[0]["input_ids"]).logits
         assert torch.equal(target.lm_head(finals[0]), logits)
+    # Imported back (`import --format specforge` of SpecForge's EAGLE-3 files): the final state comes in
+    # as layer "final", checked against the recomputed sample's state after the final norm.
+    with single_thread():
+        assert _import(tmp_path / "imported", "specforge", out, cached["sel"]["target"], *EAGLE_LAYERS,
+                       extra=["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert list(res["layer_keys"]) == [str(k) for k in EAGLE_LAYERS] + ["final"] and res["refused"] == []
+    final_col = res["layer_check"]["columns"][-1]
+    assert final_col["declared"] == "final" and final_col["nearest"] == "final norm" and final_col["ok"]
+    assert final_col["declared_distance"] == 0.0  # the same class recomputed: the same bits
+    back = api.hidden_state_dataset(store=tmp_path / "imported", tokens_key=res["tokens_key"], layers=["final"])
+    for i in range(4):
+        assert _same(back[i]["hidden_states"], finals[i])
     # DSpark (the untrained DFlash drafter's backbone, layers [3, 1], with a Markov head): the same
     # final state, nothing extracted, in SpecForge's DSpark layout.
     spark = cached["root"] / "dspark-export"
