@@ -159,7 +159,7 @@ class TokensSpec:
 @dataclass
 class HiddenStatesSpec:
     target_dir: str
-    layer: int
+    layer: int | str  # a decoder layer's index, or "final": the state after the final norm
     backend: "KernelSpec"  # runner.models.target: how the target runs, its note included
     tokens: Node
     states: str | None = None  # a lossy codec the rows are stored in (keyed in the backend)

@@ -40,7 +40,8 @@ def build_graph(ctx: RunContext, upto: str = "eval") -> list[Node]:
         return topo_order([tok])
     # `run hidden-states --drafter D` extracts the layers D reads (its target_layer_ids).
     drafters = drafter_eval.resolve_drafters(ctx) if upto == "eval" or ctx.options.drafters else []
-    layers = hidden_states.requested_layers(ctx, drafters)
+    # `run hidden-states` makes training data: the final state too for a family that trains on it.
+    layers = hidden_states.requested_layers(ctx, drafters, training=upto == "hidden-states")
     hs = hidden_states.build(ctx, tok, layers)
     if upto == "hidden-states":
         return topo_order(list(hs.values()))
