@@ -653,7 +653,7 @@ class DFlashDrafter(nn.Module):
         offs = torch.arange(B, device=dev)
         # Items: each root's slot 0 (context t < p), then each distinct MASK position a (t < a - (B-1)).
         a_pos, a_inv = torch.unique(roots[:, None] + offs[1:], return_inverse=True)  # a_inv [n, B-1]
-        q_mask = self._first_layer_rows(layer, h[:1])[0][1]                        # [nh, hd] unrotated
+        q_mask = layer.q_unrotated(layer.input_layernorm(h[0, 1]))                 # [nh, hd] unrotated
         cos_a, sin_a = self.rope.cos_sin(a_pos, self.dtype)                        # [A, hd]
         qa = torch.empty((a_pos.shape[0], kvh, g, hd), dtype=q_mask.dtype, device=dev)
         _rope_into(q_mask.view(1, kvh, g, hd), cos_a[:, None, None], sin_a[:, None, None], qa)
@@ -693,8 +693,13 @@ class DFlashDrafter(nn.Module):
         # j >= 1 sees window key i (position p - B + i) when i > j (the rest is in its item) and the
         # position exists; slot 0 sees none (its item is its whole context).
         win = roots[:, None] - B + offs                                            # [n, B]
-        kw = torch.cat([kc[:, win.clamp(min=0)].transpose(0, 1), k_blk.float()], dim=2)  # [n, kvh, 2B, hd]
-        vw = torch.cat([vc[:, win.clamp(min=0)].transpose(0, 1), v_blk.float()], dim=2)
+        at = win.clamp(min=0).view(-1)
+        kw = qf.new_empty((n, kvh, 2 * B, hd))
+        vw = torch.empty_like(kw)
+        kw[:, :, :B] = kc.index_select(1, at).view(kvh, n, B, hd).transpose(0, 1)
+        vw[:, :, :B] = vc.index_select(1, at).view(kvh, n, B, hd).transpose(0, 1)
+        kw[:, :, B:] = k_blk
+        vw[:, :, B:] = v_blk
         see_win = (offs[None, None, :] > offs[None, :, None]) & (offs[None, :, None] > 0) \
             & (win[:, None, :] >= 0)                                               # [n, B, B]
         see_blk = torch.ones(B, B, dtype=torch.bool, device=dev)
@@ -709,7 +714,7 @@ class DFlashDrafter(nn.Module):
         lse = torch.logaddexp(lse_i, lse_w)
         out = qf.new_empty((n, B, kvh, g, hd))
         torch.mul(o_items[:, item_of].permute(1, 2, 0, 3, 4), (lse_i - lse).exp_()[..., None], out=out)
-        out.add_(o_w * (lse_w - lse).exp_()[..., None])
+        out.addcmul_(o_w, (lse_w - lse).exp_()[..., None])
         return out.view(n, B, kvh * g * hd).to(q.dtype)
 
     def block_logits(self, ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], roots: torch.Tensor,
