@@ -24,7 +24,8 @@ Older readers. A dfcache that predates this codec does not know the dtype :data:
 refuses the manifest (never returns the codes as numbers); this one refuses any dtype or codec it
 does not know with exit 2 naming it (:class:`dfcache.errors.UnknownCodecError`).
 
-numpy only (torch is imported by :func:`quantize_torch` alone, which extraction calls on the GPU).
+numpy, and torch only where it is already imported (:func:`quantize_torch`, which extraction calls
+on the GPU; :func:`dequantize_codes` uses torch's kernels in a process that imported torch).
 """
 
 from __future__ import annotations
@@ -112,8 +113,11 @@ def quantize_torch(rows):
     import torch
 
     f = rows.float()
-    scale = (f.abs().amax(dim=1, keepdim=True) / E4M3_MAX).clamp(min=MIN_SCALE) if f.shape[1] else \
-        torch.full((f.shape[0], 1), MIN_SCALE, device=f.device)
+    # Divide by a tensor, not the Python number: CUDA divides by a scalar as a multiplication by its
+    # reciprocal (1/448 is inexact), which gave 1,139 of 2,048 rows a scale one ulp off the host's on
+    # an H200 (2026-12-06, bench/results/gpu/fp8_cuda_diag.py); tensor by tensor division is IEEE there.
+    amax = f.abs().amax(dim=1, keepdim=True) if f.shape[1] else torch.zeros((f.shape[0], 1), device=f.device)
+    scale = (amax / torch.full_like(amax, E4M3_MAX)).clamp(min=MIN_SCALE)
     codes = (f / scale).to(torch.float8_e4m3fn)
     return torch.cat([codes.view(torch.uint8), scale.view(torch.uint8).reshape(f.shape[0], SCALE_BYTES)], dim=1)
 
@@ -135,8 +139,88 @@ def dequantize(packed: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 def dequantize_codes(codes: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """Codes ``[n, G * H]`` (uint8 or float8_e4m3fn; rows may be strided, e.g. packed rows'
     code columns) and scales ``[n, G]`` (one per row and group of H, e.g. per layer) -> bf16
-    bits ``[n, G * H]`` (uint16), written into ``out`` when given (any row slice of a result:
-    the reader splits a large read's rows across its threads, numpy releases the GIL).
+    bits ``[n, G * H]`` (uint16), written into ``out`` when given (any row slice of a result).
+
+    In a process that has imported torch (a trainer, a data loader), torch's vectorized kernels
+    (:func:`_dequantize_torch`: 3.1x less CPU than numpy's at one thread, bench/fp8_variants.py);
+    otherwise numpy (:func:`_dequantize_numpy`): a command that needs no torch does not import it
+    for this. The same bits either way (tests/test_fp8.py)."""
+    if uses_torch():
+        return _dequantize_torch(codes, scales, out)
+    return _dequantize_numpy(codes, scales, out)
+
+
+def uses_torch() -> bool:
+    """Whether :func:`dequantize_codes` runs torch's kernels here (torch is imported already);
+    they parallelize over torch's intra-op threads, so a reader does not split rows for them."""
+    import sys
+
+    return "torch" in sys.modules
+
+
+def _dequantize_torch(codes: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`dequantize_codes` in four vectorized passes over blocks of rows (torch's float8 ->
+    bf16 cast is scalar code, 40 ms per 10 M values here, and a per-row 256-entry table of the
+    products, gathered by ``np.take`` or ``index_select``, 2 to 8 ns per value):
+
+    1. int8 code -> int16 (sign-extended, numpy), ``<< 4``, ``& 0x87F0`` (ATen): the code's sign over bf16's
+       sign, its exponent and mantissa over bf16's low exponent bits and top mantissa bits, i.e.
+       the code's value times 2^-120 as a bf16 (a bf16 subnormal for e4m3's subnormals, exact);
+    2. one bf16 multiply by ``bf16(scale) x 2^120`` (exact as a bf16 for scales under 256, else
+       ``x 2^120`` then ``x bf16(scale)``, the first exact): torch computes a bf16 product in
+       float32 (exact: 4 x 8 significant bits) and rounds it to nearest even once, which is
+       hs-connectors' ``fp8.to(bf16) * scale.to(bf16)``.
+
+    About 0.57 ns per value at one thread against numpy's 1.8 (bench/fp8_variants.py, the busy
+    2-core VM; 0.46 without the NaN-code check). The same
+    fall-backs to the casts as :func:`_dequantize_numpy`: non-finite scales, NaN codes, a thread
+    that flushes subnormals (torch's bf16 multiply would read the subnormal codes as 0)."""
+    import ml_dtypes
+    import torch
+
+    n, g = scales.shape
+    codes = codes.view(np.uint8)
+    width = codes.shape[1]
+    h = width // g if g else 0
+    if out is None:
+        out = np.empty((n, width), np.uint16)
+    if not n or not width:
+        return out
+    s = scales.astype(ml_dtypes.bfloat16).astype(np.float32)  # bf16(scale), as their reader rounds it
+    if not (np.isfinite(s).all() and _subnormals_kept()):
+        return _dequantize_numpy(codes, scales, out)  # it takes the casts for the rows that need them
+    one = float(np.abs(s).max(initial=0)) < 2.0 ** 8
+    f = torch.from_numpy(s * np.float32(2.0 ** 120) if one else s).to(torch.bfloat16)[:, :, None]  # exact
+    c8 = codes.view(np.int8)
+    ot = torch.from_numpy(out.view(np.int16)).view(torch.bfloat16)
+    rows = max(1, _TORCH_BLOCK_VALUES // width)
+    t = torch.empty((min(rows, n), width), dtype=torch.int16)
+    tn_all = t.numpy()
+    for i in range(0, n, rows):
+        j = min(n, i + rows)
+        tt, tn = t[:j - i], tn_all[:j - i]
+        np.copyto(tn, c8[i:j], casting="unsafe")  # sign-extended (numpy's: ~10% less CPU than torch's copy_)
+        tt.bitwise_left_shift_(4)
+        # NaN codes (0x7F, 0xFF: here 0x07F0 and 0xFFF0, the largest of the block as int16 and as
+        # uint16) take the casts: two numpy maxima over the block just written, about 0.6 ms per
+        # 10 M values (torch's int16 max is 3x slower, its == and any() 60x)
+        if tn.max() == 0x07F0 or tn.view(np.uint16).max() == 0xFFF0:
+            _dequantize_casts(codes[i:j], scales[i:j], out[i:j])
+            continue
+        tt.bitwise_and_(-0x7810)  # 0x87F0: the sign bit, the 7 bits of exponent and mantissa
+        b = tt.view(torch.bfloat16)
+        if not one:
+            b = b * (2.0 ** 120)
+        torch.mul(b.view(j - i, g, h), f[i:j], out=ot[i:j].view(j - i, g, h))
+    return out
+
+
+_TORCH_BLOCK_VALUES = 1 << 20  # values per block: 5.8 ms a sample against 7.8 in 256 K blocks and 9.2 in one
+
+
+def _dequantize_numpy(codes: np.ndarray, scales: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`dequantize_codes` in numpy (the reader splits a large read's rows across its
+    threads, numpy releases the GIL).
 
     Integer and float32 ufuncs over blocks of rows that stay in cache, no float8 or bfloat16
     ufunc (ml_dtypes' casts, and torch's CPU float8 cast, are scalar loops): about 1.4 ns per

@@ -322,21 +322,21 @@ def _result(upto: str, ctx, nodes, seconds: float) -> RunResult:
                for n in nodes]
     res = RunResult(upto=upto, nodes=results, computed=list(ctx.work_done), seconds=seconds)
     if upto == "eval":
-        from .core.report_view import show
-
-        # Shown with this run's verdicts (--trained-on, --accept-retokenized): never stored.
-        res.report, res.markdown, res.files = show(ctx.store, nodes[-1].key, ctx.options)
-        res.report_key = nodes[-1].key
+        from .core.report_view import ShownSections, show
         from .stages.drafter_eval import read_responses
         from .suites.tables import section
 
-        # Several prompt sets (or --mix): τ per set, overall and mixed, cut from the stored
-        # evals by the run's ids when shown (the stored report is the whole set).
+        res.report_key = nodes[-1].key
+        # Several prompt sets, a multi-turn set or --mix: τ per set (and turn), overall and mixed,
+        # cut from the stored evals by the run's ids when shown (the stored report is the whole set),
+        # in report.json, report.md and report.html as this run shows them.
         extra = section(ctx.store, nodes, ctx.options, res.report_key, read_responses, _other_thinking(ctx))
+        sections = None if extra is None else ShownSections("prompt_sets", extra["doc"], extra["markdown"],
+                                                            extra["html"])
+        # Shown with this run's verdicts (--trained-on, --accept-retokenized): never stored.
+        res.report, res.markdown, res.files = show(ctx.store, res.report_key, ctx.options, sections)
         if extra is not None:
-            res.report = {**res.report, "prompt_sets": extra["doc"]}
-            res.markdown += "\n\n" + extra["markdown"]
-            res.files = {**res.files, **{k: v for k, v in extra["files"].items()}}
+            res.files = {**res.files, **extra["files"]}
     return res
 
 

@@ -36,6 +36,25 @@ def test_replays_give_the_eager_bits(target):
         assert st["replays"] == 3  # the first two forwards run eagerly, the second one captures
 
 
+def test_replays_with_the_final_state_give_the_eager_bits(target):
+    """The final state (layer "final", after the final norm) rides in the same captured forward."""
+    from runner.models.graphs import ForwardGraphs, same_bits
+    from runner.models.target import FINAL
+
+    g = ForwardGraphs(target)
+    rng = np.random.default_rng(1)
+    for i in range(4):
+        x = torch.from_numpy(rng.integers(3, 500, (2, 24)).astype(np.int64)).cuda()
+        got = g(x, [1, FINAL])
+        want = target.forward_layers(x, [1, FINAL])
+        assert set(got) == {1, FINAL} and all(same_bits(got[k], want[k]) for k in got), i
+        with torch.no_grad():
+            ref = target.model(input_ids=x, use_cache=False)
+        assert torch.equal(target.model.lm_head(got[FINAL]), ref.logits), i
+    st = g.stats()
+    assert st["captured"] == ["2x24 L1,final"] or st["refused"], st
+
+
 def test_extraction_with_graphs_stores_eager_bits(target, tmp_path):
     from dfcache import compute_key, open_store
     from runner.stages.hidden_states.extract import LayerSink, extract

@@ -51,12 +51,17 @@ def test_quantize_and_dequantize_are_hs_connectors_bit_for_bit():
     assert not y[3].any()  # a zero row stays zero
 
 
-def test_the_fast_dequantization_gives_hs_connectors_bits_for_every_code_scale_and_edge():
-    """dequantize runs integer and float32 ufuncs (not ml_dtypes' casts): the same bits as their
-    reader for every non-NaN code at scales from the clamp to bf16's largest, for NaN codes and
-    non-finite scales (the casts take those rows), per-layer groups, a row slice written into a
-    wider result, and on a thread that flushes subnormals (the casts again)."""
+@pytest.mark.parametrize("kernels", ["torch", "numpy"])
+def test_the_fast_dequantization_gives_hs_connectors_bits_for_every_code_scale_and_edge(kernels, monkeypatch):
+    """dequantize runs integer bit moves and a bf16 multiply in torch where torch is imported,
+    integer and float32 ufuncs in numpy elsewhere (not ml_dtypes' casts): the same bits as their
+    reader for every non-NaN code at scales from the clamp to bf16's largest (and all under 256:
+    torch's one multiply), for NaN codes and non-finite scales (the casts take those rows),
+    per-layer groups, a row slice written into a wider result, and on a thread that flushes
+    subnormals (the casts again)."""
     import threading
+
+    monkeypatch.setattr(fp8, "uses_torch", lambda: kernels == "torch")
 
     import torch
     from hs_connectors.fp8_utils import dequantize_fp8_tensor
@@ -78,6 +83,12 @@ def test_the_fast_dequantization_gives_hs_connectors_bits_for_every_code_scale_a
     plain = codes[:, [c for c in range(256) if c & 0x7F != 0x7F]]  # no NaN code: every row the fast way
     assert fp8._subnormals_kept()
     assert np.array_equal(fp8.dequantize_codes(plain, scales), theirs(plain, scales))
+    small = scales[scales[:, 0] < 256]
+    assert np.array_equal(fp8.dequantize_codes(plain[:len(small)], small), theirs(plain[:len(small)], small))
+    one_nan = np.tile(plain[:1], (5000, 1))  # 0xFF in the last of several blocks: that block alone takes the casts
+    one_nan[4900, 7] = 0xFF
+    ones = np.full((5000, 1), 0.75, np.float32)
+    assert same(fp8.dequantize_codes(one_nan, ones), theirs(one_nan, ones))
     odd = scales.copy()
     odd[[5, 6, 7]] = [[np.inf], [np.nan], [-0.0]]
     with np.errstate(invalid="ignore"):
@@ -110,12 +121,15 @@ def test_the_fast_dequantization_gives_hs_connectors_bits_for_every_code_scale_a
     assert np.array_equal(flushed["bits"], theirs(plain, scales))
 
 
-def test_a_large_fp8_read_split_across_reader_threads_gives_the_same_bits(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kernels", ["torch", "numpy"])
+def test_a_large_fp8_read_split_across_reader_threads_gives_the_same_bits(tmp_path, monkeypatch, kernels):
     """A read of 4 MiB or more dequantizes its rows on the reader's threads (where cores are idle:
-    one helper forced here), each into its slice of one result."""
+    one helper forced here), each into its slice of one result; torch's kernels take it whole
+    (on torch's threads)."""
     from dfcache.store import _reader
 
     monkeypatch.setattr(_reader, "_read_workers", lambda: 1)
+    monkeypatch.setattr(fp8, "uses_torch", lambda: kernels == "torch")
     packed = fp8.quantize(_states(n=4500, h=512))
     key = compute_key("fp8_test", 1, {"big": 1})
     store = open_store(tmp_path / "s")

@@ -163,6 +163,46 @@ def test_second_request_computes_only_the_new_layer(fp32_run):
     assert ctx3.work_done == [] and fp32_run["target"].layers_executed == layers2
 
 
+def test_final_state_is_its_own_artifact_after_the_norm_in_the_same_forward(fp32_run, tiny_target):
+    """Issue 32 point 3: layer "final" (the state after the final norm, what the lm_head reads) is keyed
+    apart (the layers' keys do not change with it), computed in the same pass as a missing layer (every
+    decoder layer once, the norm, never the lm_head), equal to transformers' normed last hidden state
+    bit for bit in fp32, and listed as "final (post-norm)"."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runner.stages import hidden_states as hs
+    from runner.stages.hidden_states import read_layer
+
+    store, tok, target = fp32_run["store"], fp32_run["tokens"], fp32_run["target"]
+    ctx = RunContext(store, EvalOptions(layers=[2], backend="torch", device="cpu", dtype="float32", progress=False),
+                     argv=["run", "hidden-states"])
+    without = hs.build(ctx, tok, hs.requested_layers(ctx, []))
+    calls, executed = [], target.layers_executed
+    hooks = [m.register_forward_hook(lambda *a, name=name: calls.append(name))
+             for name, m in (("norm", target.base.norm), ("lm_head", target.model.lm_head))]
+    try:
+        nodes, ctx2 = run_layers(store, tok, [2], fp32_run["cache"], final_state=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert list(nodes) == [2, "final"] and nodes[2].key == without[2].key
+    assert nodes["final"].inputs["layer"] == "final" and nodes["final"].label == "hidden_states[final]"
+    assert ctx2.work_done == [nodes[2].key, nodes["final"].key]
+    batches = (target.layers_executed - executed) // 6
+    assert target.layers_executed - executed == 6 * batches and calls == ["norm"] * batches  # one pass, no lm_head
+    m = next(iter(segments_of(store, nodes["final"]).values()))
+    assert "layer final (post-norm)" in m.summary
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_target), dtype=torch.float32).eval()
+    samples, offs = samples_of(store, tok)
+    stored = read_layer(store, nodes["final"])
+    with torch.no_grad():
+        for i in (0, 4):
+            out = ref(input_ids=torch.from_numpy(samples[i].astype(np.int64))[None], output_hidden_states=True)
+            assert torch.equal(stored[offs[i]:offs[i + 1]], out.hidden_states[-1][0])  # normed
+            assert torch.equal(ref.lm_head(stored[offs[i]:offs[i + 1]]), out.logits[0])
+
+
 def test_manifest_records_backend_layer_and_what_was_bound(fp32_run):
     segs = segments_of(fp32_run["store"], fp32_run["second"][5])
     assert len(segs) == 1  # every sample of the set in one segment (default segment size)

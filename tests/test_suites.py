@@ -309,6 +309,11 @@ def test_several_sets_in_one_run(hf_cache, tmp_path):
         assert set(row["sets"]["coding"]) == {"prompts", "chain", *trees}
     assert {Path(p).name for p in doc["files"].values()} >= {"set-coding-2-histogram.png", "set-gsm8k-2-histogram.png",
                                                          "prompt_sets.md", "prompt_sets.json"}
+    # The per-set tables, the mix row with its interval, in report.md, report.html and report.json.
+    head = "| drafter | τ | coding (2) | gsm8k (2) | overall | mix coding=0.25,gsm8k=0.75 [95% interval] |"
+    assert head in Path(doc["files"]["report.md"]).read_text()
+    assert "<th>mix coding=0.25,gsm8k=0.75 [95% interval]</th>" in Path(doc["files"]["report.html"]).read_text()
+    assert json.loads(Path(doc["files"]["report.json"]).read_text())["prompt_sets"]["mix"] == ps["mix"]
     assert ps["published"] == []  # the example's target is no published model
     # The same target under a published model's name: every sample reused, the published rows of
     # the suite beside the run's, with the settings they differ in.
@@ -375,3 +380,62 @@ def test_markdown_shows_thinking_side_by_side_and_published_rows():
     assert "thinking on (stored: the same run with --enable-thinking)" in md and "| d | chain | 10.00 | 10.00 |" in md
     assert "| z-lab/dflash README.md @bb48ef9 | z-lab/Qwen3-8B-DFlash-b16 | chain | 6.55 |" in md
     assert md.count("z-lab/Qwen3-8B-DFlash-b16 | chain") == 1  # the T=1 row (temperature differs) is JSON only
+
+
+# --------------------------------------------------------------------------------------------
+# MT-Bench's later turns, asked after the target's own answers
+# --------------------------------------------------------------------------------------------
+
+MT_BENCH = [{"prompt": [f"Write a haiku about {w}.", f"Now one about {w}s at night."], "prompt_id": 81 + i,
+             "category": "writing"} for i, w in enumerate(("cat", "owl"))]
+
+
+def test_mt_bench_second_turns_follow_the_targets_answers(tiny_target, tmp_path, monkeypatch):
+    """Turn 2 is asked as the peers ask it ([user turn 1, the target's answer, user turn 2]), its
+    prompt made from the stored turn-1 completion; offline, a cached run redoes nothing and a
+    missing turn 1 is the usual error."""
+    from runner import api
+    from runner.stages.completions import read_completions
+    from runner.stages.prompts import read_messages
+    from tests.servers import ClosedPort
+
+    cache = tmp_path / "hf-datasets"
+    cache_dataset(cache, "HuggingFaceH4/mt_bench_prompts", None, {"train": MT_BENCH})
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    monkeypatch.setenv("DFCACHE_HOME", str(tmp_path / "home"))
+    store = tmp_path / "store"
+    sel = dict(target=str(tiny_target), completions="local", prompts="suite:mt-bench", max_new_tokens=4,
+               dtype="float32", device="cpu")
+    res = api.run("completions", store=store, **sel)
+    assert [(n.stage, n.samples["produced"], n.samples["cached"]) for n in res.nodes] == [
+        ("prompts", 4, 0), ("completions", 4, 0)]  # turn 1's, made by the run's first graph, count as made
+    ctx, nodes = api.resolve_graph("completions", api.make_options(**sel), str(store))
+    prompts, comps = nodes[0], nodes[-1]
+    assert prompts.ids == ["81", "82", "81/turn2", "82/turn2"]
+    answers = [c.text for c in read_completions(ctx.store, comps)]
+    for i, row in enumerate(MT_BENCH):
+        first, second = row["prompt"]
+        assert read_messages(ctx.store, prompts, [i + 2])[0] == [
+            {"role": "user", "content": first}, {"role": "assistant", "content": answers[i]},
+            {"role": "user", "content": second}]
+    # Cached: offline, nothing is made again.
+    assert api.run("completions", store=store, offline=True, **sel).computed == []
+    # From a server, offline, with turn 1 missing: the usual error, naming the turn-1 prompts.
+    with ClosedPort() as port:
+        with pytest.raises(OfflineMissingError, match=r"2 of 2 sample\(s\) missing \(prompt ids '81', '82'"):
+            api.run("completions", store=tmp_path / "other", offline=True,
+                    **{**sel, "completions": "server", "server": port.url})
+
+
+def test_per_turn_columns_and_the_mix_over_all_turns():
+    ids = ["a/0", "mt-bench/81", "mt-bench/81/turn2"]
+    docs = [{"chain": [2]}, {"chain": [4]}, {"chain": [2, 2]}]
+    doc = tables.per_set(ids, ["a", "mt-bench"], [{"drafter": "d", "block_size": 8}], [docs],
+                         {"a": 0.5, "mt-bench": 0.5}, {"mt-bench"})
+    assert doc["sets"] == ["a", "mt-bench", "mt-bench/turn1", "mt-bench/turn2"]
+    row = doc["rows"][0]
+    assert row["sets"]["mt-bench"]["chain"] == 3.0  # both turns, as the peers average them
+    assert (row["sets"]["mt-bench/turn1"]["chain"], row["sets"]["mt-bench/turn2"]["chain"]) == (4.0, 2.0)
+    assert row["mix"]["chain"]["tau"] == pytest.approx(0.5 * 2 + 0.5 * 3)
+    assert "| d | chain | 2.00 | 3.00 | 4.00 | 2.00 | 2.67 | 2.50 [" in tables.markdown(doc)
+    assert '<table id="prompt-sets-0">' in tables.html(doc) and "mix a=0.5,mt-bench=0.5" in tables.html(doc)

@@ -312,17 +312,97 @@ def test_export_eagle3_speculators_reads_back_its_three_layers_and_the_last(cach
         assert _same(b["verifier_last_hidden_states"], last[i]["hidden_states"][0][1:])
 
 
-def test_export_eagle3_specforge_is_refused_naming_the_final_state_nothing_written(cached, eagle_drafter, tmp_path,
-                                                                                  capsys):
-    """SpecForge's offline EAGLE-3 files need `hidden_state`, the target's state after its final norm,
-    which no stage stores: exit 6 naming it and the format that can be exported; nothing written."""
+def test_export_eagle3_and_dspark_specforge_carry_the_final_state_specforges_readers_take(cached, eagle_drafter,
+                                                                                          tmp_path, capsys):
+    """Issue 32 points 3-4: SpecForge's offline EAGLE-3 files hold `hidden_state`, the target's state after
+    its final norm: the hidden-state layer "final", keyed apart. Missing, the export is exit 3 naming the
+    command; `run hidden-states --drafter` of an EAGLE-3 drafter extracts it (only it: the layers are
+    cached); SpecForge's reader and normalizer take the files, and lm_head(hidden_state) is the target's
+    logits; `import` brings it back as layer "final". A DSpark drafter's export then reuses that same
+    artifact as `target_last_hidden_states`."""
+    import shutil
+
+    offline_reader = pytest.importorskip("specforge.runtime.data_plane.offline_reader")
+    feature_store = pytest.importorskip("specforge.runtime.data_plane.feature_store")
+    eagle3_data = pytest.importorskip("specforge.algorithms.eagle3.data")
+    dflash_data = pytest.importorskip("specforge.algorithms.common.dflash_family_data")
+    from transformers import AutoModelForCausalLM
+
+    from runner.models.train_tiny import single_thread
+
+    store = tmp_path / "store"
+    shutil.copytree(cached["store"], store)  # the module's store stays without the final state
     out = tmp_path / "sf-eagle"
-    code = cli_main(["--store", str(cached["store"]), "export", "--format", "specforge", "--out", str(out),
-                     "--drafter", str(eagle_drafter), "--no-progress", *_cli_sel(cached)])
+    sf = ["--format", "specforge", "--no-progress", *_cli_sel(cached)]
+    code = cli_main(["--store", str(store), "export", "--out", str(out), "--drafter", str(eagle_drafter), *sf])
     err = capsys.readouterr().err
-    assert code == 6, err
-    assert "'hidden_state'" in err and "final norm" in err and "--format speculators" in err
-    assert err.count("error:") == 1 and "Traceback" not in err and not out.exists()
+    assert code == 3 and "hidden_states[final]" in err and "--final-state" in err and not out.exists(), err
+    with single_thread():
+        assert cli_main(["--store", str(store), "--json", "run", "hidden-states", "--drafter", str(eagle_drafter),
+                         "--no-progress", *_cli_sel(cached)]) == 0
+    run = json.loads(capsys.readouterr().out)
+    labels = {n["key"]: n.get("label") for n in run["nodes"] if n["stage"] == "hidden_states"}
+    assert sorted(labels.values()) == sorted(f"hidden_states[{k}]" for k in EAGLE_LAYERS + ["final"])
+    assert [labels[k] for k in run["computed"]] == ["hidden_states[final]"]  # the layers were cached
+    assert cli_main(["--store", str(store), "export", "--out", str(out), "--drafter", str(eagle_drafter), *sf]) == 0
+    capsys.readouterr()
+    man = json.loads((out / "dfcache-export.json").read_text())
+    assert man["layers"] == EAGLE_LAYERS + ["final"] and man["specforge_layout"] == "eagle3"
+    aux = api.hidden_state_dataset(store=store, layers=EAGLE_LAYERS, **cached["sel"])
+    target = AutoModelForCausalLM.from_pretrained(cached["sel"]["target"], dtype=torch.bfloat16)
+    refs = offline_reader.OfflineManifestReader(str(out), strategy="eagle3", validate_files=True).read()
+    assert len(refs) == 4
+    finals = {}
+    for ref in refs:
+        path = ref.feature_store_uri[len("file://"):]
+        i = int(Path(path).name[len("data_"):-len(".ckpt")])
+        raw = feature_store.load_feature_file(path)
+        assert sorted(raw) == sorted(offline_reader._OFFLINE_EAGLE3_KEYS)
+        item = eagle3_data.normalize_offline_sample(raw, max_len=4096)
+        mine = aux[i]
+        assert _same(item["hidden_state"], mine["hidden_states"]) and _same(item["input_ids"], mine["input_ids"])
+        n = item["input_ids"].shape[1]
+        assert item["target"].shape == (1, n, 128) and item["target"].dtype == torch.bfloat16
+        finals[i] = item["target"]
+    with torch.no_grad(), single_thread():  # the teacher: the target's own logits from the stored final state
+        logits = target(input_ids=aux[0]["input_ids"]).logits
+        assert torch.equal(target.lm_head(finals[0]), logits)
+    # Imported back (`import --format specforge` of SpecForge's EAGLE-3 files): the final state comes in
+    # as layer "final", checked against the recomputed sample's state after the final norm.
+    with single_thread():
+        assert _import(tmp_path / "imported", "specforge", out, cached["sel"]["target"], *EAGLE_LAYERS,
+                       extra=["--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert list(res["layer_keys"]) == [str(k) for k in EAGLE_LAYERS] + ["final"] and res["refused"] == []
+    final_col = res["layer_check"]["columns"][-1]
+    assert final_col["declared"] == "final" and final_col["nearest"] == "final norm" and final_col["ok"]
+    assert final_col["declared_distance"] == 0.0  # the same class recomputed: the same bits
+    back = api.hidden_state_dataset(store=tmp_path / "imported", tokens_key=res["tokens_key"], layers=["final"])
+    for i in range(4):
+        assert _same(back[i]["hidden_states"], finals[i])
+    # DSpark (the untrained DFlash drafter's backbone, layers [3, 1], with a Markov head): the same
+    # final state, nothing extracted, in SpecForge's DSpark layout.
+    spark = cached["root"] / "dspark-export"
+    if not spark.exists():
+        shutil.copytree(cached["drafter"], spark)
+        cfg = json.loads((spark / "config.json").read_text())
+        cfg["architectures"] = ["DSparkDraftModel"]
+        cfg["dflash_config"] = {**cfg["dflash_config"], "projector_type": "dspark", "markov_rank": 8}
+        (spark / "config.json").write_text(json.dumps(cfg))
+    out2 = tmp_path / "sf-dspark"
+    assert cli_main(["--store", str(store), "export", "--out", str(out2), "--drafter", str(spark), *sf]) == 0
+    assert "4 written" in capsys.readouterr().out
+    ds = api.hidden_state_dataset(store=store, drafters=[str(cached["drafter"])], **cached["sel"])
+    for f in offline_reader.list_feature_files(str(out2)):
+        i = int(Path(f).name[len("data_"):-len(".ckpt")])
+        item = dflash_data.normalize_dspark_offline_sample(feature_store.load_feature_file(f), max_len=4096)
+        assert _same(item["hidden_states"], ds[i]["hidden_states"])
+        assert _same(item["target_last_hidden_states"], finals[i])
+    # speculators' layouts hold no final state: --final-state there is exit 6, nothing written.
+    code = cli_main(["--store", str(store), "export", "--format", "speculators", "--out", str(tmp_path / "sp"),
+                     "--layer", "1", "--final-state", "--no-progress", *_cli_sel(cached)])
+    err = capsys.readouterr().err
+    assert code == 6 and "verifier_norm" in err and not (tmp_path / "sp").exists(), err
 
 
 def test_fp8_states_export_in_speculators_fp8_layout_and_their_reader_gives_our_bf16(cached, tmp_path, capsys):

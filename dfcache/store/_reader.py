@@ -487,11 +487,13 @@ class ArrayReader:
 
     def _dequantize(self, raw: np.ndarray) -> np.ndarray:
         """Packed FP8 rows -> bf16 bits in a recycled buffer; a large read's rows split across the
-        reader threads as its chunks are (numpy releases the GIL in dfcache.fp8's ufuncs)."""
+        reader threads as its chunks are (numpy releases the GIL in dfcache.fp8's ufuncs), except
+        where torch's kernels run them (they use torch's intra-op threads, as many as the caller
+        set: a data-loader worker's one)."""
         from .. import fp8
 
         out = recycled_empty((len(raw), fp8.hidden_width(raw.shape[1])), np.uint16)
-        groups = 1 + _read_workers() if out.nbytes >= READ_SPLIT_BYTES else 1
+        groups = 1 + _read_workers() if out.nbytes >= READ_SPLIT_BYTES and not fp8.uses_torch() else 1
         if groups == 1:
             return fp8.dequantize(raw, out=out)
         cut = [len(raw) * g // groups for g in range(groups + 1)]

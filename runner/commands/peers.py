@@ -46,8 +46,13 @@ def export_command(ctx: typer.Context, **kw) -> None:
 
     fmt, out = kw.pop("format"), kw.pop("out")
     opts = _options(ctx, kw)
+    if fmt == "speculators" and opts.final_state:
+        from ..peers.export import refuse_final_state_in_speculators
+
+        refuse_final_state_in_speculators()  # before resolving the selection (what export() checks too)
     store = get_store(create=False)
-    sel = resolve_selection(opts, store=store, argv=_argv(ctx), last_layer_last=(fmt == "speculators"))
+    sel = resolve_selection(opts, store=store, argv=_argv(ctx), last_layer_last=(fmt == "speculators"),
+                            export_format=fmt)
     progress = None
     if opts.progress:
         from tqdm.auto import tqdm

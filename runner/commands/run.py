@@ -90,6 +90,8 @@ def run_pipeline(mode: str, upto: str, opts: EvalOptions, argv: list[str] | None
             _print_plan(nodes, opts, est, describe(est))
         else:
             _print_plan(nodes, opts)
+        if ctx.waiting_turns:  # the graph stops at a turn's completions (runner/core/pipeline.py later_turns)
+            log(f"note: {ctx.waiting_turns}; a run makes them, then plans the rest with those turns in it.")
         if opts.offline:
             check_offline(ctx, nodes)
         return ctx, nodes

@@ -99,7 +99,7 @@ def _tokens_of(ctx, tokens_node, positions: list[int]) -> tuple[dict[int, int], 
 
 def estimate(ctx, nodes) -> list[dict]:
     """One dict per hidden-states group of the plan (see the module docstring)."""
-    from ..models.target import read_model_info
+    from ..models.target import deepest_run, read_model_info, sort_layers
 
     groups: dict[str, list] = {}
     for n in nodes:
@@ -118,10 +118,10 @@ def estimate(ctx, nodes) -> list[dict]:
         per, exact = _tokens_of(ctx, tokens_node, positions) if positions else ({}, True)
         forward_tokens = sum(per.values())
         stored = sum(per[i] for ps in todo.values() for i in ps) * width
-        deepest = max((k for k, ps in todo.items() if ps), default=max(todo))
+        deepest = deepest_run([k for k, ps in todo.items() if ps] or list(todo), info.num_layers)
         rate = pick_rate(ctx.store, info, dtype, deepest, gpu)
         out.append({
-            "target": str(p.target_dir), "backend": p.backend_key(), "layers": sorted(todo),
+            "target": str(p.target_dir), "backend": p.backend_key(), "layers": sort_layers(todo),
             "samples_to_extract": len(positions), "tokens_to_extract": forward_tokens, "tokens_exact": exact,
             "bytes": {codec: int(stored * r) for codec, r in CODEC_RATIO.items()},
             "bytes_note": "none is exact; the codecs' sizes use the size bench's ratios on tiny-model states",

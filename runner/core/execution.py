@@ -126,15 +126,57 @@ def run_graph(upto: str, opts: EvalOptions, store, *, argv=None, log=None, out=N
               worker: Worker | None = None):
     """Resolve the graph and make what is missing. ``output``: a Python call's output (its ``out``,
     ``bars`` and ``hush()``, which silences transformers before work), else ``out``."""
-    from .graph import check_offline
-    from .pipeline import execute
+    from .graph import check_offline, resolve
+    from .pipeline import build_graph, execute
 
     if output is not None:
         out = output.out
     ctx, nodes = resolve_graph(upto, opts, store, argv=argv, log=log, out=out,
                                bars=output.bars if output is not None else None, worker=worker)
-    check_offline(ctx, nodes)
-    if output is not None and any(n.status.startswith("compute") or n.status == "network" for n in nodes):
-        output.hush()  # work to do: the stages load models and tokenizers with transformers
-    execute(ctx, nodes)
-    return ctx, nodes
+    earlier: list = []  # the graphs run before this one (a multi-turn set's earlier turns)
+    while True:
+        check_offline(ctx, nodes)
+        if output is not None and any(n.status.startswith("compute") or n.status == "network" for n in nodes):
+            output.hush()  # work to do: the stages load models and tokenizers with transformers
+        execute(ctx, nodes)
+        if ctx.waiting_turns is None:
+            if earlier:
+                _count_earlier(ctx, earlier, nodes)
+            return ctx, nodes
+        earlier += nodes
+        # A multi-turn set's next turn is asked after the target's answers this graph just made
+        # (runner/core/pipeline.py later_turns): the graph again, with those prompts in it.
+        waited = ctx.waiting_turns
+        ctx.log(f"prompts: {waited}; they are stored now, so the run goes on with that turn")
+        nodes = resolve(ctx, build_graph(ctx, upto))
+        if ctx.waiting_turns == waited:
+            from dfcache.errors import InternalError
+
+            raise InternalError(f"the run made a turn's completions and still finds them missing ({waited}); "
+                                "this is a bug, please report it (rerun with --debug for the traceback).")
+
+
+def _count_earlier(ctx, earlier: list, nodes: list) -> None:
+    """What the earlier graphs of a run made counts as made by it, not as reused: a sample of the
+    last graph stored by an earlier one (the first turns' completions) moves from its stored
+    positions to the ones the run produced or pulled, and the run's work names the last graph's
+    nodes (an earlier graph's node is a part of one of them)."""
+    made: dict[str, tuple[set, int, int]] = {}
+    for n in earlier:
+        if n.partition is not None and (n.produce or n.pull):
+            keys, produced, pulled = made.get(n.partition.key, (set(), 0, 0))
+            keys.update(n.sample_keys[i] for i in n.produce + n.pull)
+            made[n.partition.key] = (keys, produced + n.produced, pulled + n.pulled)
+    for n in nodes:
+        if n.partition is None or n.partition.key not in made:
+            continue
+        keys, produced, pulled = made[n.partition.key]
+        moved = [i for i in n.local if n.sample_keys[i] in keys]
+        n.local = set(n.local) - set(moved)
+        n.produce = sorted(set(n.produce) | set(moved))
+        n.produced += produced
+        n.pulled += pulled
+        if produced and n.key not in ctx.work_done:
+            ctx.work_done.append(n.key)
+    final = {n.key for n in nodes}
+    ctx.work_done[:] = [k for k in ctx.work_done if k in final]

@@ -137,6 +137,9 @@ class Node:
 @dataclass
 class PromptsSpec:
     records: list  # one record (its "messages" and fields) per position of the prompt set
+    # position -> every user turn of a multi-turn record (suite:mt-bench): its later turns are asked
+    # after the target's answers (runner/core/pipeline.py later_turns)
+    turns: dict[int, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -156,7 +159,7 @@ class TokensSpec:
 @dataclass
 class HiddenStatesSpec:
     target_dir: str
-    layer: int
+    layer: int | str  # a decoder layer's index, or "final": the state after the final norm
     backend: "KernelSpec"  # runner.models.target: how the target runs, its note included
     tokens: Node
     states: str | None = None  # a lossy codec the rows are stored in (keyed in the backend)
@@ -294,6 +297,9 @@ class RunContext:
         self.last_extract_stats = None  # the hidden-states stage's last ExtractStats (bench, tests)
         self.last_lossy_check_s = 0.0  # seconds its lossy-vs-exact comparison took after extracting (bench)
         self.work_done: list[str] = []  # keys produced in this run (tests and --json read it)
+        # Set by build_graph when the graph stops at a turn's completions: the prompts of the next
+        # turns of a multi-turn set are made from them once they are stored (runner/core/pipeline.py).
+        self.waiting_turns: str | None = None
 
     def log(self, message: str) -> None:
         print(message, file=self.out, flush=True)

@@ -168,6 +168,9 @@ RUN_OPTIONS: tuple[RunOption, ...] = (  # in the order `run -h` lists them and m
        "from text, fail their check (count, round trip); marked in the report.", "prompts"),
     _O("layers", ("--layer",), int, None, "Layer ids to extract (run hidden-states without a drafter; "
        "repeatable).", "extraction", keys=("hidden_states",), metavar="K", repeat=True),
+    _O("final_state", ("--final-state",), bool, False, "Also extract the target's state after its final norm "
+       "(layer 'final': what its lm_head reads; EAGLE-3's and DSpark's training data).", "extraction",
+       keys=("hidden_states",)),
     _O("backend", ("--backend",), str, "auto", "Kernel family of the target's forward: fla (CUDA), torch, or auto.",
        "extraction", keys=("hidden_states", "completions (local)"), choices=KERNELS),
     _O("device", ("--device",), str, "auto", "Where hidden states (and local completions) are computed.",

@@ -25,10 +25,14 @@ TARGETS = ("prompts", "completions", "tokens", "hidden-states", "eval")
 def build_graph(ctx: RunContext, upto: str = "eval") -> list[Node]:
     if upto not in TARGETS:
         raise UsageError(f"unknown target {upto!r}; choose one of {', '.join(TARGETS)}.")
-    roots: list[Node] = [prompts.build(ctx)]
+    ctx.waiting_turns = None
+    first = prompts.build(ctx)
     if upto == "prompts":
-        return topo_order(roots)
-    roots = [completions.build(ctx, roots[0])]
+        return topo_order([first])  # the first turns: later ones need the target's answers
+    whole, waiting = later_turns(ctx, first)
+    if whole is None:  # a turn's completions are missing: this graph makes them (execution.py runs it again)
+        return topo_order([waiting])
+    roots = [completions.build(ctx, whole)]
     if upto == "completions":
         return topo_order(roots)
     tok = tokens.build(ctx, roots[0])
@@ -36,12 +40,61 @@ def build_graph(ctx: RunContext, upto: str = "eval") -> list[Node]:
         return topo_order([tok])
     # `run hidden-states --drafter D` extracts the layers D reads (its target_layer_ids).
     drafters = drafter_eval.resolve_drafters(ctx) if upto == "eval" or ctx.options.drafters else []
-    layers = hidden_states.requested_layers(ctx, drafters)
+    # `run hidden-states` makes training data: the final state too for a family that trains on it.
+    layers = hidden_states.requested_layers(ctx, drafters, training=upto == "hidden-states")
     hs = hidden_states.build(ctx, tok, layers)
     if upto == "hidden-states":
         return topo_order(list(hs.values()))
     evals = [drafter_eval.build(ctx, tok, hs, d) for d in drafters]
     return topo_order([report.build(ctx, evals)])
+
+
+def later_turns(ctx: RunContext, first: Node) -> tuple[Node | None, Node | None]:
+    """The prompt set with every later turn of its multi-turn records (suite:mt-bench), as the
+    peers ask them: turn k+1's messages are turn k's, the target's answer to it, then the next user
+    turn. A later turn's prompt is a prompt record like any other, keyed by its content (the answer
+    included), with the id ``ID/turnK``; it is made from the stored completion of the turn before.
+
+    Returns ``(prompts node, None)``, or ``(None, completions node)`` when some turn's completions
+    are not stored yet: the graph then ends at that node (making them is the run's work, or
+    offline the usual missing-node error) and ``ctx.waiting_turns`` says why; the run builds the
+    graph again after it (runner/core/execution.py). Nothing here contacts anything."""
+    from dfcache.keys import messages_digest
+    from dfcache.samples import SampleSet, index_of
+
+    turns = first.spec.turns
+    if not turns:
+        return first, None
+    node, at = first, {b: b for b in turns}  # record position -> the position of its latest turn's prompt
+    answers: dict[int, list[str]] = {b: [] for b in turns}
+    k = 1
+    while True:
+        asking = [b for b in turns if len(turns[b]) > k]
+        if not asking:
+            return node, None
+        comp = completions.build(ctx, node)
+        keys = [comp.sample_keys[at[b]] for b in asking]
+        missing = index_of(ctx.store).missing(comp.partition.key, keys)
+        if missing:
+            ctx.waiting_turns = (f"the prompts of turn {k + 1} of {len(asking)} multi-turn prompt(s) are made from "
+                                 f"the target's answers to turn {k} ({len(set(missing))} not stored yet)")
+            return None, comp
+        docs = SampleSet(ctx.store, comp.partition.key, keys).docs()
+        ids, upstream, records = list(node.ids), list(node.upstream_samples), []
+        for b, doc in zip(asking, docs):
+            answers[b].append(doc["text"])
+            messages = []
+            for user, answer in zip(turns[b], answers[b]):
+                messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+            messages.append({"role": "user", "content": turns[b][k]})
+            at[b] = len(ids)
+            ids.append(f"{first.ids[b]}/turn{k + 1}")
+            upstream.append(messages_digest(messages))
+            records.append({"id": ids[-1], "messages": messages})
+        source = first.summary.partition(" prompts from ")[2]  # `ls` names the set by it (core/summaries.py)
+        node = prompts.node(ids, upstream, prompts.JoinedRecords(node.spec.records, records), turns,
+                            f"{len(ids)} prompts from {source} (turns 1-{k + 1})")
+        k += 1
 
 
 def execute(ctx: RunContext, nodes: list[Node]) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from dfcache.errors import BadInputError
@@ -238,8 +239,9 @@ def _join(v) -> str:
     return ", ".join(map(str, v)) if isinstance(v, list) else str(v)
 
 
-def markdown(report: dict) -> str:
-    """The report as markdown: banner and warnings (when shown), the table, the legend, the selection."""
+def markdown(report: dict, sections: "ShownSections | None" = None) -> str:
+    """The report as markdown: banner and warnings (when shown), the table, the legend, the selection,
+    then ``sections`` (the tables per prompt set, when shown)."""
     head, rows = table(report)
     parts = []
     if report.get("banner"):
@@ -255,11 +257,31 @@ def markdown(report: dict) -> str:
     sel = selection_lines(report)
     if sel:
         parts.append("Selection:\n" + "\n".join(f"- {line}" for line in sel))
+    if sections is not None:
+        parts.append(sections.markdown)
     return "\n\n".join(parts)
 
 
-def shown_html(report: dict) -> str:
-    """What replaces SHOW_MARK in the stored page: banner, warnings, the summary table."""
+@dataclass(frozen=True)
+class ShownSections:
+    """What a run adds to its report when it shows it, from options outside the report's key
+    (runner/suites/tables.py: τ per prompt set, per turn, the --mix row): put into report.json
+    (under ``key``), report.md and report.html, and into the stamp, since they change with the run."""
+
+    key: str
+    doc: dict
+    markdown: str
+    html: str
+
+    def digest(self) -> str:
+        import hashlib
+
+        return hashlib.sha256((self.markdown + "\0" + self.html).encode()).hexdigest()[:16]
+
+
+def shown_html(report: dict, sections: ShownSections | None = None) -> str:
+    """What replaces SHOW_MARK in the stored page: banner, warnings, the summary table (and the
+    tables per prompt set after it, when shown)."""
     import html  # here: a cached run whose files are up to date writes no HTML
 
     from .reporting import table_html  # standard library only, as here
@@ -271,25 +293,29 @@ def shown_html(report: dict) -> str:
         banner_html = (f'<div class="warn banner"><p><strong>{html.escape(first)}</strong></p>'
                        + "".join(f"<p>{html.escape(x)}</p>" for x in rest) + "</div>")
     warn = "".join(f'<p class="warn">{html.escape(w)}</p>' for w in report.get("warnings", []))
-    return banner_html + warn + table_html(head, list(zip(row_classes(report), rows)))
+    return banner_html + warn + table_html(head, list(zip(row_classes(report), rows))) + (
+        sections.html if sections is not None else "")
 
 
 # --------------------------------------------------------------------------------------------
 # Showing a stored report
 # --------------------------------------------------------------------------------------------
 
-def show(store, key: str, opts) -> tuple[dict, str, dict[str, Path]]:
-    """The report ``key`` as this run shows it: (report with verdicts, markdown, materialized files)."""
+def show(store, key: str, opts, sections: ShownSections | None = None) -> tuple[dict, str, dict[str, Path]]:
+    """The report ``key`` as this run shows it: (report with verdicts, markdown, materialized files);
+    ``sections``: the run's tables per prompt set, added to all three."""
     art = store.open(key)
     shown = view(art.json("report"), trained_on=getattr(opts, "trained_on", None),
                  accept_retokenized=bool(getattr(opts, "accept_retokenized", False)), key=key)
-    return shown, markdown(shown), materialize(store, key, shown, art=art)
+    if sections is not None:
+        shown[sections.key] = sections.doc
+    return shown, markdown(shown, sections), materialize(store, key, shown, art=art, sections=sections)
 
 
-def materialize(store, key: str, shown: dict, art=None) -> dict[str, Path]:
+def materialize(store, key: str, shown: dict, art=None, sections: ShownSections | None = None) -> dict[str, Path]:
     """Write the report's files under <store>/reports/<key[:12]>/ as ``shown`` says, and return their
-    paths. PNGs are written once; report.html, report.md and report.json whenever the verdicts they
-    were written for (the stamp ``.shown.json``, written last) are not this run's."""
+    paths. PNGs are written once; report.html, report.md and report.json whenever the verdicts and
+    sections they were written for (the stamp ``.shown.json``, written last) are not this run's."""
     reports = store.local_dir("reports")
     if reports is None:
         return {}
@@ -302,7 +328,8 @@ def materialize(store, key: str, shown: dict, art=None) -> dict[str, Path]:
     # this stamp, not the files, keeps a cached run that changes nothing at one small read (the
     # indented report.json costs more to encode than the rest of showing it; docs/benchmarks.md noop-eval).
     stamp_path = out / STAMP
-    stamp = json.dumps({"report_key": key, "verdicts": shown["verdicts"], "files": sorted(paths)}, sort_keys=True)
+    stamp = json.dumps({"report_key": key, "verdicts": shown["verdicts"], "files": sorted(paths),
+                        "sections": sections.digest() if sections is not None else None}, sort_keys=True)
     try:
         if stamp_path.read_text() == stamp and all(p.exists() for p in paths.values()):
             return paths
@@ -316,9 +343,9 @@ def materialize(store, key: str, shown: dict, art=None) -> dict[str, Path]:
                 _write(path, art.array(name).read().tobytes())
         elif filename == "report.html":
             page = art.json(name)
-            _write(path, page.replace(SHOW_MARK, shown_html(shown), 1).encode())
+            _write(path, page.replace(SHOW_MARK, shown_html(shown, sections), 1).encode())
         elif filename == "report.md":
-            _write(path, (markdown(shown) + "\n").encode())
+            _write(path, (markdown(shown, sections) + "\n").encode())
     doc = {**shown, "report_key": key, "files": {k: str(v) for k, v in paths.items()}}
     _write(paths["report.json"], json.dumps(doc, indent=1, ensure_ascii=False).encode() + b"\n")
     _write(stamp_path, stamp.encode())  # last: the files above are this view's

@@ -419,21 +419,31 @@ class Selection:
 
 
 def resolve_selection(opts: EvalOptions, *, store, layers: list[int] | None = None,
-                      argv: list[str] | None = None, last_layer_last: bool = False, out=None) -> Selection:
+                      argv: list[str] | None = None, last_layer_last: bool = False, out=None,
+                      export_format: str | None = None) -> Selection:
     """The stored artifacts of a selection; raises OfflineMissingError (exit 3) if any is missing.
 
     Layers: ``layers``, else ``opts.layers`` (their order), else the first drafter's
     ``target_layer_ids``. ``last_layer_last``: the target's last layer is moved (or added) to the
     end, as speculators' layout wants; an EAGLE-3 drafter's three layers are kept as they are
     (its ``fc`` reads exactly three) and the last layer added after them. ``out``: where notes go
-    (default: stderr).
+    (default: stderr). The final state (layer ``"final"``, after the final norm) comes last, with
+    ``--final-state`` or when ``export_format``'s layout of the drafter's family holds it
+    (``runner.drafters.family.export_needs_final_state``: SpecForge's EAGLE-3 and DSpark files).
     """
     from .graph import RunContext, resolve, topo_order
-    from ..models.target import read_model_info
+    from ..drafters.family import export_needs_final_state
+    from ..models.target import FINAL, read_model_info, sort_layers
     from ..stages import completions, drafter_eval, hidden_states, prompts, tokens
 
+    from .pipeline import later_turns
+
     ctx = RunContext(store, opts, remotes=[], argv=argv or ["run", "hidden-states"], out=out)
-    tok = tokens.build(ctx, completions.build(ctx, prompts.build(ctx)))
+    # With a multi-turn set (suite:mt-bench), the later turns too; while the answers they are asked
+    # after are missing, those completions are what the selection lacks.
+    first = prompts.build(ctx)
+    whole, waiting = later_turns(ctx, first)
+    tok = tokens.build(ctx, completions.build(ctx, whole if whole is not None else first))
     drafter_layers = drafter_family = None
     if layers is None:
         if opts.layers:
@@ -447,12 +457,17 @@ def resolve_selection(opts: EvalOptions, *, store, layers: list[int] | None = No
             raise BadInputError("no hidden-state layers selected: pass --drafter DIR (its "
                                 "dflash_config.target_layer_ids) or --layer K (repeatable).")
     info = read_model_info(tok.spec.target_dir)
+    layers = [k for k in layers if k != FINAL]
     if last_layer_last:
         keep = layers if drafter_family == "eagle3" else [k for k in layers if k != info.num_layers - 1]
         layers = list(keep) + [info.num_layers - 1]
-    nodes_by_layer = hidden_states.build(ctx, tok, sorted(set(layers)))
-    nodes = resolve(ctx, topo_order(list(nodes_by_layer.values())))
-    wanted = [tok] + [nodes_by_layer[k] for k in layers]
+    final = bool(getattr(opts, "final_state", False)) or \
+        (export_format is not None and export_needs_final_state(drafter_family, export_format))
+    if final:
+        layers.append(FINAL)
+    nodes_by_layer = hidden_states.build(ctx, tok, sort_layers(layers))
+    nodes = resolve(ctx, topo_order(list(nodes_by_layer.values()) + ([waiting] if waiting is not None else [])))
+    wanted = ([waiting] if waiting is not None else []) + [tok] + [nodes_by_layer[k] for k in layers]
     missing = [n for n in wanted if len(n.local) != len(n.sample_keys)]
     if missing:
         cmd = "dfcache " + " ".join(_quote(a) for a in _run_args(ctx.argv, layers))
@@ -480,6 +495,8 @@ def stored_selection(store, tokens_key: str, layers: list[int], *, backend: dict
     file order, from whichever segments hold them) and layer ids; or, for a set-level tokens
     artifact, the hidden-state artifacts over it, one per layer (``backend`` chooses when several
     classes exist)."""
+    from ..models.target import layer_of_key
+
     tokens_key = store.resolve(tokens_key)
     m = store.manifest(tokens_key)
     if m.stage == "import":
@@ -487,7 +504,7 @@ def stored_selection(store, tokens_key: str, layers: list[int], *, backend: dict
     by_layer: dict[int, list] = {}
     for m in store.list_manifests(stage="hidden_states"):
         if m.upstream.get("tokens") == tokens_key and (backend is None or m.inputs.get("backend") == backend):
-            by_layer.setdefault(int(m.inputs["layer"]), []).append(m)
+            by_layer.setdefault(layer_of_key(m.inputs["layer"]), []).append(m)
     missing = [k for k in layers if k not in by_layer]
     if missing:
         raise OfflineMissingError(f"no hidden states of layer(s) {', '.join(map(str, missing))} over tokens "
@@ -560,6 +577,11 @@ def _run_args(argv: list[str], layers: list[int]) -> list[str]:
         if a in drop:
             skip = True
             continue
+        if a == "--final-state":
+            continue
         if not any(a.startswith(d + "=") for d in drop):
             out.append(a)
-    return [*head, "run", "hidden-states", *out, *(x for k in layers for x in ("--layer", str(k)))]
+    from ..models.target import FINAL
+
+    return [*head, "run", "hidden-states", *out, *(x for k in layers if k != FINAL for x in ("--layer", str(k))),
+            *(["--final-state"] if FINAL in layers else [])]

@@ -6,7 +6,8 @@ recognised and validated, how it loads; the stage and ``parity`` dispatch on ``D
   and what the config says it is).
 * ``plan(path, config, target)`` (EAGLE-3, DSpark): the planning fields (:class:`Plan`): the target
   layers whose outputs it reads (``layers``; resolved against the target's depth where the family
-  has a default), whether it needs the target's final-layer state (``final_state``; no family yet),
+  has a default), whether it trains on the target's final state (``final_state``: the state after
+  the final norm, hidden-state layer ``"final"``; EAGLE-3 and DSpark),
   the block size the report uses (draft depth + 1) and the key inputs only this family has. Every
   check that needs no weights (and the d2t map, read with numpy) runs here, before any work.
   DFlash's planning is ``runner.stages.drafter_eval.read_drafter``'s, unchanged: it adds no key input.
@@ -41,13 +42,16 @@ class Plan:
     family: str
     layers: list[int]          # target layer ids whose outputs the drafter reads, in its order
     block_size: int            # drafts per block + 1 (the bonus token)
-    final_state: bool = False  # needs the target's final-layer state (no family yet)
+    final_state: bool = False  # trains on the target's final state (after its final norm: layer "final")
     key_inputs: dict[str, Any] = field(default_factory=dict)  # family-only key inputs (DFlash: none)
     summary: str = ""
 
 
 class DFlash:
     name = "dflash"
+    # What it trains on besides its layers: the target's state after its final norm (hidden-state
+    # layer "final")? DFlash: no (SpecForge's DFlash files hold its layers only).
+    trains_on_final_state = False
     what = "DFlash block-diffusion drafter (config.json with dflash_config)"
 
     @staticmethod
@@ -69,6 +73,10 @@ class Eagle3:
     name = "eagle3"
     what = "EAGLE-3 drafter (SpecForge LlamaForCausalLMEagle3 or speculators eagle3)"
     DEFAULT_STEPS = 5  # SGLang's --speculative-num-steps in its EAGLE-3 examples
+    # SpecForge's offline EAGLE-3 files hold it as ``hidden_state`` (the teacher's logits are
+    # lm_head(hidden_state); specforge.algorithms.eagle3.data). speculators' EAGLE-3 reads the last
+    # layer before the norm instead and applies verifier_norm itself.
+    trains_on_final_state = True
 
     @staticmethod
     def recognises(raw: dict) -> bool:
@@ -102,7 +110,8 @@ class Eagle3:
         if problem:
             raise BadInputError(f"EAGLE-3 drafter {path}: {problem}")
         depth = int(steps or cfg.speculative_tokens or cls.DEFAULT_STEPS)
-        return Plan("eagle3", list(ids), depth + 1, key_inputs={"family": "eagle3", "draft_depth": depth},
+        return Plan("eagle3", list(ids), depth + 1, final_state=cls.trains_on_final_state,
+                    key_inputs={"family": "eagle3", "draft_depth": depth},
                     summary=f"eagle3 chain {depth}, layers {list(ids)}")
 
     @staticmethod
@@ -116,14 +125,18 @@ class DSpark:
     name = "dspark"
     what = ("DSpark drafter (SpecForge DSparkDraftModel: a DFlash backbone, dflash_config.projector_type "
             "'dspark', with a Markov head)")
+    # SpecForge's DSpark training reads ``target_last_hidden_states`` (its lm_head gives the
+    # teacher logits of the L1/confidence losses: specforge.algorithms.common.dflash_family_data
+    # and dflash_family_model); its eval here does not (the target's tokens are known).
+    trains_on_final_state = True
 
     @staticmethod
     def recognises(raw: dict) -> bool:
         # One without a Markov head drafts as its backbone: DFlash's (DFlash.recognises).
         return is_dspark_config(raw) and draft_differs_from_dflash(raw)
 
-    @staticmethod
-    def plan(path: Path, raw: dict, *, layers: list[int], block_size: int) -> Plan:
+    @classmethod
+    def plan(cls, path: Path, raw: dict, *, layers: list[int], block_size: int) -> Plan:
         """Planning fields: the backbone's (read as DFlash's by the caller); what the head cannot be
         scored with (the anchor slot drafting, a draft vocabulary, speculators' layout) is exit 6."""
         from .dspark_config import head_config
@@ -133,7 +146,8 @@ class DSpark:
             raise BadInputError(f"DSpark drafter {path}: speculators' layout (speculators_model_type 'dspark', "
                                 "no dflash_config) is not scored yet; pass a checkpoint in SpecForge's layout "
                                 "(DSparkDraftModel with dflash_config).")
-        return Plan("dspark", list(layers), int(block_size), key_inputs={"family": "dspark"},
+        return Plan("dspark", list(layers), int(block_size), final_state=cls.trains_on_final_state,
+                    key_inputs={"family": "dspark"},
                     summary=f"dspark {cfg.head_type} head rank {cfg.markov_rank}, chain {block_size - 1}, "
                             f"layers {list(layers)}")
 
@@ -145,6 +159,20 @@ class DSpark:
 
 
 FAMILIES = {f.name: f for f in (DFlash, Eagle3, DSpark)}
+
+
+def trains_on_final_state(family: str | None) -> bool:
+    """Whether a family's training data hold the target's final state (layer "final"): `run
+    hidden-states --drafter` extracts it and `export --format specforge` writes it for them."""
+    fam = FAMILIES.get(family or "")
+    return bool(fam is not None and fam.trains_on_final_state)
+
+
+def export_needs_final_state(family: str | None, fmt: str) -> bool:
+    """Whether ``export --format fmt`` of a selection whose drafter is of ``family`` writes the final
+    state: SpecForge's EAGLE-3 (``hidden_state``) and DSpark (``target_last_hidden_states``) layouts.
+    speculators' EAGLE-3 takes the last layer before the norm (its verifier_norm applies it)."""
+    return fmt == "specforge" and trains_on_final_state(family)
 
 
 def describe_config(raw: dict) -> str:

@@ -24,6 +24,8 @@ another's scratch memory). ``DFCACHE_CUDA_GRAPHS=0`` turns them off in the extra
 
 from __future__ import annotations
 
+from .target import sort_layers
+
 MAX_GRAPHS = 8
 CAPTURE_AT = 2  # the forward of a shape at which it is captured (the first ones run eagerly)
 
@@ -62,7 +64,7 @@ class ForwardGraphs:
         return "x".join(map(str, key[0])) + " L" + ",".join(map(str, key[1]))
 
     def __call__(self, ids, layers) -> dict:
-        key = (tuple(ids.shape), tuple(sorted(set(int(k) for k in layers))))
+        key = (tuple(ids.shape), tuple(sort_layers(layers)))
         hit = self.graphs.get(key)
         if hit is not None:
             graph, static_ids, static_out, calls = hit

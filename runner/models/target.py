@@ -27,7 +27,9 @@ and nothing is fetched: see "Hub kernels" below.
 Layer semantics: layer id ``k`` is the output of decoder layer ``k`` (Hugging Face
 ``hidden_states[k+1]``), before the final norm, including the last layer. The forward pass stops
 right after the deepest requested layer (an exception from a forward hook), so neither the layers
-after it, nor the final norm, nor the lm_head are computed.
+after it, nor the final norm, nor the lm_head are computed. Layer id ``FINAL`` ("final") is the
+state after the final norm (what the lm_head reads); asking for it runs every layer and the norm,
+in the same forward as the other layers, and still not the lm_head.
 """
 
 from __future__ import annotations
@@ -418,9 +420,10 @@ class LayerCapture:
     ``missing()`` (a model whose forward skips a decoder layer never fills its entry).
     """
 
-    def __init__(self, layers, want: list[int]) -> None:
+    def __init__(self, layers, want: list[int], stop: bool = True) -> None:
         self.layers = layers
         self.want = want
+        self.stop = stop  # False: the forward runs on after the deepest (the final state is wanted too)
         self.outputs: dict[int, Any] = {}
         self._handles: list = []
 
@@ -433,7 +436,7 @@ class LayerCapture:
         return hook
 
     def __enter__(self) -> dict[int, Any]:
-        last = self.want[-1]
+        last = self.want[-1] if self.want and self.stop else None
         self._handles = [self.layers[i].register_forward_hook(self._hook(i, i == last)) for i in self.want]
         return self.outputs
 
@@ -489,19 +492,24 @@ class TargetModel:
     def forward_layers(self, input_ids, layers) -> dict:
         """Outputs of decoder layers ``layers`` for ``input_ids`` [B, T] (no padding: every row is
         a whole sample), each [B, T, H] on the model's device in its dtype. Layers after the
-        deepest requested one, the final norm and the lm_head are not computed."""
+        deepest requested one, the final norm and the lm_head are not computed. ``FINAL`` among
+        ``layers``: every layer and the final norm run, and its entry is the base model's
+        ``last_hidden_state`` (after the final norm, what the lm_head reads); the lm_head never runs."""
         import torch
 
-        want = sorted(set(int(k) for k in layers))
-        if not want:
+        final = FINAL in layers
+        want = sorted(set(int(k) for k in layers if k != FINAL))
+        if not want and not final:
             return {}
-        capture = LayerCapture(self.layers, want)
+        capture = LayerCapture(self.layers, want, stop=not final)
         with capture as out:
             self.rebind()
             # no_grad, not inference_mode: what transformers itself uses around fla's autograd
             # Functions, and the outputs stay ordinary tensors for the copies that follow.
             with torch.no_grad():
-                self.base(input_ids=input_ids, use_cache=False)
+                res = self.base(input_ids=input_ids, use_cache=False)
+            if final:
+                out[FINAL] = res.last_hidden_state if hasattr(res, "last_hidden_state") else res[0]
         missing = capture.missing()
         if missing:
             raise RuntimeError(f"layers {missing} of {type(self.model).__name__} did not run; the model's "
@@ -510,10 +518,46 @@ class TargetModel:
         return out
 
 
-def check_layer_ids(layers, num_layers: int) -> list[int]:
-    """Sorted unique layer ids, each a valid decoder-layer index of a ``num_layers``-deep model."""
+# The layer id of the target's state after its final norm: what its lm_head reads (SGLang's
+# ``last_hidden_states``, HF's ``last_hidden_state`` of the base model), which EAGLE-3's teacher
+# (SpecForge's ``hidden_state``) and DSpark's training (``target_last_hidden_states``) read. A string,
+# so its hidden-state key (``layer: "final"``) can never equal a decoder layer's, and integer ids keep
+# their keys. It sorts after every decoder layer (computing it runs them all).
+FINAL = "final"
+
+
+def layer_order(k) -> tuple[int, int]:
+    """Sort key of layer ids: decoder layers by index, then FINAL."""
+    return (1, 0) if k == FINAL else (0, int(k))
+
+
+def sort_layers(layers) -> list:
+    return sorted(set(layers), key=layer_order)
+
+
+def layer_name(k) -> str:
+    """How listings name a layer id."""
+    return "final (post-norm)" if k == FINAL else str(k)
+
+
+def layer_of_key(value):
+    """The layer id of a hidden-state key's ``layer`` input (an int, or FINAL)."""
+    return FINAL if value == FINAL else int(value)
+
+
+def deepest_run(layers, num_layers: int) -> int:
+    """The deepest decoder layer a forward computing ``layers`` runs."""
+    return max(num_layers - 1 if k == FINAL else int(k) for k in layers)
+
+
+def check_layer_ids(layers, num_layers: int) -> list:
+    """Sorted unique layer ids, each a valid decoder-layer index of a ``num_layers``-deep model
+    (or FINAL, last)."""
     out = set()
     for k in layers:
+        if k == FINAL:
+            out.add(k)
+            continue
         if isinstance(k, bool) or not isinstance(k, int):
             raise BadInputError(f"layer id {k!r} is not an integer; layer ids are decoder-layer indices "
                                 f"0..{num_layers - 1}.")
@@ -523,7 +567,7 @@ def check_layer_ids(layers, num_layers: int) -> list[int]:
                                 "dflash_config.target_layer_ids or --layer, and that --target is the model "
                                 "the drafter was trained against.")
         out.add(k)
-    return sorted(out)
+    return sort_layers(out)
 
 
 def _decoder_stack(model, num_layers: int):

@@ -31,11 +31,24 @@ three layers (its ``fc`` input, in its order) and the target's final state (the 
   ``hidden_states`` ``[n, 4, hidden]``; ``ArrowDataset`` gives ``hidden_states`` ``[n, 3 x hidden]``
   and ``verifier_last_hidden_states``, to which speculators' EAGLE-3 applies the target's norm itself
   (``verifier_norm``), so the stored last layer (before the final norm) is what it wants.
-* ``specforge``: SpecForge's offline EAGLE-3 files (``specforge.algorithms.eagle3.data``,
-  ``_OFFLINE_EAGLE3_KEYS``) hold ``aux_hidden_state`` (the three layers concatenated) and
-  ``hidden_state``: the target's state *after* its final norm (SGLang's ``last_hidden_states``,
-  the logits processor's input; SpecForge's target head is the bare ``lm_head``). No stage stores
-  that state, so the export is refused (exit 6, naming it) and nothing is written.
+* ``specforge``: SpecForge's offline EAGLE-3 files (read by
+  ``specforge.runtime.data_plane.offline_reader.OfflineManifestReader`` with its
+  ``_OFFLINE_EAGLE3_KEYS`` and normalized by ``specforge.algorithms.eagle3.data.normalize_offline_sample``),
+  same paths as above, holding ``{"input_ids": int64 [n], "loss_mask": int64 [n],
+  "aux_hidden_state": [1, n, 3 x hidden] (the three layers concatenated in the drafter's order),
+  "hidden_state": [1, n, hidden]}``: the target's state *after* its final norm (SGLang's
+  ``last_hidden_states``, the logits processor's input; SpecForge's target head is the bare
+  ``lm_head``). That is the hidden-state layer ``"final"`` (runner/stages/hidden_states): the
+  selection asks for it, and a store without it is exit 3 naming ``run hidden-states ... --final-state``.
+
+DSpark (``runner.drafters.family.DSpark``; or any selection with ``--final-state``) in ``specforge``:
+SpecForge's DSpark trainer reads ``target_last_hidden_states`` beside the DFlash layout
+(``specforge.algorithms.common.dflash_family_data.normalize_dspark_offline_sample``, required by
+``build_dspark_offline_reader``; its lm_head gives the teacher logits of the L1 and confidence losses,
+so it is the state after the final norm too): the files are the DFlash layout above plus
+``"target_last_hidden_states": [1, n, hidden]``, the layer ``"final"``. speculators' layouts have no
+final state (its EAGLE-3 normalizes the stored last layer itself), so ``--final-state`` with
+``--format speculators`` is refused (exit 6).
 
 Every file is written to a temporary name in its directory and renamed into place, so a file
 that exists is complete; ``dfcache-export.json`` (the selection, the files, ``complete``) is
@@ -146,6 +159,12 @@ def check_destination(fmt: str, sel: Selection, out: Path) -> dict | None:
     return man
 
 
+def refuse_final_state_in_speculators() -> None:
+    raise BadInputError("--final-state with --format speculators: speculators' layouts hold no state after "
+                        "the target's final norm (its EAGLE-3 applies verifier_norm to the stored last layer "
+                        "itself); drop --final-state, or export with --format specforge.")
+
+
 def export(sel: Selection, fmt: str, out: str | os.PathLike, *, progress=None) -> ExportResult:
     """Write the selection's samples in ``fmt``'s layout under ``out`` (resuming a previous try)."""
     if fmt not in FORMATS:
@@ -160,15 +179,15 @@ def export(sel: Selection, fmt: str, out: str | os.PathLike, *, progress=None) -
             raise BadInputError("--format speculators also writes the prepared dataset speculators trains "
                                 "from, with the `datasets` package, which is not installed; install it with "
                                 "pip install 'dfcache[peers]' (or pip install datasets).") from None
-    if fmt == "specforge" and getattr(sel, "drafter_family", None) == "eagle3":
-        raise BadInputError(
-            f"--format specforge for an EAGLE-3 drafter: SpecForge's offline EAGLE-3 files need "
-            f"'aux_hidden_state' (layers {sel.layers}, which are stored) and 'hidden_state', the target's "
-            "last state after its final norm (what its lm_head reads), which no dfcache stage stores "
-            "(layer K is decoder layer K's output, before the final norm); SpecForge's reader refuses a "
-            "file without it, so nothing was written. Export with --format speculators instead (its "
-            "EAGLE-3 applies the target's norm to the stored last layer itself), or pass --layer K ... "
-            "instead of --drafter for SpecForge's DFlash layout of those layers.")
+    from ..models.target import FINAL
+
+    final = FINAL in sel.layers
+    if fmt == "speculators" and final:
+        refuse_final_state_in_speculators()
+    if fmt == "specforge" and getattr(sel, "drafter_family", None) == "eagle3" and not final:
+        raise BadInputError("--format specforge for an EAGLE-3 drafter needs the target's final state "
+                            "('hidden_state'), which this selection lacks; pass --drafter with the EAGLE-3 "
+                            "checkpoint (the selection then adds it).")
     check_destination(fmt, sel, out)
     src = sel.source()
     keys = src.keys()
@@ -180,6 +199,13 @@ def export(sel: Selection, fmt: str, out: str | os.PathLike, *, progress=None) -
                 "files": [{"file": rel(i), "key": keys[i]} for i in range(len(src))]}
     if getattr(sel, "drafter_family", None):
         manifest["drafter_family"] = sel.drafter_family
+    if fmt == "specforge" and final:
+        eagle = getattr(sel, "drafter_family", None) == "eagle3"
+        manifest["specforge_layout"] = "eagle3" if eagle else "dspark"
+        manifest["note"] = (("aux_hidden_state" if eagle else "hidden_states") + " holds the layers listed in "
+                            "'layers' but 'final' (dfcache ids: output of decoder layer k), concatenated; "
+                            + ("hidden_state" if eagle else "target_last_hidden_states") + " is layer 'final', "
+                            "the target's state after its final norm (what its lm_head reads).")
     if fmt == "speculators":
         manifest["aux_hidden_state_layer_ids"] = [k + 1 for k in sel.layers[:-1]]
         manifest["note"] = ("hidden_states holds the layers listed in 'layers' (dfcache ids: output of decoder "
@@ -194,7 +220,7 @@ def export(sel: Selection, fmt: str, out: str | os.PathLike, *, progress=None) -
         if path.exists():
             res.skipped += 1
         else:
-            res.bytes_written += _atomic_write(path, lambda p, i=i: _write_sample(fmt, src, i, p))
+            res.bytes_written += _atomic_write(path, lambda p, i=i: _write_sample(fmt, src, i, p, sel))
             res.written += 1
             res.files.append(rel(i))
         if bar is not None:
@@ -216,15 +242,29 @@ def export(sel: Selection, fmt: str, out: str | os.PathLike, *, progress=None) -
     return res
 
 
-def _write_sample(fmt: str, src, i: int, path: Path) -> None:
+def _write_sample(fmt: str, src, i: int, path: Path, sel=None) -> None:
     import torch
 
     from dfcache.fp8 import dequantize_codes
     from dfcache.training import to_torch
 
+    from ..models.target import FINAL
+
     s = src.read(i)
     ids = torch.from_numpy(s.arrays["input_ids"])
     fp8 = getattr(src, "fp8", False)
+    if fmt == "specforge" and sel is not None and FINAL in sel.layers:
+        # EAGLE-3 / DSpark: the layers concatenated, and the final state (the last layer) apart.
+        dtype = "bfloat16" if fp8 else src.dtype  # FP8 layers are read dequantized to bf16
+        layers = src.read_layers(i)
+        aux = to_torch(np.concatenate(layers[:-1], axis=1), dtype)
+        last = to_torch(layers[-1], dtype)
+        eagle = getattr(sel, "drafter_family", None) == "eagle3"
+        record = {"input_ids": ids, "loss_mask": torch.from_numpy(s.arrays["loss_mask"]),
+                  ("aux_hidden_state" if eagle else "hidden_states"): aux.unsqueeze(0),
+                  ("hidden_state" if eagle else "target_last_hidden_states"): last.unsqueeze(0)}
+        torch.save(record, path)
+        return
     if fmt == "specforge":
         hs = to_torch(s.arrays["hidden_states"], src.dtype) if not fp8 else \
             to_torch(dequantize_codes(s.arrays["hidden_states"], s.arrays["hidden_states_scales"]), "bfloat16")

@@ -12,8 +12,12 @@ norm (transformers' ``hidden_states[k+1]``; docs/cli.md). The usual neighbours o
   handing its ids to SGLang (``prepare_hidden_states.py``), a pipeline that does not is one off;
 * k+1, the same shift the other way (ids already converted, converted once more);
 * for the last layer, the state after the final norm (transformers' last ``hidden_states`` entry,
-  EAGLE-1's ``hidden_state``), which no dfcache id names (vLLM and SGLang's #32204 fix take it
+  EAGLE-1's ``hidden_state``), which no decoder-layer id names (vLLM and SGLang's #32204 fix take it
   before the norm); for layer 0, the embedding output (``hidden_states[0]``, the input of layer 0).
+
+A SpecForge file's final state (EAGLE-3's ``hidden_state``, DSpark's ``target_last_hidden_states``)
+is imported as dfcache's layer ``"final"`` and checked here too: its column must be nearest the
+final norm's output (:func:`candidate_name`).
 
 Before anything is written, one sample (the shortest good one, its first ``CHECK_TOKENS`` tokens:
 states are causal, so a prefix's states are the sample's own first rows) is recomputed with the
@@ -111,15 +115,28 @@ def summary_of(check: dict) -> str:
             f"median per-token rel L2, tolerance {check['tolerance']:g}): " + "; ".join(parts))
 
 
-def candidates(declared: list[int], num_layers: int) -> list[Candidate]:
+def candidate_name(k) -> str:
+    """The candidate a declared id names: ``layer k``, or for the final state (layer "final",
+    imported from files that carry it) the final norm's output."""
+    from ..models.target import FINAL
+
+    return "final norm" if k == FINAL else f"layer {k}"
+
+
+def candidates(declared: list, num_layers: int) -> list[Candidate]:
     """Every layer up to one past the deepest declared one, the embedding output where layer 0
-    is declared, and the final norm's output where one of the last two layers is."""
+    is declared, and the final norm's output where one of the last two layers (or the final
+    state) is."""
+    from ..models.target import FINAL
+
+    final = FINAL in declared
+    declared = [k for k in declared if k != FINAL] or [num_layers - 1]
     deepest = min(num_layers - 1, max(declared) + 1)
     out = [Candidate(f"layer {c}", c) for c in range(deepest + 1)]
     if 0 in declared:
         out.append(Candidate("embeddings", None, "the embedding output (transformers' hidden_states[0], the input "
                                                  "of layer 0)"))
-    if max(declared) >= num_layers - 2:
+    if final or max(declared) >= num_layers - 2:
         out.append(Candidate("final norm", None, f"the last layer after the final norm (transformers' last "
                                                  f"hidden_states entry, hidden_states[{num_layers}], as it "
                                                  "returns it)"))
@@ -139,10 +156,11 @@ def recompute(target_dir, backend, ids: np.ndarray, cands: list[Candidate]) -> d
     """Each candidate's states for ``ids`` [t] (float32 [t, hidden]), one forward on ``backend``."""
     import torch
 
-    from ..models.target import load_target
+    from ..models.target import FINAL, load_target
 
     model = load_target(target_dir, backend)
     layers = [c.layer for c in cands if c.layer is not None]
+    final = any(c.name == "final norm" for c in cands)
     captured: dict[str, object] = {}
 
     def first_input(module, args, kwargs):
@@ -151,18 +169,16 @@ def recompute(target_dir, backend, ids: np.ndarray, cands: list[Candidate]) -> d
     hook = model.layers[0].register_forward_pre_hook(first_input, with_kwargs=True) \
         if any(c.name == "embeddings" for c in cands) else None
     try:
-        out = model.forward_layers(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).unsqueeze(0), layers)
+        out = model.forward_layers(torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64)).unsqueeze(0),
+                                   layers + ([FINAL] if final else []))
     finally:
         if hook is not None:
             hook.remove()
     got = {f"layer {k}": out[k] for k in layers}
     if "embeddings" in captured:
         got["embeddings"] = captured["embeddings"]
-    if any(c.name == "final norm" for c in cands):
-        norm = getattr(model.base, "norm", None)
-        if norm is not None:
-            with torch.no_grad():
-                got["final norm"] = norm(out[model.num_layers - 1])
+    if final:  # the base model's output: the last layer after the final norm, in the same forward
+        got["final norm"] = out[FINAL]
     return {name: t[0].detach().to("cpu", torch.float32).numpy() for name, t in got.items()}
 
 
@@ -177,17 +193,20 @@ def check_columns(hidden: np.ndarray, declared: list[int], fresh: dict[str, np.n
     for j, k in enumerate(declared):
         col = hidden[:, j * width:(j + 1) * width]
         dist = {name: distance(col, v) for name, v in fresh.items()}
-        nearest = min(dist, key=lambda n: (dist[n], n != f"layer {k}"))
-        mine = dist.get(f"layer {k}", float("inf"))
+        name = candidate_name(k)
+        nearest = min(dist, key=lambda n: (dist[n], n != name))
+        mine = dist.get(name, float("inf"))
         out.append(ColumnCheck(column=j, declared=k, nearest=nearest, layer=by_name[nearest].layer,
                                distance=dist[nearest], declared_distance=mine, distances=dist,
-                               ok=nearest == f"layer {k}" and mine <= tolerance))
+                               ok=nearest == name and mine <= tolerance))
     return out
 
 
 def _convention(c: ColumnCheck, cands: dict[str, Candidate]) -> str:
     """What the states of a column that does not hold its declared layer are, in words."""
     k, got = c.declared, cands[c.nearest]
+    if isinstance(k, str):  # the file's final state ("final"), which is not after the final norm
+        return got.why if got.layer is None else f"layer {got.layer}, the output of decoder layer {got.layer}"
     if got.layer is None:
         return got.why + ", which no dfcache layer id names"
     if got.layer == k - 1:
@@ -214,7 +233,7 @@ def refusal(check: LayerCheck, cands: list[Candidate], fmt: str, root) -> BadInp
             lines.append(head + f"matches {_convention(c, by_name)} (median per-token rel L2 {c.distance:.1e}; "
                                 f"the declared layer {c.declared_distance:.1e})")
             matched.append(c.layer)
-        elif c.nearest == f"layer {c.declared}":
+        elif c.nearest == candidate_name(c.declared):
             of = "this backend class" if check.same_class else "a CPU recomputation"
             lines.append(head + f"nearest is the declared layer, but at {c.distance:.1e}, over the tolerance "
                                 f"{check.tolerance:g} of {of}: the states were made by another backend class or "
@@ -224,8 +243,13 @@ def refusal(check: LayerCheck, cands: list[Candidate], fmt: str, root) -> BadInp
             lines.append(head + f"matches no layer convention (nearest: {c.nearest} at {c.distance:.1e}, over the "
                                 f"tolerance {check.tolerance:g}): another model or backend than declared")
             matched.append(None)
-    if all(m is not None for m in matched):
-        lines.append("Import them with the layers they hold: " + " ".join(f"--layer {m}" for m in matched)
+    if any(not c.ok and isinstance(c.declared, str) for c in check.columns):
+        lines.append("The files' final state (SpecForge's hidden_state or target_last_hidden_states) must be the "
+                     "target's last layer after its final norm, what its lm_head reads: make them with the target "
+                     "they were declared for.")
+    elif all(m is not None for m in matched):
+        lines.append("Import them with the layers they hold: " + " ".join(f"--layer {m}" for m in matched
+                                                                           if not isinstance(m, str))
                      + " (dfcache numbering: the output of decoder layer k, before the final norm).")
     elif any(by_name[c.nearest].layer is None and c.distance <= check.tolerance for c in check.columns):
         lines.append("States no dfcache layer id names cannot be imported as one: make the files with the output of "

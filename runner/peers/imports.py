@@ -4,7 +4,11 @@ What is read (the peers' layouts, docs/cli.md):
 
 * ``specforge``: every ``*.ckpt`` / ``*.ckpt.gz`` under DIR (``rows_*/data_{i}.ckpt``), a
   ``torch.save`` dict with ``input_ids`` [n], ``loss_mask`` [n] and ``hidden_states``
-  [1, n, layers x hidden] (the DFlash capture layout), ordered by ``i``;
+  [1, n, layers x hidden] (the DFlash capture layout), ordered by ``i``. Files that carry the
+  target's final state as well (SpecForge's EAGLE-3 files: ``aux_hidden_state`` for the layers and
+  ``hidden_state``; its DSpark files: ``hidden_states`` and ``target_last_hidden_states``) import it
+  as the hidden-state layer ``"final"`` (after the final norm: runner/stages/hidden_states), checked
+  on the recomputed sample like the declared layers;
 * ``speculators``: ``hs_{i}.safetensors`` in DIR/hidden_states (or DIR) with ``token_ids`` [n] and
   ``hidden_states`` [n, layers, hidden]; loss masks from the prepared dataset in DIR when there is
   one (``state.json``, read with ``datasets``), else every token counts;
@@ -138,10 +142,20 @@ def _read(fmt: str, path: Path, masks: list | None) -> tuple:
         need = ("input_ids", "hidden_states") if fmt == "specforge" else ("input_ids", "aux_hidden_states")
     if not isinstance(raw, dict):
         raise ValueError(f"holds a {type(raw).__name__}, not a dict of tensors")
+    pair = final_pair(raw) if fmt == "specforge" else None
+    if pair is not None:
+        need = ("input_ids", pair[0], pair[1])
     missing = [k for k in need if k not in raw]
     if missing:
         raise ValueError(f"lacks {', '.join(missing)} (it has {', '.join(map(str, raw))})")
     ids, hidden = raw[need[0]], raw[need[1]]
+    if pair is not None:  # the final state as one more column, after the layers (layer "final")
+        layers, final = (t[0] if isinstance(t, torch.Tensor) and t.dim() == 3 and t.shape[0] == 1 else t
+                         for t in (raw[pair[0]], raw[pair[1]]))
+        if not isinstance(layers, torch.Tensor) or not isinstance(final, torch.Tensor) or layers.dim() != 2 \
+                or final.dim() != 2 or layers.shape[0] != final.shape[0] or layers.dtype != final.dtype:
+            raise ValueError(f"{pair[0]} and {pair[1]} are not [n, width] tensors of one dtype and length")
+        hidden = torch.cat([layers, final], dim=1)
     mask = raw.get("loss_mask") if fmt == "specforge" else None
     if fmt == "speculators" and masks is not None:
         index = int(path.stem[len("hs_"):])  # hs_{i} goes with row i of the prepared dataset
@@ -151,6 +165,29 @@ def _read(fmt: str, path: Path, masks: list | None) -> tuple:
     if not isinstance(ids, torch.Tensor) or not isinstance(hidden, torch.Tensor):
         raise ValueError("input ids or hidden states are not tensors")
     return ids, mask, hidden
+
+
+# SpecForge's files that carry the target's final state: (the layers' key, the final state's key).
+FINAL_PAIRS = (("aux_hidden_state", "hidden_state"),  # EAGLE-3 (specforge.algorithms.eagle3.data)
+               ("hidden_states", "target_last_hidden_states"))  # DSpark (dflash_family_data)
+
+
+def final_pair(raw: dict) -> tuple[str, str] | None:
+    """The keys of a SpecForge file's layers and final state, when it carries one."""
+    for pair in FINAL_PAIRS:
+        if pair[1] in raw:
+            return pair
+    return None
+
+
+def _carries_final(fmt: str, path: Path) -> bool:
+    if fmt != "specforge":
+        return False
+    try:
+        raw = _torch_load(path)
+    except Exception:  # unreadable: that file's refusal comes in pass 1
+        return False
+    return isinstance(raw, dict) and final_pair(raw) is not None
 
 
 def _check(fmt, ids, mask, hidden, n_layers: int, width: int, vocab: int | None):
@@ -204,7 +241,7 @@ def import_dir(fmt: str, root: str | Path, opts: EvalOptions, store, *, layers: 
     after committing the good samples when any were refused, and before writing anything when the
     declared layers do not hold on a recomputed sample (``check``; ``log``: its progress line)."""
     from ..models.resolve import resolved_target
-    from ..models.target import check_layer_ids, read_model_info, resolve_kernel
+    from ..models.target import FINAL, check_layer_ids, read_model_info, resolve_kernel
     from ..stages import hidden_states as hs_stage
     from ..stages import tokens as tokens_stage
 
@@ -231,6 +268,9 @@ def import_dir(fmt: str, root: str | Path, opts: EvalOptions, store, *, layers: 
                             f"{ {'specforge': 'rows_*/data_*.ckpt', 'speculators': 'hidden_states/hs_*.safetensors', 'modelopt': '*.pt'}[fmt] }).")
     masks = _prepared_masks(root) if fmt == "speculators" else None
     notes = []
+    if _carries_final(fmt, files[0]):
+        layers = [k for k in layers if k != FINAL] + [FINAL]
+        notes.append("the files carry the target's final state (after its final norm): imported as layer 'final'.")
     if fmt == "speculators" and masks is None:
         notes.append("no prepared dataset beside the files: every token counts in loss_mask.")
     if fmt == "modelopt":

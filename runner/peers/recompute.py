@@ -110,6 +110,7 @@ def imported_sets(store, keys: list[str]) -> list[tuple[str, dict, list[int], li
     """(set key, declared backend, layers, hidden-state keys or partitions, provenance) of every
     imported set among ``keys``: ``import`` artifacts (per-sample imports) and set-level imported
     hidden-state artifacts grouped by their tokens."""
+    from ..models.target import layer_of_key, layer_order
     from .imports import IMPORT_STAGE, read_import
 
     out = []
@@ -125,8 +126,8 @@ def imported_sets(store, keys: list[str]) -> list[tuple[str, dict, list[int], li
             backend = m.inputs.get("backend") or {}
             groups.setdefault((m.upstream.get("tokens"), tuple(sorted(backend.items()))), []).append(m)
     for (tok, b), ms in groups.items():
-        ms = sorted(ms, key=lambda m: int(m.inputs["layer"]))
-        out.append((tok, dict(b), [int(m.inputs["layer"]) for m in ms], [m.key for m in ms], ms[0].provenance))
+        ms = sorted(ms, key=lambda m: layer_order(layer_of_key(m.inputs["layer"])))
+        out.append((tok, dict(b), [layer_of_key(m.inputs["layer"]) for m in ms], [m.key for m in ms], ms[0].provenance))
     return out
 
 

@@ -180,11 +180,12 @@ def _read_memo(memo: Path):
     return ids, digests
 
 
-def _write_memo(memo: Path, ids: list[str], digests: list[str]) -> None:
+def _write_memo(memo: Path, ids: list[str], digests: list[str], turns: dict | None = None) -> None:
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
         tmp = memo.with_name(f"{memo.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"ids": ids, "digests": digests}, ensure_ascii=False), encoding="utf-8")
+        doc = {"ids": ids, "digests": digests, **({"turns": turns} if turns is not None else {})}
+        tmp.write_text(json.dumps(doc, ensure_ascii=False), encoding="utf-8")
         os.replace(tmp, memo)
     except OSError:
         pass  # only a speed-up
@@ -241,27 +242,54 @@ def load_set(spec: str, fields: FieldMap = FieldMap()) -> tuple[list[str], list[
     return ids, digests, records
 
 
+def _dataset_memo(spec: str, fields: FieldMap) -> Path | None:
+    from ..suites.catalog import source_ident
+
+    ident = source_ident(spec, fields)
+    if ident is None:
+        return None
+    from dfcache.config import dfcache_home
+
+    digest = xxhash.xxh3_128_hexdigest(f"{MEMO_VERSION}\0{ident}".encode())
+    return dfcache_home() / "prompt-sets" / f"{digest}.json"
+
+
 def _load_dataset_set(spec: str, fields: FieldMap):
     """:func:`load_set` of ``suite:`` and ``hf:`` sets, through the memo by the identity of the cached
     files they are read from (runner/suites/catalog.py ``source_ident``): a cached run of a suite
     then imports neither the datasets library nor pyarrow (2.4 s against 0.4 s for the example)."""
-    from ..suites.catalog import source_ident
-
-    ident = source_ident(spec, fields)
-    memo = None
-    if ident is not None:
-        from dfcache.config import dfcache_home
-
-        digest = xxhash.xxh3_128_hexdigest(f"{MEMO_VERSION}\0{ident}".encode())
-        memo = dfcache_home() / "prompt-sets" / f"{digest}.json"
+    memo = _dataset_memo(spec, fields)
+    if memo is not None:
         got = _read_memo(memo)
         if got is not None:
             return got[0], got[1], None
     records = load_records(spec, fields)
     ids, digests = [r["id"] for r in records], [messages_digest(r["messages"]) for r in records]
     if memo is not None:
-        _write_memo(memo, ids, digests)
+        _write_memo(memo, ids, digests, _turns_of(records))
     return ids, digests, records
+
+
+def _turns_of(records) -> dict[int, list[str]]:
+    return {i: r["turns"] for i, r in enumerate(records) if "turns" in r}
+
+
+def load_turns(spec: str, fields: FieldMap, records) -> dict[int, list[str]]:
+    """The user turns of a set's multi-turn records (``suite:mt-bench``), by position: from
+    ``records`` when :func:`load_set` read them, else from its memo (a cached run of the suite
+    reads no dataset). Only suites have them."""
+    if not spec.startswith("suite:"):
+        return {}
+    if records is not None:
+        return _turns_of(records)
+    memo = _dataset_memo(spec, fields)
+    try:
+        turns = json.loads(memo.read_bytes()).get("turns") if memo is not None else None
+        if isinstance(turns, dict):
+            return {int(i): t for i, t in turns.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        pass
+    return _turns_of(load_records(spec, fields))
 
 
 def fields_of(opts) -> FieldMap:
@@ -274,8 +302,10 @@ def build(ctx: RunContext) -> Node:
     if fields.given and all(s.startswith(("builtin:", "suite:")) for s in specs):
         raise BadInputError("--prompt-field, --messages-field and --id-field map the rows of hf:, Parquet, JSON and "
                             f"JSONL sets; {sets.display(opts.prompts)} has its own construction: drop them.")
+    turns: dict[int, list[str]] = {}
     if len(specs) == 1:
         ids, upstream, records = _first(specs[0], *load_set(specs[0], fields), opts.num_prompts)
+        turns = {i: t for i, t in load_turns(specs[0], fields, records).items() if i < len(ids)}
         records = records if records is not None else PromptRecords(specs[0], ids, fields)
     else:
         # Several sets (suites): one prompt set, ids "SET/ID" (runner/suites/sets.py); --num-prompts
@@ -283,13 +313,39 @@ def build(ctx: RunContext) -> Node:
         ids, upstream, records = [], [], []
         for name, spec in zip(sets.names(opts.prompts), specs):
             i_, u_, r_ = _first(spec, *load_set(spec, fields), opts.num_prompts)
+            turns.update({len(ids) + i: t for i, t in load_turns(spec, fields, r_).items() if i < len(i_)})
             ids += [f"{name}/{i}" for i in i_]
             upstream += u_
             records += list(r_ if r_ is not None else PromptRecords(spec, i_, fields))
     if opts.mix is not None:
         sets.parse_mix(opts.mix, sets.names(opts.prompts))  # before any work: exit 6 naming the fix
+    return node(ids, upstream, records, turns, f"{len(ids)} prompts from {sets.display(opts.prompts)}")
+
+
+def node(ids: list[str], upstream: list[str], records, turns: dict[int, list[str]], summary: str) -> Node:
+    """The prompts node of a prompt set (``turns``: the user turns of its multi-turn records, by
+    position; runner/core/pipeline.py makes their later turns' prompts)."""
     return KEY.samples(inputs={}, upstream_samples=upstream, ids=ids, needs="cpu", label="prompts",
-                       spec=PromptsSpec(records), summary=f"{len(ids)} prompts from {sets.display(opts.prompts)}")
+                       spec=PromptsSpec(records, turns), summary=summary)
+
+
+class JoinedRecords:
+    """Records of a set followed by more (a set's later turns), without reading the first ones."""
+
+    def __init__(self, first, more: list[dict]) -> None:
+        self.first, self.more = first, more
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self.more)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return self.first[i] if i < len(self.first) else self.more[i - len(self.first)]
+
+    def __iter__(self):
+        yield from self.first
+        yield from self.more
 
 
 def _first(spec: str, ids: list[str], upstream: list[str], records, n: int | None):

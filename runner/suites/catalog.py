@@ -10,9 +10,14 @@ Read from (never copied; the prompt texts are data, reproduced to the character)
   ``z-lab/dflash: model/utils.py`` and ``run_benchmark.sh`` at bb48ef9, which made the README's
   table; z-lab/dflash's later ``dflash/benchmark.py`` (44947fb) keeps the datasets and prompts of
   gsm8k, math500, humaneval, mbpp and mt-bench but subsamples with ``random.shuffle``.
-* MT-Bench: every turn is a response, the second asked after the target's own first answer.
-  dfcache makes one completion per prompt record, so ``suite:mt-bench`` holds the first turns
-  (what z-lab/dflash's server benchmark sends, ``item["turns"][0]``); second turns are not made.
+* MT-Bench: every turn is a response, the second asked after the target's own first answer
+  (``benchmark.py`` of both: ``messages`` grows by ``{"role": "user", ...}`` per turn and by
+  ``{"role": "assistant", "content": tokenizer.decode(generated, skip_special_tokens=True)}``
+  after each answer, the chat template rendered with ``add_generation_prompt=True``; every turn's
+  response is one entry of ``responses``, so their τ averages over all turns). Here a record keeps
+  its user turns (``turns``); the first is its prompt, and the prompts of the later ones are made
+  from the target's stored completion of the turn before (runner/core/pipeline.py ``later_turns``),
+  whose ``text`` is that decode for local greedy and a server's content for a server.
 
 A suite's prompt set is its records' content, as any prompt set: the same prompts read from the
 cache or a local copy (``suite:NAME@PATH``) are the same samples.
@@ -29,7 +34,8 @@ from dfcache.errors import BadInputError, OfflineMissingError
 from .sources import FieldMap, HfSpec, parse_hf, read_hf, read_table, read_text_file, resolve_hf, rows_to_records
 
 # The suites' definitions: a memoized prompt set (runner/stages/prompts.py) is read again when it changes.
-VERSION = 1
+# 2: the memo holds a multi-turn record's user turns.
+VERSION = 2
 
 MATH = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n"
@@ -160,11 +166,18 @@ def load(spec: str) -> list[dict]:
                                 f"{':' + suite.config if suite.config else ''}:{suite.split}.")
     chosen = subsample(len(rows), suite.samples)
     id_field = suite.id_field if rows and isinstance(rows[0], dict) and suite.id_field in rows[0] else None
-    built = []
+    built, turns = [], []
     for i in chosen:
-        turns = suite.turns(rows[i])
-        built.append({"id": str(rows[i][id_field]) if id_field else str(i), "prompt": turns[0]})
-    return rows_to_records(built, FieldMap(prompt="prompt", id="id"), spec)
+        turns.append(suite.turns(rows[i]))
+        built.append({"id": str(rows[i][id_field]) if id_field else str(i), "prompt": turns[-1][0]})
+    records = rows_to_records(built, FieldMap(prompt="prompt", id="id"), spec)
+    for rec, t in zip(records, turns):
+        if len(t) > 1:  # its later turns are asked after the target's answers (the module's docstring)
+            if not all(isinstance(x, str) and x.strip() for x in t):
+                raise BadInputError(f"{spec}: record {rec['id']!r} has an empty or non-text turn; every turn of "
+                                    f"suite:{suite.name} is a non-empty string (check the copy of {suite.dataset}).")
+            rec["turns"] = list(t)
+    return records
 
 
 def _files_ident(paths) -> str:

@@ -109,7 +109,9 @@ def differences(p: Published, run: dict) -> list[dict]:
         if suite in p.tau and suite in CATALOG and n != CATALOG[suite].samples:
             out.append({"setting": f"prompts of {suite}", "run": n, "published": CATALOG[suite].samples})
     if "mt-bench" in (run.get("prompts") or {}) and "mt-bench" in p.tau:
-        out.append({"setting": "mt-bench turns", "run": "first turns", "published": theirs["mt_bench_turns"]})
+        turns = run.get("mt_bench_turns", "first turns")  # reports made before later turns were asked
+        if turns != theirs["mt_bench_turns"]:
+            out.append({"setting": "mt-bench turns", "run": turns, "published": theirs["mt_bench_turns"]})
     if p.method != "chain":
         out.append({"setting": "tree budget", "run": run.get("tree_budgets"), "published": "best of 16..1024"})
     return out
@@ -121,7 +123,7 @@ def compare(key: str, doc: dict, prompts: dict, row: int | None, which: str) -> 
     ``SET/ID`` ids) and the settings each published row differs in."""
     from dfcache.errors import BadInputError
 
-    from .sets import set_name
+    from .sets import set_name, turn_of
 
     wanted = {"published": None, "published:zlab": ZLAB, "published:ddtree": DDTREE}
     if which not in wanted:
@@ -140,6 +142,9 @@ def compare(key: str, doc: dict, prompts: dict, row: int | None, which: str) -> 
     groups: dict[str, list[int]] = {n: [] for n in names}
     for pos, pid in enumerate(prompts["ids"]):
         groups[pid.partition("/")[0] if len(names) > 1 else names[0]].append(pos)
+    # a multi-turn suite counts its records (first turns) as the peers' sample counts do; τ is over all turns
+    records = {n: sum(1 for k in groups[n] if turn_of(prompts["ids"][k]) == 1) for n in names}
+    all_turns = "all turns" if any(turn_of(i) > 1 for i in prompts["ids"]) else "first turns"
     comp, ev = sel.get("completions") or {}, sel.get("eval") or {}
     out = []
     for i in (range(len(doc["drafters"])) if row is None else [row]):
@@ -148,7 +153,7 @@ def compare(key: str, doc: dict, prompts: dict, row: int | None, which: str) -> 
         run = {"temperature": comp.get("temperature"), "max_new_tokens": comp.get("max_new_tokens"),
                "enable_thinking": comp.get("enable_thinking"), "dtype": ev.get("dtype"),
                "block_size": d.get("block_size"), "tree_budgets": ev.get("tree_budgets"),
-               "prompts": {n: len(groups[n]) for n in suites}}
+               "prompts": {n: records[n] for n in suites}, "mt_bench_turns": all_turns}
         for p in pubs:
             per = {}
             for n in suites:

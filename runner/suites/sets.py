@@ -50,6 +50,13 @@ def group_of(pid: str) -> str:
     return pid.partition("/")[0]
 
 
+def turn_of(pid: str) -> int:
+    """The turn a prompt id asks: K for a later turn of a multi-turn record (``81/turn2``, made by
+    runner/core/pipeline.py ``later_turns``), else 1."""
+    tail = pid.rpartition("/")[2]
+    return int(tail[4:]) if tail.startswith("turn") and tail[4:].isdigit() and int(tail[4:]) > 1 else 1
+
+
 def parse_mix_form(text: str) -> dict[str, float]:
     """``gsm8k=0.3,humaneval=0.5,mt-bench=0.2`` -> {set: weight}; a malformed value is a usage
     error (exit 2). Which sets and whether the weights sum to 1 is :func:`parse_mix`'s."""

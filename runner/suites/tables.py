@@ -50,14 +50,26 @@ def mix_interval(per_set: dict[str, list[float]], weights: dict[str, float]) -> 
 
 
 def per_set(ids: list[str], names: list[str], rows: list[dict], responses: list[list[dict]],
-            mix: dict[str, float] | None) -> dict:
+            mix: dict[str, float] | None, turned: set[str] = frozenset()) -> dict:
     """The per-set document: for each drafter row, τ chain and every tree budget per set, overall,
     and under ``mix``. ``responses[i]``: row i's eval documents in prompt order (``chain`` and
-    ``tree`` block values)."""
+    ``tree`` block values). ``turned``: the sets with later turns (suite:mt-bench): a set's τ is
+    over all its turns' responses, as the peers average them, and each turn has a column of its
+    own beside it (``mt-bench/turn1``, ``mt-bench/turn2``)."""
     several = len(names) > 1
     groups: dict[str, list[int]] = {n: [] for n in names}
     for pos, pid in enumerate(ids):
         groups[sets.group_of(pid) if several else names[0]].append(pos)
+    columns = []
+    for n in names:
+        columns.append(n)
+        if n in turned:
+            by_turn: dict[str, list[int]] = {}
+            for pos in groups[n]:
+                by_turn.setdefault(f"{n}/turn{sets.turn_of(ids[pos])}", []).append(pos)
+            for t in sorted(by_turn, key=lambda c: int(c.rpartition("turn")[2])):
+                groups[t] = by_turn[t]
+                columns.append(t)
     out_rows = []
     for row, docs in zip(rows, responses):
         budgets = sorted({int(b) for d in docs for b in d.get("tree", {})})
@@ -72,12 +84,11 @@ def per_set(ids: list[str], names: list[str], rows: list[dict], responses: list[
                                    **{m: _tau([v[p] for p in positions]) for m, v in measures.items()}}
         entry["overall"] = {"prompts": len(ids), **{m: _tau(v) for m, v in measures.items()}}
         if mix is not None:
-            entry["mix"] = {m: mix_interval({n: _per_response([v[p] for p in groups[n]]) for n in groups}, mix)
+            entry["mix"] = {m: mix_interval({n: _per_response([v[p] for p in groups[n]]) for n in mix}, mix)
                             for m, v in measures.items()}
-        entry["histograms"] = {name: _histogram([docs[p]["chain"] for p in positions], row)
-                               for name, positions in groups.items()}
+        entry["histograms"] = {name: _histogram([docs[p]["chain"] for p in groups[name]], row) for name in names}
         out_rows.append(entry)
-    return {"sets": names, "mix": mix, "rows": out_rows,
+    return {"sets": columns, "mix": mix, "rows": out_rows,
             "definition": "τ over each set's responses (as the report's τ); mix: Σ weight × set τ, "
                           f"{LEVEL:.0%} percentile bootstrap over prompts within sets ({BOOTSTRAP} replicates)"}
 
@@ -118,15 +129,18 @@ def markdown(doc: dict) -> str:
     return out
 
 
-def _table(doc: dict, rows: list[dict], what: str) -> str:
+def _cells(doc: dict, rows: list[dict], what: str) -> tuple[str, list[str], list[list[str]]]:
+    """(title, header, rows) of one table: τ (chain, each budget) per set and turn, overall, the mix."""
     names = doc["sets"]
     counts = {n: rows[0]["sets"][n]["prompts"] for n in names} if rows else {}
     head = ["drafter", "τ"] + [f"{n} ({counts.get(n, 0)})" for n in names] + ["overall"]
     mix = doc.get("mix")
     if mix:
         head.append("mix " + ",".join(f"{n}={w:g}" for n, w in mix.items()) + f" [{LEVEL:.0%} interval]")
-    lines = ["τ per prompt set (" + ("prompts per set in brackets" if len(names) > 1 else names[0]) + what + "):", "",
-             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    title = ("τ per prompt set (" + ("prompts per set in brackets" if len(names) > 1 else names[0]) + what
+             + ("; a multi-turn set's τ is over all its turns, as the peers average them" if any(
+                 "/turn" in n for n in names) else "") + "):")
+    out = []
     for r in rows:
         for m in r["overall"]:
             if m == "prompts":
@@ -135,17 +149,42 @@ def _table(doc: dict, rows: list[dict], what: str) -> str:
             if mix:
                 iv = r["mix"][m]
                 cells.append("-" if iv["tau"] is None else f"{iv['tau']:.2f} [{iv['low']:.2f}, {iv['high']:.2f}]")
-            lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            out.append(cells)
+    return title, head, out
+
+
+def _table(doc: dict, rows: list[dict], what: str) -> str:
+    title, head, cells = _cells(doc, rows, what)
+    lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(c) + " |" for c in cells])
+
+
+def html(doc: dict) -> str:
+    """The tables of :func:`markdown` as report.html shows them (the published rows are in report.md)."""
+    import html as _html
+
+    from ..core.reporting import table_html
+
+    parts = [(doc["rows"], f", thinking {'on' if doc.get('enable_thinking') else 'off'}" if doc.get("other_thinking")
+              else "")]
+    other = doc.get("other_thinking")
+    if other:
+        parts.append((other["rows"], f", thinking {'on' if other['enable_thinking'] else 'off'}"))
+    out = ["<h2>Per prompt set</h2>"]
+    for i, (rows, what) in enumerate(parts):
+        title, head, cells = _cells(doc, rows, what)
+        out.append(f"<p>{_html.escape(title)}</p>" + table_html(head, [("", c) for c in cells], f"prompt-sets-{i}"))
+    return "".join(out)
 
 
 def plots(doc: dict, out: Path | None) -> dict[str, Path]:
     """One acceptance histogram per set (the drafters side by side), under the report's folder;
     written once (the name holds the set and the prompts it counts)."""
-    if out is None or len(doc["sets"]) < 2:
+    names = [n for n in doc["sets"] if doc["rows"] and n in doc["rows"][0]["histograms"]]  # sets, not turns
+    if out is None or len(names) < 2:
         return {}
     files = {}
-    for name in doc["sets"]:
+    for name in names:
         n = doc["rows"][0]["sets"][name]["prompts"] if doc["rows"] else 0
         path = out / f"set-{name}-{n}-histogram.png"
         files[path.name] = path
@@ -163,6 +202,14 @@ def plots(doc: dict, out: Path | None) -> dict[str, Path]:
     return files
 
 
+def turned_sets(nodes, names: list[str]) -> set[str]:
+    """The sets of a run's graph whose records have later turns (their ids ``ID/turnK``)."""
+    prompts = next((n for n in nodes if n.stage == "prompts"), None)
+    if prompts is None or not prompts.spec.turns or not any(sets.turn_of(i) > 1 for i in prompts.ids):
+        return set()
+    return {sets.group_of(prompts.ids[b]) if len(names) > 1 else names[0] for b in prompts.spec.turns}
+
+
 def section(store, nodes, opts, report_key: str, read_responses, other=None) -> dict | None:
     """(document, markdown, files) of the per-set tables of a run, or None for a run of one set
     without ``--mix`` and without published figures for its target and suites.
@@ -173,7 +220,8 @@ def section(store, nodes, opts, report_key: str, read_responses, other=None) -> 
     names = sets.names(opts.prompts)
     suites = [sets.set_name(s) for s in sets.specs(opts.prompts) if s.startswith("suite:")]
     pubs = published.for_run(opts.target, suites)
-    if len(names) < 2 and opts.mix is None and not pubs:
+    turned = turned_sets(nodes, names)
+    if len(names) < 2 and opts.mix is None and not pubs and not turned:
         return None
     mix = sets.parse_mix(opts.mix, names) if opts.mix is not None else None
 
@@ -181,7 +229,8 @@ def section(store, nodes, opts, report_key: str, read_responses, other=None) -> 
         prompts = next(n for n in graph if n.stage == "prompts")
         evals = [n for n in graph if n.stage == "drafter_eval"]
         rows = [{"drafter": e.spec.drafter.name, "block_size": e.spec.drafter.block_size} for e in evals]
-        return per_set(list(prompts.ids), names, rows, [read_responses(store, e) for e in evals], mix)
+        return per_set(list(prompts.ids), names, rows, [read_responses(store, e) for e in evals], mix,
+                       turned_sets(graph, names))
 
     doc = cut(nodes)
     reports = store.local_dir("reports")
@@ -193,7 +242,10 @@ def section(store, nodes, opts, report_key: str, read_responses, other=None) -> 
            "enable_thinking": bool(opts.enable_thinking), "dtype": opts.dtype,
            "block_size": doc["rows"][0].get("block_size") if doc["rows"] else None,
            "tree_budgets": list(opts.tree_budgets),
-           "prompts": {n: doc["rows"][0]["sets"][n]["prompts"] for n in suites} if doc["rows"] else {}}
+           # a multi-turn suite's sample count is its records' (the first turns), as the peers count it
+           "prompts": {n: doc["rows"][0]["sets"][n + "/turn1" if n in turned else n]["prompts"] for n in suites}
+           if doc["rows"] else {},
+           "mt_bench_turns": "all turns" if "mt-bench" in turned else "first turns"}
     doc["published"] = [{**p.to_dict(), "tau": {n: p.tau[n] for n in names if n in p.tau},
                          "differs": published.differences(p, run)} for p in pubs]
     for r in doc["rows"] + (doc.get("other_thinking") or {}).get("rows", []):
@@ -209,4 +261,4 @@ def section(store, nodes, opts, report_key: str, read_responses, other=None) -> 
             tmp.write_text(data, encoding="utf-8")
             tmp.replace(out / name)
             files[name] = out / name
-    return {"doc": doc, "markdown": text, "files": files}
+    return {"doc": doc, "markdown": text, "html": html(doc), "files": files}

@@ -112,11 +112,15 @@ def _stage_inputs(sel: dict) -> dict[str, object]:
 
 
 def _hidden_state_diffs(sa: dict, sb: dict) -> list[dict]:
+    from ..models.target import layer_of_key, layer_order, sort_layers
+
     la, lb = sa["stages"]["hidden_states"], sb["stages"]["hidden_states"]
     out = []
-    if sorted(la, key=int) != sorted(lb, key=int):
-        out.append({"input": "hidden_states.layers", "a": sorted(map(int, la)), "b": sorted(map(int, lb))})
-    common = sorted(set(la) & set(lb), key=int)
+    order = lambda k: layer_order(layer_of_key(k))  # noqa: E731  (ids, or "final": after the final norm)
+    if sorted(la, key=order) != sorted(lb, key=order):
+        out.append({"input": "hidden_states.layers", "a": sort_layers(map(layer_of_key, la)),
+                    "b": sort_layers(map(layer_of_key, lb))})
+    common = sorted(set(la) & set(lb), key=order)
     per_layer = {k: _diff(_flatten({n: v for n, v in la[k]["inputs"].items() if n != "layer"}, "hidden_states"),
                           _flatten({n: v for n, v in lb[k]["inputs"].items() if n != "layer"}, "hidden_states"))
                  for k in common}

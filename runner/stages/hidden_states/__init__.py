@@ -7,7 +7,8 @@ Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
     inputs:
         target        fingerprint of the target directory (the tokens node's "target")
         layer         k: output of decoder layer k = HF hidden_states[k+1], before the final norm
-                      (the last layer too)
+                      (the last layer too); or "final": the state after the final norm (what the
+                      lm_head reads)
         backend       the KernelSpec: {kernel: fla|torch, device: cuda|cpu, dtype: bfloat16|float32,
                       attn_implementation: sdpa|...}, plus states: fp8-e4m3 for lossy FP8 states
                       (only then)
@@ -21,6 +22,14 @@ of every sample already stored for the same tokens, model and backend class, wha
 extracted in. All layer nodes of one (tokens, target, backend) share a ``group``, so the runner
 calls :func:`produce` once with every layer that misses samples, and one forward pass per batch
 computes, for the missing samples only, every layer that misses them, stopping after the deepest.
+
+The final state (layer id ``"final"``, ``runner.models.target.FINAL``): the target's last hidden
+state after its final norm, what its lm_head reads (SGLang's ``last_hidden_states``). It is an
+artifact of its own, keyed ``layer: "final"`` (no decoder layer's key can equal it; theirs are
+unchanged), computed in the same forward as the layers of its group (which then runs every layer
+and the norm, not the lm_head), reused by any family that reads it: EAGLE-3's teacher in
+SpecForge's layout, DSpark's training data. It is requested by ``--final-state``, and by `run
+hidden-states` / `export` for a drafter whose family trains on it (runner/drafters/family.py).
 
 Output, per sample: array ``hidden`` [tokens, hidden_size], the model's dtype exactly (bf16 stored
 as its uint16 bits, or fp32), chunked along tokens; ``--compression none|zstd|shuffle-zstd|bitshuffle-lz4``
@@ -42,7 +51,8 @@ from dfcache.keys import fingerprint_path
 
 from ...core.graph import HiddenStatesSpec, KeyRecipe, Node, RunContext
 from ...core.summaries import samples_origin
-from ...models.target import KernelSpec, kernel_problem, check_layer_ids, read_model_info, resolve_kernel
+from ...models.target import (FINAL, KernelSpec, check_layer_ids, deepest_run, kernel_problem, layer_name,
+                              layer_order, read_model_info, resolve_kernel)
 from ...core.provenance_keys import key_version_inputs
 
 if TYPE_CHECKING:  # numpy is imported where arrays are made: planning a cached graph needs none
@@ -51,7 +61,7 @@ if TYPE_CHECKING:  # numpy is imported where arrays are made: planning a cached 
 KEY = KeyRecipe("hidden_states", 2, inputs={
     "target": 'fingerprint of the target directory (the tokens node\'s "target")',
     "layer": "k: output of decoder layer k = HF hidden_states[k+1], before the final norm (the last "
-             "layer too)",
+             "layer too); or \"final\": the state after the final norm (what the lm_head reads)",
     "backend": "the KernelSpec: {kernel: fla|torch, device: cuda|cpu, dtype: bfloat16|float32, "
                "attn_implementation: sdpa|...}, plus states: fp8-e4m3 for lossy FP8 states (only then)",
     "versions": "{package: installed version} for each --key-versions package",
@@ -60,9 +70,17 @@ NAME = KEY.stage
 VERSION = KEY.version
 
 
-def requested_layers(ctx: RunContext, drafters) -> list[int]:
-    """The union of the drafters' ``target_layer_ids`` and ``--layer`` ids, sorted."""
-    layers: set[int] = set()
+def requested_layers(ctx: RunContext, drafters, *, training: bool = False) -> list:
+    """The union of the drafters' ``target_layer_ids`` and ``--layer`` ids, sorted, then ``"final"``
+    (the state after the final norm) with ``--final-state`` or, when ``training`` (`run
+    hidden-states`: what the drafters train on), a drafter whose family trains on it."""
+    from ...drafters.family import trains_on_final_state
+    from ...models.target import FINAL, sort_layers
+
+    layers: set = set()
+    if getattr(ctx.options, "final_state", False) or (training and any(
+            trains_on_final_state(getattr(d, "family", None)) for d in drafters)):
+        layers.add(FINAL)
     for d in drafters:
         ids = getattr(d, "target_layer_ids", None)
         if ids is None:
@@ -73,15 +91,15 @@ def requested_layers(ctx: RunContext, drafters) -> list[int]:
         layers.update(ctx.options.layers)
     if not layers:
         raise BadInputError("no hidden-state layers requested: pass --layer (repeatable, e.g. --layer 1 "
-                            "--layer 3) or a drafter (--drafter DIR) whose dflash_config.target_layer_ids "
-                            "name them.")
+                            "--layer 3), --final-state, or a drafter (--drafter DIR) whose "
+                            "dflash_config.target_layer_ids name them.")
     for k in layers:
-        if isinstance(k, bool) or not isinstance(k, int):
+        if k != FINAL and (isinstance(k, bool) or not isinstance(k, int)):
             raise BadInputError(f"layer id {k!r} is not an integer; pass decoder-layer indices.")
-    return sorted(layers)
+    return sort_layers(layers)
 
 
-def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
+def build(ctx: RunContext, tokens_node: Node, layers) -> dict:
     """One node per layer; resolves the backend class without importing torch."""
     opts = ctx.options
     target_dir = getattr(tokens_node.spec, "target_dir", None) or opts.target
@@ -105,12 +123,13 @@ def build(ctx: RunContext, tokens_node: Node, layers) -> dict[int, Node]:
             upstream_samples=tokens_node.sample_keys, upstream_bytes=tokens_node.sample_key_bytes,
             partition_upstream={"sample": tokens_node.partition.key},
             ids=tokens_node.ids, needs=needs, deps=[tokens_node],
-            label=f"hidden_states[{k}]", group=group,
+            label=f"hidden_states[{k}]", group=group,  # hidden_states[final]: after the final norm
             # Cached states of any backend class are usable anywhere; computing missing ones is what
             # needs the hardware: resolve() says so before any stage does work.
             problem=f"(hidden states for {backend.label}) {problem}" if problem else None,
             fix=(f"{ctx.command_with()} (on a machine with a CUDA GPU)" if needs == "gpu" else None),
-            summary=f"layer {k}/{info.num_layers}",
+            summary=(f"layer {k}/{info.num_layers}" if k != FINAL else
+                     f"layer {layer_name(k)}"),
             spec=HiddenStatesSpec(target_dir=str(target_dir), layer=k, backend=backend, tokens=tokens_node,
                                   states=lossy or None),
             precheck=lambda: _require_weights(target_dir))
@@ -207,7 +226,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
     from ..tokens import read_tokens
     from .extract import LayerSink, extract
 
-    nodes = sorted(nodes, key=lambda n: n.spec.layer)
+    nodes = sorted(nodes, key=lambda n: layer_order(n.spec.layer))
     # Which layers each missing tokens sample lacks (another process may have committed some since
     # planning); samples lacking the same layers share forward passes.
     lacking: dict[str, list[Node]] = {}
@@ -313,8 +332,9 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
     if total_tokens:
         from ...core.extract_rates import record_rate  # for `dfcache plan --estimate` of later runs
 
+        depths = [deepest_run([n.spec.layer], target.num_layers) for n in nodes]  # "final" runs them all
         record_rate(ctx.store, target.info, backend.dtype, target.provenance.get("gpu") or backend.device,
-                    [n.spec.layer for n in nodes], total_tokens, wall)
+                    sorted(set(depths)), total_tokens, wall)
     ctx.log(f"hidden states: {len(lacking)} sample(s), layers {[n.spec.layer for n in nodes]} "
             f"({backend.label}{', ' + ctx.options.compression if lossy else ''}): {total_tokens} tokens in "
             f"{segments} segment(s), {wall:.1f} s ({total_tokens / wall if wall > 0 else 0:,.0f} tok/s)")

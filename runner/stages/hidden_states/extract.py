@@ -84,7 +84,7 @@ class Window:
 class LayerSink:
     """Where one layer's rows go: a resumable artifact writer and its ``hidden`` array."""
 
-    layer: int
+    layer: int | str  # a decoder layer's index, or "final" (runner.models.target.FINAL)
     writer: object  # dfcache.store.ArtifactWriter
     array: object  # dfcache.store.ArrayWriter
     skip: int = 0  # rows of the next windows this layer already holds (resume)
@@ -401,7 +401,9 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
     stats = ExtractStats()
     t0 = time.perf_counter()
     total = int(offsets[-1])
-    layers = sorted(s.layer for s in sinks)
+    from ...models.target import sort_layers
+
+    layers = sort_layers(s.layer for s in sinks)  # decoder layers by index, then "final" (post-norm)
     start_sample, start_token = resume_point(offsets, [s.array.rows_written for s in sinks])
     for s in sinks:
         s.skip = s.array.rows_written - start_token
