@@ -63,6 +63,10 @@ def test_eval_batching_target_row_pins_one_thread_on_both_sides(tmp_path):
     assert run["cpu_seconds"]["batched"]["n"] == run["seconds"]["batched"]["n"] > 0
     assert res.details["judged_threads"] == 1
     assert torch.get_num_threads() == before
+    # beside it, one block at a time over cached context K/V (as a serving loop decodes), same results
+    cached = [r for r in res.rows if "context K/V cached" in r.measure]
+    assert len(cached) == 1 and cached[0].status == "INFO" and cached[0].ratio > 0
+    assert next(v for k, v in res.details["runs"].items() if k.endswith("_cached_context"))["max_abs_diff"] < 1e-4
 
 
 def test_the_page_says_when_a_run_was_made_on_a_busy_machine():

@@ -101,6 +101,29 @@ def test_batched_every_root_of_a_long_sequence(kw):
     torch.testing.assert_close(graded.detach(), slow[r - 1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("kw", [
+    dict(),
+    dict(is_causal=True),
+    dict(num_key_value_heads=4),                                                   # no GQA
+    dict(layer_types=["full_attention", "sliding_attention"], sliding_window=4),   # only layer 0 shares
+])
+def test_first_layer_shared_positions_equal_one_at_a_time(kw):
+    # Dense roots (every root of a response) take the first layer's per-position context path
+    # (DFlashDrafter._first_layer_attention_shared): root 0, a duplicate, roots near the start
+    # (window keys before position 0), and a chunk boundary.
+    from runner.drafters.dflash import _shared_first_layer_ok
+
+    d, head = _drafter(**kw), _head()
+    feats, toks = _inputs(d, T=48, seed=2)
+    roots = [0] + list(range(1, 48)) + [20]
+    assert _shared_first_layer_ok(d.layers[0], torch.tensor(sorted(roots)), d.block_size)
+    slow = score_roots_one_at_a_time(d, head, feats, toks, roots)
+    for opts in (dict(), dict(max_batch_roots=16)):
+        fast = score_roots(d, head, feats, toks, roots, **opts)
+        torch.testing.assert_close(fast, slow, atol=1e-4, rtol=1e-4)
+        assert torch.equal(fast.argmax(-1), slow.argmax(-1))
+
+
 def test_block_sees_only_context_before_its_root():
     d, head = _drafter(), _head()
     feats, toks = _inputs(d)
