@@ -461,9 +461,18 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rope = Rope(config.head_dim, config.rope_theta)
 
+    # The first block slot whose output is a draft: 1 for DFlash (slot 0 is the root, x[p]);
+    # DSpark in speculators' default layout (sample_from_anchor) drafts from slot 0 too.
+    first_draft_slot = 1
+
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts per block: B - 1 for DFlash (slots 1..B-1), B where slot 0 drafts too."""
+        return self.config.block_size - self.first_draft_slot
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -484,6 +493,12 @@ class DFlashDrafter(nn.Module):
     # ---- loading ----------------------------------------------------------------------------
 
     @classmethod
+    def checkpoint_config(cls, raw: dict, source: str) -> DFlashConfig:
+        """The backbone's config from a checkpoint's ``config.json`` (a family in another layout
+        overrides it)."""
+        return DFlashConfig.from_dict(raw, source=source)
+
+    @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32) -> "DFlashDrafter":
         path = Path(path)
@@ -491,7 +506,7 @@ class DFlashDrafter(nn.Module):
         if not cfg_path.exists():
             raise BadInputError(f"drafter checkpoint {path}: no config.json. Pass the drafter directory "
                                 "(config.json + *.safetensors).")
-        config = DFlashConfig.from_dict(_read_config(path), source=str(cfg_path))
+        config = cls.checkpoint_config(_read_config(path), source=str(cfg_path))
         files = _safetensors_files(path, f"drafter checkpoint {path}")
         with torch.device("meta"):
             model = cls(config)
@@ -720,7 +735,7 @@ class DFlashDrafter(nn.Module):
     def block_logits(self, ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], roots: torch.Tensor,
                      root_tokens: torch.Tensor, head: TargetHead, out: torch.Tensor | None = None) -> torch.Tensor:
         """Draft logits [n, B-1, V] (float32) for blocks rooted at ``roots`` (written into ``out``
-        when given, a float32 tensor of that shape).
+        when given, a float32 tensor of that shape); [n, num_drafts, V] in general.
 
         All n blocks run through the projections and MLPs as one batch; attention runs per group
         of roots of similar position (:func:`_block_attention`), block r attending to context keys
@@ -758,12 +773,14 @@ class DFlashDrafter(nn.Module):
                 attn = _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, sorted_roots, groups,
                                         causal=layer.is_causal, window=layer.sliding_window, masks=masks)
             if i == last:
-                # Only slots 1..B-1 give logits (§1.7); slot 0's last residual/MLP step is unused.
-                h, attn = h[:, 1:], attn[:, 1:]
+                # Only slots 1..B-1 give logits (§1.7); slot 0's last residual/MLP step is unused
+                # (unless it drafts: first_draft_slot 0).
+                s = self.first_draft_slot
+                h, attn = h[:, s:], attn[:, s:]
             h = h + layer.self_attn.o_proj(attn)
             h = h + layer.mlp_forward(layer.post_attention_layernorm(h))
         unsorted = bool((order[1:] < order[:-1]).any()) if order.numel() > 1 else False
-        hidden = h if last >= 0 else h[:, 1:]
+        hidden = h if last >= 0 else h[:, self.first_draft_slot:]
         if unsorted:
             logits = self.compute_logits(hidden, head)[torch.argsort(order)]
             return logits if out is None else out.copy_(logits)
@@ -1085,7 +1102,7 @@ def score_roots(drafter: DFlashDrafter, head: TargetHead, context_features: torc
     in the order of ``roots``. Equal (to float rounding) to :func:`score_roots_one_at_a_time`.
     """
     roots = [int(r) for r in roots]
-    out = torch.empty((len(roots), drafter.block_size - 1, head.vocab_size), dtype=torch.float32,
+    out = torch.empty((len(roots), drafter.num_drafts, head.vocab_size), dtype=torch.float32,
                       device=drafter.device)
     if all(a <= b for a, b in zip(roots, roots[1:])):
         # ascending (the usual case): every chunk's logits are written straight into their rows
@@ -1127,7 +1144,7 @@ def _reference_block(drafter: DFlashDrafter, head: TargetHead, features: torch.T
         attn = attn[0].transpose(0, 1).reshape(B, -1).to(drafter.dtype)
         h = h + layer.self_attn.o_proj(attn)
         h = h + layer.mlp_forward(layer.post_attention_layernorm(h))
-    return drafter.compute_logits(h[1:], head)
+    return drafter.compute_logits(h[drafter.first_draft_slot:], head)
 
 
 def score_roots_one_at_a_time(drafter: DFlashDrafter, head: TargetHead, context_features: torch.Tensor,
@@ -1140,7 +1157,7 @@ def score_roots_one_at_a_time(drafter: DFlashDrafter, head: TargetHead, context_
     with torch.inference_mode():
         rows = [_reference_block(drafter, head, feats, p, token_ids[p].to(drafter.device)) for p in roots]
     if not rows:
-        return torch.empty((0, drafter.block_size - 1, head.vocab_size))
+        return torch.empty((0, drafter.num_drafts, head.vocab_size))
     return torch.stack(rows)
 
 

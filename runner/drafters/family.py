@@ -124,7 +124,7 @@ class Eagle3:
 class DSpark:
     name = "dspark"
     what = ("DSpark drafter (SpecForge DSparkDraftModel: a DFlash backbone, dflash_config.projector_type "
-            "'dspark', with a Markov head)")
+            "'dspark', with a Markov head; or speculators_model_type 'dspark')")
     # SpecForge's DSpark training reads ``target_last_hidden_states`` (its lm_head gives the
     # teacher logits of the L1/confidence losses: specforge.algorithms.common.dflash_family_data
     # and dflash_family_model); its eval here does not (the target's tokens are known).
@@ -136,19 +136,34 @@ class DSpark:
         return is_dspark_config(raw) and draft_differs_from_dflash(raw)
 
     @classmethod
-    def plan(cls, path: Path, raw: dict, *, layers: list[int], block_size: int) -> Plan:
-        """Planning fields: the backbone's (read as DFlash's by the caller); what the head cannot be
-        scored with (the anchor slot drafting, a draft vocabulary, speculators' layout) is exit 6."""
+    def plan(cls, path: Path, raw: dict, *, layers: list[int], block_size: int,
+             target_vocab: int | None = None) -> Plan:
+        """Planning fields: the backbone's (read as DFlash's by the caller, speculators' layout through
+        ``dspark_config.backbone_config``); a draft vocabulary whose d2t map does not fit the target
+        is exit 6 here. With ``sample_from_anchor`` a block drafts B tokens, so the report's block
+        size is B + 1 and the key has ``sample_from_anchor`` (absent otherwise: keys unchanged)."""
         from .dspark_config import head_config
 
         cfg = head_config(raw, source=str(path / "config.json"))
-        if cfg.layout != "specforge" or not isinstance(raw.get("dflash_config"), dict):
-            raise BadInputError(f"DSpark drafter {path}: speculators' layout (speculators_model_type 'dspark', "
-                                "no dflash_config) is not scored yet; pass a checkpoint in SpecForge's layout "
-                                "(DSparkDraftModel with dflash_config).")
-        return Plan("dspark", list(layers), int(block_size), final_state=cls.trains_on_final_state,
-                    key_inputs={"family": "dspark"},
-                    summary=f"dspark {cfg.head_type} head rank {cfg.markov_rank}, chain {block_size - 1}, "
+        vocab = cfg.vocab_size
+        if target_vocab is not None and vocab is not None and vocab != target_vocab:
+            raise BadInputError(f"DSpark drafter {path}: its config says a {vocab}-token vocabulary (vocab_size), "
+                                f"the target has {target_vocab}; pass the drafter trained for this target.")
+        if cfg.reduced_vocab or cfg.layout == "speculators":
+            problem = vocab_map_problem(path, vocab if vocab is not None else target_vocab,
+                                        cfg.draft_vocab_size) if (vocab or target_vocab) else None
+            if problem:
+                raise BadInputError(f"DSpark drafter {path}: {problem}")
+        key_inputs = {"family": "dspark"}
+        drafts = int(block_size) - 1
+        if cfg.sample_from_anchor:
+            key_inputs["sample_from_anchor"] = True
+            drafts = int(block_size)
+        vocab_note = f", draft vocabulary {cfg.draft_vocab_size}" if cfg.reduced_vocab else ""
+        return Plan("dspark", list(layers), drafts + 1, final_state=cls.trains_on_final_state,
+                    key_inputs=key_inputs,
+                    summary=f"dspark {cfg.head_type} head rank {cfg.markov_rank}, chain {drafts}"
+                            f"{' (anchor slot drafts)' if cfg.sample_from_anchor else ''}{vocab_note}, "
                             f"layers {list(layers)}")
 
     @staticmethod
@@ -198,6 +213,12 @@ def family_of(path: Path, raw: dict):
 def d2t_problem(path: Path, cfg: Eagle3Config) -> str | None:
     """Read only the ``d2t`` tensor (its safetensors bytes: no torch, no numpy, which a cached run
     never imports) and check it maps the draft vocabulary into the target's."""
+    return vocab_map_problem(path, cfg.vocab_size, cfg.draft_vocab_size)
+
+
+def vocab_map_problem(path: Path, vocab_size: int, draft_vocab_size: int) -> str | None:
+    """:func:`d2t_problem` for any family storing EAGLE-3's ``d2t`` (offsets: draft id d is target
+    id ``d + d2t[d]``; SpecForge and speculators both write it so)."""
     from ..models.safetensors_header import read_ints, tensor_index
 
     try:
@@ -207,18 +228,18 @@ def d2t_problem(path: Path, cfg: Eagle3Config) -> str | None:
     except (OSError, ValueError, KeyError) as e:
         return f"cannot read its d2t tensor ({e}); re-download or re-save the checkpoint."
     if d2t is None:
-        if cfg.draft_vocab_size != cfg.vocab_size:
-            return (f"draft_vocab_size {cfg.draft_vocab_size} != vocab_size {cfg.vocab_size} but no d2t tensor; "
+        if draft_vocab_size != vocab_size:
+            return (f"draft_vocab_size {draft_vocab_size} != vocab_size {vocab_size} but no d2t tensor; "
                     "re-save the checkpoint with its vocab maps.")
         return None
-    if len(d2t) != cfg.draft_vocab_size:
-        return (f"d2t has {len(d2t)} entries, not draft_vocab_size = {cfg.draft_vocab_size}; "
+    if len(d2t) != draft_vocab_size:
+        return (f"d2t has {len(d2t)} entries, not draft_vocab_size = {draft_vocab_size}; "
                 "re-save the checkpoint with its vocab maps.")
     mapped = [i + o for i, o in enumerate(d2t)]
     lo, hi = min(mapped), max(mapped)
-    if lo < 0 or hi >= cfg.vocab_size:
+    if lo < 0 or hi >= vocab_size:
         return (f"d2t maps draft ids to target ids {lo}..{hi}, outside the target vocabulary "
-                f"0..{cfg.vocab_size - 1}; pass the drafter trained for this target.")
+                f"0..{vocab_size - 1}; pass the drafter trained for this target.")
     return None
 
 

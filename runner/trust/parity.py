@@ -65,7 +65,8 @@ def reference_draft(drafter, head, ctx_features, block_ids, start: int):
     """One draft call as ``DFlashDraftModel.forward`` does it: keys/values = cat(context, block).
 
     RoPE at absolute positions 0..start+B-1, no mask on full-attention layers, causal + window on
-    sliding layers (or as ``is_causal`` says). Returns draft logits [B-1, V] for slots 1..B-1.
+    sliding layers (or as ``is_causal`` says). Returns draft logits [B-1, V] for slots 1..B-1 (slots
+    ``drafter.first_draft_slot``..B-1 and the drafter's draft vocabulary where it has them: DSpark).
     """
     import torch
     import torch.nn.functional as F
@@ -108,7 +109,9 @@ def reference_draft(drafter, head, ctx_features, block_ids, start: int):
         h = h + a.o_proj(o[0].transpose(0, 1).reshape(B, -1).to(dt))
         y = layer.post_attention_layernorm(h)
         h = h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(y)) * layer.mlp.up_proj(y))
-    logits = (drafter.norm(h[1:]) @ head.lm_head.to(dt).T).float()
+    first = getattr(drafter, "first_draft_slot", 1)  # 0: DSpark's anchor slot drafts too
+    lm = drafter.draft_lm_weight(head) if hasattr(drafter, "draft_lm_weight") else head.lm_head
+    logits = (drafter.norm(h[first:]) @ lm.to(dt).T).float()
     if cfg.output_multiplier != 1.0:
         logits = logits * cfg.output_multiplier
     if cfg.final_logit_softcapping:
@@ -321,12 +324,17 @@ def _completion(out, P: int, start: int, max_length: int, stop_ids) -> list[int]
 def _prefill(verifier: _Verifier, drafter, prompt: list[int], max_new_tokens: int):
     """The target's pass over the prompt both decoders start with: (out, P, max_length, feats),
     ``out`` the prompt, the committed prefill token, then MASK up to a last full block."""
-    B, mask_id = drafter.block_size, drafter.mask_token_id
+    B, mask_id = _verify_len(drafter), drafter.mask_token_id
     P = len(prompt)
     out = list(prompt) + [mask_id] * (max_new_tokens + B)
     rows = verifier.prefill(list(prompt))
     out[P] = int(rows.post[-1])  # prefill token: committed, not a block
     return out, P, P + max_new_tokens, rows.feats
+
+
+def _verify_len(drafter) -> int:
+    """Tokens a block's verify forward takes: the root then its drafts."""
+    return getattr(drafter, "num_drafts", drafter.block_size - 1) + 1
 
 
 def _chain_loop(model, drafter, prompt: list[int], max_new_tokens: int, stop_ids, draft, *, rebind, loop: str,
@@ -339,7 +347,7 @@ def _chain_loop(model, drafter, prompt: list[int], max_new_tokens: int, stop_ids
 
     from ..stages.drafter_eval.metrics import chain_accept
 
-    B = drafter.block_size
+    B = _verify_len(drafter)  # the root and its drafts: the block size, + 1 where slot 0 drafts
     verifier = make_verifier(loop, model, drafter.target_layer_ids, B, rebind)
     with torch.no_grad():
         out, P, max_length, ctx = _prefill(verifier, drafter, prompt, max_new_tokens)
@@ -396,9 +404,12 @@ def online_dspark(model, drafter, head, prompt: list[int], max_new_tokens: int, 
     from ..drafters.dspark import greedy_chain
 
     def draft(ctx, block, start):
-        base = reference_draft(drafter, head, ctx, torch.tensor(block), start)
-        hidden = drafter.norm.last                                   # norm(h[1:]), recorded
-        toks, _ = greedy_chain(drafter.markov, base[None].float(), torch.tensor([block[0]]), hidden[None].float())
+        # the drafter's input is [root, MASK x (B-1)] whether or not slot 0 drafts (then the block
+        # verified is one token longer: B drafts)
+        base = reference_draft(drafter, head, ctx, torch.tensor(block[:drafter.block_size]), start)
+        hidden = drafter.norm.last                                   # norm(h[first:]), recorded
+        toks, _ = greedy_chain(drafter.markov, base[None].float(), torch.tensor([block[0]]), hidden[None].float(),
+                               drafter.d2t)
         return toks[0].tolist()
 
     return _chain_loop(model, drafter, prompt, max_new_tokens, stop_ids, draft, rebind=rebind, loop=loop,

@@ -147,6 +147,11 @@ def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
         return DrafterRef(path=path, name=path.name, fingerprint=fingerprint_path(path), block_size=plan.block_size,
                           target_layer_ids=plan.layers, mask_token_id=None, trained_on=trained_on,
                           hidden_size=None, family="eagle3", plan=plan)
+    raw = cfg
+    if family is DSpark:  # speculators' layout read as SpecForge's (its backbone is DFlash's)
+        from ...drafters.dspark_config import backbone_config
+
+        cfg = backbone_config(cfg, source=str(cfg_path))
     dcfg = cfg.get("dflash_config") or {}
     if not isinstance(dcfg, dict):
         raise BadInputError(f"{cfg_path}: dflash_config must be an object.")
@@ -169,8 +174,11 @@ def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
                      trained_on_declared=declared if declared in ("fla", "torch") else None,
                      hidden_size=cfg.get("hidden_size") if isinstance(cfg.get("hidden_size"), int) else None)
     if family is DSpark:  # the DFlash backbone's fields above, plus its head (checked here)
-        ref.plan = DSpark.plan(path, cfg, layers=ref.target_layer_ids, block_size=block_size)
+        info = target_info() if target_info is not None else None
+        ref.plan = DSpark.plan(path, raw, layers=ref.target_layer_ids, block_size=block_size,
+                               target_vocab=info.vocab_size if info else None)
         ref.family = "dspark"
+        ref.block_size = ref.plan.block_size  # drafts + 1: B + 1 where the anchor slot drafts too
     return ref
 
 
