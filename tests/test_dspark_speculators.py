@@ -128,3 +128,106 @@ def test_draft_vocabulary_that_does_not_fit_is_refused(tmp_path):
     save_file(t, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(BadInputError, match="no d2t"):
         DSpark.plan(path, raw, layers=[0, 1], block_size=B, target_vocab=V)
+
+
+# ---- end to end: a speculators-layout DSpark for the tiny target ------------------------------
+
+@pytest.fixture(scope="module")
+def spec_dspark(tiny_target, tmp_path_factory):
+    """speculators' default DSpark for the tiny target: its backbone trained with the anchor slot
+    drafting (slot k drafts the token k+1 after the root), an rnn Markov head (random, large enough
+    to change drafts), a draft vocabulary of 3/4 of the target's with d2t/t2d and the reduced
+    lm_head; config.json written by speculators' own DSparkSpeculatorConfig."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3Config
+
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dspark import DSparkSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    from runner.drafters import dspark
+    from runner.drafters.dflash import load_target_head
+    from runner.models.train_tiny import single_thread, train_tiny_drafter
+
+    root = tmp_path_factory.mktemp("spec_dspark")
+    with single_thread():
+        bb = train_tiny_drafter(tiny_target, root / "backbone", seed=0, steps=120, layer_types=["full_attention"] * 2,
+                                sliding_window=None, first_draft_slot=0)
+    d = json.loads((bb / "config.json").read_text())
+    head = load_target_head(tiny_target)
+    vocab = head.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.sort(torch.randperm(vocab, generator=g)[: vocab * 3 // 4]).values
+    tl = Qwen3Config(vocab_size=vocab, hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+                     num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
+                     num_key_value_heads=d["num_key_value_heads"], head_dim=d["head_dim"],
+                     rms_norm_eps=d["rms_norm_eps"], rope_parameters={"rope_theta": d["rope_theta"], "rope_type": "default"})
+    cfg = DSparkSpeculatorConfig(
+        transformer_layer_config=tl, draft_vocab_size=len(ids), block_size=d["block_size"],
+        aux_hidden_state_layer_ids=[k + 1 for k in d["dflash_config"]["target_layer_ids"]],
+        mask_token_id=d["dflash_config"]["mask_token_id"], markov_rank=8, markov_head_type="rnn",
+        speculators_config=SpeculatorsConfig(
+            algorithm="dspark", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=d["block_size"])],
+            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3_5ForCausalLM"])))
+    path = root / "dspark"
+    path.mkdir()
+    (path / "config.json").write_text(cfg.to_json_string())
+    markov = dspark.MarkovHead(vocab, 8, d["hidden_size"], "rnn", len(ids))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in markov.parameters():
+            p.copy_(torch.randn_like(p) * 0.5)
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    tensors = load_file(str(bb / "model.safetensors"))
+    tensors.update({"markov_head." + k: v.contiguous() for k, v in markov.state_dict().items()})
+    tensors.update({"d2t": ids - torch.arange(len(ids)), "t2d": t2d, "lm_head.weight": head.lm_head[ids].contiguous()})
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return {"target": tiny_target, "drafter": path, "block_size": d["block_size"]}
+
+
+def test_speculators_default_dspark_parity_float32_equal_on_every_block(spec_dspark, tmp_path):
+    """A default speculators DSpark (anchor slot drafting, draft vocabulary): `parity`'s greedy online
+    loop (B drafts per block, each through d2t) and the eval's batched chain agree on every block."""
+    from dfcache import open_store
+    from runner.models.train_tiny import single_thread
+    from runner.trust.parity import ParityOptions, run_parity
+
+    with single_thread():
+        res = run_parity(open_store(tmp_path / "store"), ParityOptions(
+            target=str(spec_dspark["target"]), drafter=str(spec_dspark["drafter"]), prompts="builtin:reasoning",
+            num_prompts=2, max_new_tokens=32, backend="torch"), log=lambda m: None)
+    d = res.to_dict()
+    assert d["ok"] and d["completions_equal"] == 2 and d["mismatches"] == []
+    assert [(m["method"], m["blocks"] == m["matched"]) for m in d["methods"]] == [("chain", True)]
+    assert d["blocks"] >= 6 and res.tau_online == res.tau_offline
+    print("speculators dspark parity:", d["blocks"], "blocks, tau", res.tau_online, res.tau_offline)
+    assert res.tau_online["chain"] > 1.5  # slot 0's drafts are accepted: the anchor slot is scored
+    a = d["alignment"]
+    assert a["drafts"]["roots"] == a["drafts"]["equal"] == d["blocks"]
+
+
+def test_run_eval_of_a_speculators_dspark_and_a_d2t_that_does_not_fit(spec_dspark, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from cli_util import dfcache
+
+    store = tmp_path / "store"
+    args = ("run", "eval", "--target", spec_dspark["target"], "--completions", "local", "--num-prompts", "1",
+            "--max-new-tokens", "24", "--dtype", "float32", "--backend", "torch")
+    r = dfcache(*args, "--drafter", spec_dspark["drafter"], "--json", store=store)
+    assert r.code == 0, r.err
+    out = json.loads(r.out)
+    row = out.get("report", out)["drafters"][0]
+    assert row["family"] == "dspark" and row["block_size"] == spec_dspark["block_size"] + 1  # B drafts per block
+    bad = tmp_path / "bad"
+    shutil.copytree(spec_dspark["drafter"], bad)
+    t = load_file(str(bad / "model.safetensors"))
+    t["d2t"] = t["d2t"] + 10_000
+    save_file(t, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    empty = tmp_path / "empty"
+    r = dfcache(*args, "--drafter", bad, store=empty)
+    assert r.code == 6 and "d2t maps draft ids" in r.err and "Traceback" not in r.err, r.err
+    assert {f.name for f in empty.rglob("*") if f.is_file()} <= {"dfcache-store.json"}  # before any work

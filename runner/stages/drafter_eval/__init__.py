@@ -21,6 +21,8 @@ Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
                           checkpoint's, else 5) (only some runs have it)
         eagle_trees       EAGLE-3: sorted unique --eagle-tree [topk, steps, draft tokens] (only some
                           runs have it)
+        sample_from_anchor DSpark: true where the anchor slot drafts too (B drafts per block;
+                          speculators' default) (only some runs have it)
     upstream:
         sample            the tokens partition
         hidden_states     hidden-state partitions in the drafter's target_layer_ids order
@@ -28,7 +30,9 @@ Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
 Families (runner/drafters/family.py): a DFlash drafter's inputs are those above without the
 EAGLE-3 ones, exactly as before families existed; an EAGLE-3 drafter has no mask_token_id and
 no DDTree budgets (it drafts its own tree: ``eagle_trees``), and ``block_size`` is its chain
-depth + 1. A DSpark drafter has DFlash's inputs (its backbone's) plus ``family``, and no DDTree
+depth + 1. A DSpark drafter has DFlash's inputs (its backbone's) plus ``family`` (and
+``sample_from_anchor`` where its anchor slot drafts too: then ``block_size`` is B + 1, drafts + 1,
+as the report counts it), and no DDTree
 budgets (``tree_budgets`` [], with a note: its Markov head drafts a chain; DDTree over its
 per-slot marginals is not the peers' decoding).
 
@@ -81,9 +85,10 @@ KEY = KeyRecipe("drafter_eval", 4, inputs={
     "family": "the drafter family when not DFlash (eagle3, dspark), from its config.json",
     "draft_depth": "EAGLE-3: drafts per root of the chain (--eagle-steps, else the checkpoint's, else 5)",
     "eagle_trees": "EAGLE-3: sorted unique --eagle-tree [topk, steps, draft tokens]",
+    "sample_from_anchor": "DSpark: true where the anchor slot drafts too (B drafts per block; speculators' default)",
 }, upstream={"sample": "the tokens partition",
              "hidden_states": "hidden-state partitions in the drafter's target_layer_ids order"},
-   optional=frozenset({"mask_token_id", "family", "draft_depth", "eagle_trees"}),
+   optional=frozenset({"mask_token_id", "family", "draft_depth", "eagle_trees", "sample_from_anchor"}),
    sample="tokens sample key")
 NAME = KEY.stage
 VERSION = KEY.version
