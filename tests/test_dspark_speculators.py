@@ -231,3 +231,16 @@ def test_run_eval_of_a_speculators_dspark_and_a_d2t_that_does_not_fit(spec_dspar
     r = dfcache(*args, "--drafter", bad, store=empty)
     assert r.code == 6 and "d2t maps draft ids" in r.err and "Traceback" not in r.err, r.err
     assert {f.name for f in empty.rglob("*") if f.is_file()} <= {"dfcache-store.json"}  # before any work
+
+
+def test_doctor_reads_a_speculators_dspark(spec_dspark):
+    from cli_util import dfcache
+
+    r = dfcache("doctor", "--target", spec_dspark["target"], "--drafter", spec_dspark["drafter"], "--json")
+    assert r.code == 0, r.err
+    found = {f["check"]: f for f in json.loads(r.out)["checks"]}
+    assert found["family"]["found"].startswith("DSpark")
+    head = found["dspark head"]
+    assert head["severity"] == "info" and "speculators layout" in head["found"]
+    assert "sample_from_anchor" in head["found"] and "draft vocabulary" in head["found"]
+    assert found["layer ids"]["severity"] != "error"  # the backbone's DFlash checks ran on its fields
