@@ -24,10 +24,22 @@ is the sequential draft (the reference online loop's), equal to it block for blo
 Layouts: SpecForge keeps the DSpark fields in ``dflash_config`` (``projector_type: "dspark"``,
 ``markov_rank`` default 0 = no head, ``markov_head_type``, ``enable_confidence_head``,
 ``confidence_head_with_markov``) and drafts slots 1..B-1 as DFlash does. speculators puts them at
-the top level (``speculators_model_type: "dspark"``, ``markov_rank`` default 256) and by default
-``sample_from_anchor: true``: the anchor slot drafts too (B drafts, slot ``k`` conditioned on block
-token ``k``); that convention and a draft vocabulary smaller than the target's (``d2t``) are
-refused by :func:`head_config` until the backbone scoring gives slot 0's logits.
+the top level (``speculators_model_type: "dspark"``, ``markov_rank`` default 256), the backbone's
+fields under ``transformer_layer_config`` (``dspark_config.backbone_config`` reads them as
+SpecForge's), and by default ``sample_from_anchor: true`` (speculators 0.9
+``DFlashDraftModel._backbone_forward``: targets at ``anchored_block_indices`` unshifted, and
+``DSparkDraftModel.forward``: ``prev_token_ids = block_tokens``): the anchor slot's output drafts
+the token after the root, slot ``k`` the token ``k + 1`` after it, its previous token block token
+``k``. The block's input is unchanged (``[x[p], MASK x (B-1)]``, context < p): only which slots
+give drafts moves (``first_draft_slot`` 0, ``num_drafts`` B), so everything below runs with
+K = B and ``prev`` starting at the root, as for K = B-1.
+
+A draft vocabulary (speculators' ``draft_vocab_size`` < the target's): ``lm_head`` and
+``markov_w2`` have draft-vocabulary rows, ``markov_w1`` the target's (it reads the previous token's
+target id); the buffers ``d2t`` (offsets: draft id ``d`` is target id ``d + d2t[d]``, as EAGLE-3's)
+and ``t2d`` (a mask) are in the safetensors, and the reduced ``lm_head.weight`` too (speculators
+keeps it; dfcache falls back to the target's rows ``d + d2t[d]``). Drafts are mapped to target ids
+(:func:`_to_target`) before they are compared or fed back to the head.
 
 :class:`DSparkDrafter` is the DFlash backbone (``DFlashDrafter``, its loader and batched
 ``block_logits``) with the head; its final norm records its output so the head reads the normed

@@ -11,8 +11,11 @@ recognised and validated, how it loads; the stage and ``parity`` dispatch on ``D
   the block size the report uses (draft depth + 1) and the key inputs only this family has. Every
   check that needs no weights (and the d2t map, read with numpy) runs here, before any work.
   DFlash's planning is ``runner.stages.drafter_eval.read_drafter``'s, unchanged: it adds no key input.
-  DSpark's is DFlash's (its backbone's layers, block size and MASK id) plus the key input
-  ``family: "dspark"``; its Markov head is in the checkpoint, so in the drafter fingerprint.
+  DSpark's is DFlash's (its backbone's layers, block size and MASK id; speculators' layout read
+  through ``dspark_config.backbone_config``) plus the key input ``family: "dspark"`` (and
+  ``sample_from_anchor: true`` where its anchor slot drafts: block size B + 1); its Markov head and
+  vocabulary map are in the checkpoint, so in the drafter fingerprint; a d2t that does not fit the
+  target is exit 6 here.
 * ``load(path, device, dtype)``: the torch model.
 * Drafting from cached features, batched over all roots of a response: DFlash
   ``runner.drafters.dflash.iter_score_roots``, EAGLE-3 ``runner.drafters.eagle3.score_roots`` and
