@@ -5,27 +5,27 @@ Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
     partition = compute_key('drafter_eval', 4, inputs, upstream)
     sample    = sample_key(partition, tokens sample key)
     inputs:
-        drafter           fingerprint of the checkpoint directory (config + weights)
-        target_head       fingerprint of the target (its embeddings and lm_head are used)
-        block_size        from the drafter's config
-        target_layer_ids  from the drafter's config
-        mask_token_id     from the drafter's config (only some runs have it)
-        tree_budgets      sorted unique --tree-budget values
-        max_blocks        --max-blocks, or null
-        end_rule          within (continuation is refused)
-        dtype             compute dtype of the drafter
-        device            cpu | cuda, where the eval runs (--eval-device; not the states' device)
-        family            the drafter family when not DFlash (eagle3, dspark), from its config.json
-                          (only some runs have it)
-        draft_depth       EAGLE-3: drafts per root of the chain (--eagle-steps, else the
-                          checkpoint's, else 5) (only some runs have it)
-        eagle_trees       EAGLE-3: sorted unique --eagle-tree [topk, steps, draft tokens] (only some
-                          runs have it)
-        sample_from_anchor DSpark: true where the anchor slot drafts too (B drafts per block;
-                          speculators' default) (only some runs have it)
+        drafter             fingerprint of the checkpoint directory (config + weights)
+        target_head         fingerprint of the target (its embeddings and lm_head are used)
+        block_size          from the drafter's config
+        target_layer_ids    from the drafter's config
+        mask_token_id       from the drafter's config (only some runs have it)
+        tree_budgets        sorted unique --tree-budget values
+        max_blocks          --max-blocks, or null
+        end_rule            within (continuation is refused)
+        dtype               compute dtype of the drafter
+        device              cpu | cuda, where the eval runs (--eval-device; not the states' device)
+        family              the drafter family when not DFlash (eagle3, dspark), from its
+                            config.json (only some runs have it)
+        draft_depth         EAGLE-3: drafts per root of the chain (--eagle-steps, else the
+                            checkpoint's, else 5) (only some runs have it)
+        eagle_trees         EAGLE-3: sorted unique --eagle-tree [topk, steps, draft tokens] (only
+                            some runs have it)
+        sample_from_anchor  DSpark: true where the anchor slot drafts too (B drafts per block;
+                            speculators' default) (only some runs have it)
     upstream:
-        sample            the tokens partition
-        hidden_states     hidden-state partitions in the drafter's target_layer_ids order
+        sample              the tokens partition
+        hidden_states       hidden-state partitions in the drafter's target_layer_ids order
 
 Families (runner/drafters/family.py): a DFlash drafter's inputs are those above without the
 EAGLE-3 ones, exactly as before families existed; an EAGLE-3 drafter has no mask_token_id and
