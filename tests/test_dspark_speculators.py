@@ -186,42 +186,43 @@ def spec_dspark(tiny_target, tmp_path_factory):
     return {"target": tiny_target, "drafter": path, "block_size": d["block_size"]}
 
 
-def test_speculators_default_dspark_parity_float32_equal_on_every_block(spec_dspark, tmp_path):
+def test_speculators_default_dspark_parity_and_run_eval(spec_dspark, tmp_path):
     """A default speculators DSpark (anchor slot drafting, draft vocabulary): `parity`'s greedy online
-    loop (B drafts per block, each through d2t) and the eval's batched chain agree on every block."""
+    loop (B drafts per block, each through d2t) and the eval's batched chain agree on every block in
+    float32; `run eval` on the same store reports it with block size B + 1 and the same tau; a d2t
+    that does not fit the target is exit 6 before any work."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from cli_util import dfcache
     from dfcache import open_store
     from runner.models.train_tiny import single_thread
     from runner.trust.parity import ParityOptions, run_parity
 
+    store = tmp_path / "store"
     with single_thread():
-        res = run_parity(open_store(tmp_path / "store"), ParityOptions(
+        res = run_parity(open_store(store), ParityOptions(
             target=str(spec_dspark["target"]), drafter=str(spec_dspark["drafter"]), prompts="builtin:reasoning",
             num_prompts=2, max_new_tokens=32, backend="torch"), log=lambda m: None)
     d = res.to_dict()
     assert d["ok"] and d["completions_equal"] == 2 and d["mismatches"] == []
     assert [(m["method"], m["blocks"] == m["matched"]) for m in d["methods"]] == [("chain", True)]
     assert d["blocks"] >= 6 and res.tau_online == res.tau_offline
-    print("speculators dspark parity:", d["blocks"], "blocks, tau", res.tau_online, res.tau_offline)
     assert res.tau_online["chain"] > 1.5  # slot 0's drafts are accepted: the anchor slot is scored
     a = d["alignment"]
     assert a["drafts"]["roots"] == a["drafts"]["equal"] == d["blocks"]
 
-
-def test_run_eval_of_a_speculators_dspark_and_a_d2t_that_does_not_fit(spec_dspark, tmp_path):
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    from cli_util import dfcache
-
-    store = tmp_path / "store"
-    args = ("run", "eval", "--target", spec_dspark["target"], "--completions", "local", "--num-prompts", "1",
-            "--max-new-tokens", "24", "--dtype", "float32", "--backend", "torch")
+    args = ("run", "eval", "--target", spec_dspark["target"], "--completions", "local", "--prompts",
+            "builtin:reasoning", "--num-prompts", "2", "--max-new-tokens", "32", "--dtype", "float32",
+            "--backend", "torch")
     r = dfcache(*args, "--drafter", spec_dspark["drafter"], "--json", store=store)
     assert r.code == 0, r.err
     out = json.loads(r.out)
     row = out.get("report", out)["drafters"][0]
     assert row["family"] == "dspark" and row["block_size"] == spec_dspark["block_size"] + 1  # B drafts per block
+    assert row["tau_chain"] == pytest.approx(res.tau_offline["chain"])
+
     bad = tmp_path / "bad"
     shutil.copytree(spec_dspark["drafter"], bad)
     t = load_file(str(bad / "model.safetensors"))
