@@ -161,14 +161,16 @@ def spec_dspark(tiny_target, tmp_path_factory):
     tl = Qwen3Config(vocab_size=vocab, hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
                      num_hidden_layers=d["num_hidden_layers"], num_attention_heads=d["num_attention_heads"],
                      num_key_value_heads=d["num_key_value_heads"], head_dim=d["head_dim"],
-                     rms_norm_eps=d["rms_norm_eps"], rope_parameters={"rope_theta": d["rope_theta"], "rope_type": "default"})
+                     rms_norm_eps=d["rms_norm_eps"],
+                     rope_parameters={"rope_theta": d["rope_theta"], "rope_type": "default"})
     cfg = DSparkSpeculatorConfig(
         transformer_layer_config=tl, draft_vocab_size=len(ids), block_size=d["block_size"],
         aux_hidden_state_layer_ids=[k + 1 for k in d["dflash_config"]["target_layer_ids"]],
         mask_token_id=d["dflash_config"]["mask_token_id"], markov_rank=8, markov_head_type="rnn",
         speculators_config=SpeculatorsConfig(
             algorithm="dspark", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=d["block_size"])],
-            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3_5ForCausalLM"])))
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3_5ForCausalLM"])))
     path = root / "dspark"
     path.mkdir()
     (path / "config.json").write_text(cfg.to_json_string())
