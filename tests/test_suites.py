@@ -292,6 +292,7 @@ def test_several_sets_in_one_run(hf_cache, tmp_path):
     r = dfcache(*args, "--mix", "coding=0.5,gsm8k=0.4", store=store)
     assert r.code == 6 and "--mix weights sum to 0.9, not 1" in r.err, r.err
     assert not (store / "artifacts").exists() or not any((store / "artifacts").rglob("manifest*"))
+    assert not (store / "example").exists()  # refused before any work: the example's models not built
     r = dfcache(*args, "--mix", "coding=0.5,humaneval=0.5", store=store)
     assert r.code == 6 and "--mix names humaneval, not a prompt set of this run (coding, gsm8k)" in r.err, r.err
     r = dfcache(*args, "--mix", "coding=0.25,gsm8k=0.75", "--json", store=store)
