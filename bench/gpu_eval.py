@@ -676,13 +676,12 @@ def train_eagle3(args, d, target, head, prompts, offline_features, dev, V, DV) -
     vocabulary remade from those completions (SpecForge's vocab_mapping), so that blocks accept more
     than the bonus token. Each prompt is decoded alone with the target's cache (float32, TF32 off:
     the online loop's greedy tokens)."""
-    import math
     from types import SimpleNamespace
 
     import torch
     from transformers import DynamicCache
 
-    from runner.drafters.train_eagle3 import _draft_vocab, _loss
+    from runner.drafters.train_eagle3 import _draft_vocab, fit
 
     t0 = time.perf_counter()
     data = []
@@ -702,30 +701,18 @@ def train_eagle3(args, d, target, head, prompts, offline_features, dev, V, DV) -
     t2d = torch.full((V,), -1, dtype=torch.long, device=dev)
     t2d[ids] = torch.arange(ids.shape[0], device=dev)
     d.d2t = ids - torch.arange(ids.shape[0], device=dev)
-    steps = args.train_steps
     d.requires_grad_(True)
     d.train()
-    opt = torch.optim.AdamW(d.parameters(), lr=args.lr, weight_decay=0.0, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * min(i, steps) / steps)))
-    cgen = torch.Generator().manual_seed(2)
     losses, error = [], None
     try:
-        for _ in range(steps):
-            picks = torch.randperm(len(data), generator=cgen)[:2].tolist()
-            loss = sum(_loss(d, head, data[i], t2d) for i in picks) / len(picks)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            losses.append(round(float(loss.detach()), 4))
+        fit(d, head, data, t2d, steps=args.train_steps, lr=args.lr, gen=torch.Generator().manual_seed(2), losses=losses)
     except Exception as e:  # recorded, never silent: the tau row fails and says why
         error = f"{type(e).__name__}: {e}"
         log(f"!! EAGLE-3 training failed: {error}")
     finally:
         d.eval()
         d.requires_grad_(False)
-        del opt
+    losses = [round(x, 4) for x in losses]
     info = {"sequences": len(data), "steps_done": len(losses), "data_s": gen_s,
             "train_s": time.perf_counter() - t0 - gen_s, "loss_first": losses[:5], "loss_last": losses[-5:],
             "error": error}

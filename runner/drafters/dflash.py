@@ -582,7 +582,10 @@ class DFlashDrafter(nn.Module):
                 and cfg.output_multiplier == 1.0 and not cfg.final_logit_softcapping):
             # the product straight into the caller's buffer: F.linear's bits, one pass fewer
             return torch.matmul(self.norm(hidden), head.lm_head.t(), out=out)
-        logits = head.logits(self.norm(hidden)).float()
+        return self._scaled(head.logits(self.norm(hidden)).float(), out)
+
+    def _scaled(self, logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The config's output multiplier and final soft-capping applied, into ``out`` when given."""
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
@@ -1177,8 +1180,9 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
     return out
 
 
-def init_drafter_weights(model: DFlashDrafter, seed: int, std: float = 0.02) -> DFlashDrafter:
-    """Deterministic random init (normal(0, std) linears, unit norms), independent of torch's global RNG."""
+def init_drafter_weights(model: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
+    """Deterministic random init (normal(0, std) linears, unit norms, zero biases), independent of
+    torch's global RNG; any family's drafter (EAGLE-3's train_eagle3 uses it too)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

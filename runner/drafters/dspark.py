@@ -281,13 +281,7 @@ class DSparkDrafter(DFlashDrafter):
     def compute_logits(self, hidden: torch.Tensor, head: TargetHead, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.d2t is None:
             return super().compute_logits(hidden, head, out=out)
-        logits = F.linear(self.norm(hidden), self.draft_lm_weight(head).to(hidden.dtype)).float()
-        if self.config.output_multiplier != 1.0:
-            logits = logits * self.config.output_multiplier
-        cap = self.config.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits if out is None else out.copy_(logits)
+        return self._scaled(F.linear(self.norm(hidden), self.draft_lm_weight(head).to(hidden.dtype)).float(), out)
 
 
 def _block_tokens(token_ids: torch.Tensor, roots: Sequence[int], B: int) -> torch.Tensor:

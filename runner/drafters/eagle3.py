@@ -38,6 +38,7 @@ from torch import nn
 from dfcache.errors import BadInputError
 
 from .dflash import RMSNorm, Rope, TargetHead, _read_config, _read_tensors, _safetensors_files
+from .dflash import init_drafter_weights as init_eagle3_weights  # one deterministic init for every family
 from .eagle3_config import Eagle3Config, default_layer_ids, is_eagle3_config
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "default_layer_ids", "score_roots", "draft_one_root",
@@ -473,9 +474,3 @@ def save_eagle3(model: Eagle3Drafter, out_dir: str | Path) -> Path:
     return out
 
 
-def init_eagle3_weights(model: Eagle3Drafter, seed: int, std: float = 0.02) -> Eagle3Drafter:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=gen) * std)
-    return model

@@ -17,8 +17,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .dflash import load_target_head
-from .eagle3 import Eagle3Config, Eagle3Drafter, _attend, _expand_kv, init_eagle3_weights, save_eagle3
+from .dflash import init_drafter_weights, load_target_head
+from .eagle3 import Eagle3Config, Eagle3Drafter, _attend, _expand_kv, save_eagle3
 
 DEFAULT_LAYER_IDS = (1, 3, 5)  # the tiny DFlash drafter's: `--example` extracts them once for both
 
@@ -55,6 +55,24 @@ def _loss(d: Eagle3Drafter, head, seq, t2d: torch.Tensor) -> torch.Tensor:
     return total
 
 
+def fit(d: Eagle3Drafter, head, data, t2d: torch.Tensor, *, steps: int, lr: float, gen: torch.Generator,
+        losses: list[float]) -> None:
+    """``steps`` AdamW steps (cosine schedule, gradients clipped to 1) of :func:`_loss` on two
+    sequences of ``data`` a step, picked with ``gen``; each step's loss appended to ``losses`` (kept
+    when a step raises, so a caller can say how far training got)."""
+    opt = torch.optim.AdamW(d.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    for _ in range(steps):
+        picks = torch.randperm(len(data), generator=gen)[:2].tolist()
+        loss = sum(_loss(d, head, data[i], t2d) for i in picks) / len(picks)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
+
+
 def train_tiny_eagle3(target_dir: str | Path, out_dir: str | Path, *, steps: int = 120, seed: int = 0,
                       layer_ids: Sequence[int] = DEFAULT_LAYER_IDS, draft_vocab_size: int = 256,
                       max_new_tokens: int = 64, lr: float = 3e-3, data=None, stats: list | None = None) -> Path:
@@ -75,21 +93,10 @@ def train_tiny_eagle3(target_dir: str | Path, out_dir: str | Path, *, steps: int
                        head_dim=H // 4, intermediate_size=2 * H, rms_norm_eps=1e-6, rope_theta=10000.0,
                        vocab_size=V, draft_vocab_size=int(ids.shape[0]), target_layer_ids=list(layer_ids))
     with single_thread():
-        d = init_eagle3_weights(Eagle3Drafter(cfg), seed).train()
+        d = init_drafter_weights(Eagle3Drafter(cfg), seed).train()
         d.d2t = ids - torch.arange(ids.shape[0])
-        opt = torch.optim.AdamW(d.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-        gen = torch.Generator().manual_seed(seed)
-        losses = []
-        for _ in range(steps):
-            picks = torch.randperm(len(data), generator=gen)[:2].tolist()
-            loss = sum(_loss(d, head, data[i], t2d) for i in picks) / len(picks)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            losses.append(float(loss.detach()))
+        losses: list[float] = []
+        fit(d, head, data, t2d, steps=steps, lr=lr, gen=torch.Generator().manual_seed(seed), losses=losses)
         d.eval()
         save_eagle3(d, out_dir)
     if stats is not None:

@@ -488,21 +488,7 @@ def online_eagle_tree(model, drafter, head, prompt: list[int], max_new_tokens: i
             children: dict[int, dict[int, int]] = {}
             for i, (tok, parent) in enumerate(zip(t.tokens, t.parents)):
                 children.setdefault(parent, {}).setdefault(tok, i)
-            path, node, feats = [out[start]], -1, []
-            while True:
-                rows = verifier.verify(path[-1:])
-                verifier.accept(path[-1:])
-                feats.append(rows.feats)
-                nxt = int(rows.post[-1])
-                child = children.get(node, {}).get(nxt)
-                if child is None:
-                    break
-                node = child
-                path.append(nxt)
-            acc = len(path) - 1
-            out[start:start + acc + 1] = path
-            out[start + acc + 1] = nxt
-            ctx = torch.cat([ctx] + [f.to(ctx.device) for f in feats])
+            ctx, acc = _follow_tree(verifier, out, start, ctx, -1, lambda node, tok: children.get(node, {}).get(tok))
             blocks.append((start, acc + 1))
             start += acc + 1
             if _stopped(out, P, start, stop_ids):
@@ -564,26 +550,36 @@ def online_ddtree(model, drafter, head, prompt: list[int], max_new_tokens: int, 
             logits = reference_draft(drafter, head, ctx, torch.tensor(out[start:start + B]), start)
             lp, ids = topk_log_probs(logits, budget)
             tree = build_ddtree(lp, ids, budget, vocab_size=logits.shape[-1])
-            path, node, feats = [out[start]], 0, []
-            while True:
-                rows = verifier.verify(path[-1:])
-                verifier.accept(path[-1:])
-                feats.append(rows.feats)
-                nxt = int(rows.post[-1])
-                child = tree.child_maps[node].get(nxt)
-                if child is None:
-                    break
-                node = child
-                path.append(nxt)
-            acc = len(path) - 1
-            out[start:start + acc + 1] = path
-            out[start + acc + 1] = nxt
-            ctx = torch.cat([ctx] + [f.to(ctx.device) for f in feats])
+            ctx, acc = _follow_tree(verifier, out, start, ctx, 0, lambda node, tok: tree.child_maps[node].get(tok))
             blocks.append((start, acc + 1))
             start += acc + 1
             if _stopped(out, P, start, stop_ids):
                 break
     return _completion(out, P, start, max_length, stop_ids), blocks
+
+
+def _follow_tree(verifier, out: list[int], start: int, ctx, root: int, child):
+    """Follow the target's greedy path down a drafted tree from ``out[start]``, one cached token a
+    forward (``child(node, token)``: the node reached, or None), as a serving engine's recurrent
+    kernel follows the parent pointers: the path and the target's next token go into ``out``, the
+    verified rows' features onto ``ctx``. Returns (ctx, tokens accepted)."""
+    import torch
+
+    path, node, feats = [out[start]], root, []
+    while True:
+        rows = verifier.verify(path[-1:])
+        verifier.accept(path[-1:])
+        feats.append(rows.feats)
+        nxt = int(rows.post[-1])
+        reached = child(node, nxt)
+        if reached is None:
+            break
+        node = reached
+        path.append(nxt)
+    acc = len(path) - 1
+    out[start:start + acc + 1] = path
+    out[start + acc + 1] = nxt
+    return torch.cat([ctx] + [f.to(ctx.device) for f in feats]), acc
 
 
 def parting_row_check(model, drafter, prompt: list[int], completion: list[int], blocks: list[OnlineBlock],
