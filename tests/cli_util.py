@@ -36,3 +36,13 @@ def run_side_by_side(code: str, *argsets, timeout: int = 120) -> None:
     for p in procs:
         out, err = p.communicate(timeout=timeout)
         assert p.returncode == 0 and "done" in out, err
+
+
+def run_dfcache_module(*argv) -> None:
+    """``python -m dfcache ARGV...`` in this process, as the interpreter runs it (``dfcache/__main__.py``
+    executed as ``__main__``): the function a fork server (tests/reliability/zygote.py) runs in each
+    forked child, so that a test gets the real executable's path without an interpreter start-up."""
+    import runpy
+
+    sys.argv = ["dfcache", *map(str, argv)]
+    runpy.run_module("dfcache", run_name="__main__", alter_sys=True)
