@@ -20,3 +20,33 @@ def tiny_target(tmp_path_factory):
     from runner.models.tiny import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny") / "target")
+
+
+@pytest.fixture(scope="session")
+def _cli_fork_server(tmp_path_factory):
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    for p in (str(here), str(here / "reliability")):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import cli_util
+    from zygote import Zygote
+
+    z = Zygote(cli_util.FORK_PRELOAD, tmp_path_factory.mktemp("cli-fork"))
+    yield z
+    z.close()
+
+
+@pytest.fixture
+def forked_cli(_cli_fork_server):
+    """``cli_util.dfcache`` runs each command in a child forked from one interpreter that imported
+    dfcache's light modules, instead of a new interpreter (a module opts in with
+    ``pytestmark = pytest.mark.usefixtures("forked_cli")``). The child runs dfcache/__main__.py as
+    ``__main__`` with the call's own environment, directory and timeout."""
+    import cli_util
+
+    cli_util._FORK = _cli_fork_server
+    yield
+    cli_util._FORK = None
