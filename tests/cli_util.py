@@ -26,12 +26,27 @@ FORK_PRELOAD = ["dfcache.cli", "dfcache.cli._ls", "dfcache.cli._show", "dfcache.
                 "zipfile", "tempfile", "csv", "runpy", "cli_util"]
 
 
+# Variables the interpreter reads at start-up, before any code of ours: a forked child of an
+# interpreter started without them would not have them applied (PYTHONFAULTHANDLER is applied by
+# run_dfcache_module; PYTHONPATH is the zygote's own, see fork_is_faithful).
+_STARTUP_PREFIXES = ("PYTHON", "LC_", "LANG")
+
+
+def fork_is_faithful(full_env: dict) -> bool:
+    """Whether a forked child with ``full_env`` starts as a fresh interpreter with it would: the
+    start-up variables (PYTHONPATH included: it decides sys.path) equal the session's, which the
+    fork server was started from."""
+    base = _FORK.session_env
+    names = {k for k in (*full_env, *base) if k.startswith(_STARTUP_PREFIXES) and k != "PYTHONFAULTHANDLER"}
+    return all(full_env.get(k) == base.get(k) for k in names)
+
+
 def dfcache(*args, store=None, env=None, timeout=600, cwd=None) -> Result:
     cmd = [sys.executable, "-m", "dfcache"]
     if store is not None:
         cmd += ["--store", str(store)]
     full_env = {**os.environ, **(env or {})}
-    if _FORK is not None:  # the same command line, environment and directory, in a forked child
+    if _FORK is not None and fork_is_faithful(full_env):  # the same command line, environment and directory
         argv = cmd[3:] + [str(a) for a in args]
         child = _FORK.run("cli_util:run_dfcache_module", *argv, timeout=timeout, env=full_env,
                           unset=tuple(k for k in _FORK.env if k not in full_env), cwd=cwd or os.getcwd(), name="cli")
@@ -59,8 +74,33 @@ def run_side_by_side(code: str, *argsets, timeout: int = 120) -> None:
 def run_dfcache_module(*argv) -> None:
     """``python -m dfcache ARGV...`` in this process, as the interpreter runs it (``dfcache/__main__.py``
     executed as ``__main__``): the function a fork server (tests/reliability/zygote.py) runs in each
-    forked child, so that a test gets the real executable's path without an interpreter start-up."""
-    import runpy
+    forked child, so that a test gets the real executable's path without an interpreter start-up.
 
+    What a fresh interpreter would do differently is done here too: ``sys.path[0]`` is the working
+    directory (``python -m``), ``PYTHONFAULTHANDLER`` turns faulthandler on, and at the end the
+    non-daemon threads are joined and the exit functions run (the zygote's child ends with
+    ``os._exit``, which does neither; dfcache's last exit function, dfcache.interrupts._end_late,
+    ends the process with the command's status as it does in the real executable). Other start-up
+    variables (PYTHON*, LC_*, LANG) make :func:`dfcache` start a real interpreter instead
+    (:func:`fork_is_faithful`)."""
+    import atexit
+    import runpy
+    import threading
+
+    if os.environ.get("PYTHONFAULTHANDLER"):
+        import faulthandler
+
+        faulthandler.enable()
+    sys.path.insert(0, os.getcwd())
     sys.argv = ["dfcache", *map(str, argv)]
-    runpy.run_module("dfcache", run_name="__main__", alter_sys=True)
+    try:
+        runpy.run_module("dfcache", run_name="__main__", alter_sys=True)
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    if code is not None and not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+    threading._shutdown()  # what Py_FinalizeEx does first: wait for the non-daemon threads
+    atexit._run_exitfuncs()
+    raise SystemExit(code)

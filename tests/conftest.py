@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -12,6 +13,10 @@ import pytest
 # SIGINT cases) saw the child finish or hang. Children get the default disposition, as from a terminal.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+# The environment the session started with (before any test's monkeypatch).
+_SESSION_ENV = dict(os.environ)
 
 
 @pytest.fixture(scope="session")
@@ -34,7 +39,10 @@ def _cli_fork_server(tmp_path_factory):
     import cli_util
     from zygote import Zygote
 
-    z = Zygote(cli_util.FORK_PRELOAD, tmp_path_factory.mktemp("cli-fork"))
+    # Started from the session's environment (not from the first opted-in test's, which may have
+    # changed it): the modules it imports read nothing else.
+    z = Zygote(cli_util.FORK_PRELOAD, tmp_path_factory.mktemp("cli-fork"), env=_SESSION_ENV)
+    z.session_env = _SESSION_ENV
     yield z
     z.close()
 
