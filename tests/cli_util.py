@@ -28,17 +28,23 @@ FORK_PRELOAD = ["dfcache.cli", "dfcache.cli._ls", "dfcache.cli._show", "dfcache.
 
 # Variables the interpreter reads at start-up, before any code of ours: a forked child of an
 # interpreter started without them would not have them applied (PYTHONFAULTHANDLER is applied by
-# run_dfcache_module; PYTHONPATH is the zygote's own, see fork_is_faithful).
+# the child itself, _start_like_the_interpreter; PYTHONPATH decides sys.path).
 _STARTUP_PREFIXES = ("PYTHON", "LC_", "LANG")
 
 
-def fork_is_faithful(full_env: dict) -> bool:
-    """Whether a forked child with ``full_env`` starts as a fresh interpreter with it would: the
-    start-up variables (PYTHONPATH included: it decides sys.path) equal the session's, which the
-    fork server was started from."""
-    base = _FORK.session_env
+def fork_is_faithful(full_env: dict, base: dict) -> bool:
+    """Whether a child forked from a fork server started with the environment ``base`` starts as a
+    fresh interpreter with ``full_env`` would: their start-up variables are the same."""
     names = {k for k in (*full_env, *base) if k.startswith(_STARTUP_PREFIXES) and k != "PYTHONFAULTHANDLER"}
     return all(full_env.get(k) == base.get(k) for k in names)
+
+
+def forked(zygote, func: str, *args, env: dict, cwd, timeout: float) -> Result:
+    """``func(*args)`` in a child of ``zygote`` (tests/reliability/zygote.py) whose environment is
+    exactly ``env`` and whose working directory is ``cwd``."""
+    child = zygote.run(func, *args, timeout=timeout, env=env, unset=tuple(k for k in zygote.env if k not in env),
+                       cwd=str(cwd), name="cli")
+    return Result(child.code, child.out, child.err)
 
 
 def dfcache(*args, store=None, env=None, timeout=600, cwd=None) -> Result:
@@ -46,11 +52,10 @@ def dfcache(*args, store=None, env=None, timeout=600, cwd=None) -> Result:
     if store is not None:
         cmd += ["--store", str(store)]
     full_env = {**os.environ, **(env or {})}
-    if _FORK is not None and fork_is_faithful(full_env):  # the same command line, environment and directory
-        argv = cmd[3:] + [str(a) for a in args]
-        child = _FORK.run("cli_util:run_dfcache_module", *argv, timeout=timeout, env=full_env,
-                          unset=tuple(k for k in _FORK.env if k not in full_env), cwd=cwd or os.getcwd(), name="cli")
-        return Result(child.code, child.out, child.err)
+    if _FORK is not None and fork_is_faithful(full_env, _FORK.session_env):  # the same command line,
+        # environment and directory, in a forked child
+        return forked(_FORK, "cli_util:run_dfcache_module", *cmd[3:], *map(str, args), env=full_env,
+                      cwd=cwd or os.getcwd(), timeout=timeout)
     p = subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
                        env=full_env, cwd=cwd)
     return Result(p.returncode, p.stdout, p.stderr)
@@ -71,36 +76,63 @@ def run_side_by_side(code: str, *argsets, timeout: int = 120) -> None:
         assert p.returncode == 0 and "done" in out, err
 
 
-def run_dfcache_module(*argv) -> None:
-    """``python -m dfcache ARGV...`` in this process, as the interpreter runs it (``dfcache/__main__.py``
-    executed as ``__main__``): the function a fork server (tests/reliability/zygote.py) runs in each
-    forked child, so that a test gets the real executable's path without an interpreter start-up.
+# What a forked child does that a fresh interpreter would do differently: the children of the fork
+# server (tests/reliability/zygote.py) run these functions with the call's environment, directory
+# and arguments; the start-up variables other than PYTHONFAULTHANDLER are checked beforehand
+# (fork_is_faithful), and sys.path keeps the fork server's entries after the first.
 
-    What a fresh interpreter would do differently is done here too: ``sys.path[0]`` is the working
-    directory (``python -m``), ``PYTHONFAULTHANDLER`` turns faulthandler on, and at the end the
-    non-daemon threads are joined and the exit functions run (the zygote's child ends with
-    ``os._exit``, which does neither; dfcache's last exit function, dfcache.interrupts._end_late,
-    ends the process with the command's status as it does in the real executable). Other start-up
-    variables (PYTHON*, LC_*, LANG) make :func:`dfcache` start a real interpreter instead
-    (:func:`fork_is_faithful`)."""
-    import atexit
-    import runpy
-    import threading
 
+def _start_like_the_interpreter(path0: str) -> None:
     if os.environ.get("PYTHONFAULTHANDLER"):
         import faulthandler
 
         faulthandler.enable()
-    sys.path.insert(0, os.getcwd())
-    sys.argv = ["dfcache", *map(str, argv)]
+    sys.path.insert(0, path0)
+
+
+def _run_like_the_interpreter(run) -> None:
+    """Run ``run()`` and end as the interpreter ends a program: an exception's traceback and
+    status 1, a SystemExit's status (its message printed, and 1, if it is not a number); then the
+    non-daemon threads are joined and the exit functions run (the fork server's child itself ends
+    with ``os._exit``, which does neither; dfcache's last exit function, dfcache.interrupts._end_late,
+    ends the process with the command's status as in the real executable)."""
+    import atexit
+    import threading
+
     try:
-        runpy.run_module("dfcache", run_name="__main__", alter_sys=True)
+        run()
         code = 0
     except SystemExit as e:
         code = e.code
+    except BaseException:  # noqa: BLE001 - as the interpreter reports an uncaught exception
+        sys.excepthook(*sys.exc_info())
+        code = 1
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
     threading._shutdown()  # what Py_FinalizeEx does first: wait for the non-daemon threads
     atexit._run_exitfuncs()
     raise SystemExit(code)
+
+
+def run_dfcache_module(*argv) -> None:
+    """``python -m dfcache ARGV...`` in this process, as the interpreter runs it (``dfcache/__main__.py``
+    executed as ``__main__``, the working directory first on sys.path): the function a fork server
+    runs in each forked child, so that a test gets the real executable's path without an
+    interpreter start-up."""
+    import runpy
+
+    _start_like_the_interpreter(os.getcwd())
+    sys.argv = ["dfcache", *map(str, argv)]
+    _run_like_the_interpreter(lambda: runpy.run_module("dfcache", run_name="__main__", alter_sys=True))
+
+
+def run_python_code(code: str, *argv) -> None:
+    """``python -c CODE ARGV...`` in this process, as the interpreter runs it (``sys.argv[0]`` is
+    ``-c``, the working directory, as '', first on sys.path)."""
+    _start_like_the_interpreter("")
+    sys.argv = ["-c", *map(str, argv)]
+    import builtins
+
+    _run_like_the_interpreter(lambda: exec(compile(code, "<string>", "exec"),
+                                           {"__name__": "__main__", "__builtins__": builtins}))
