@@ -13,6 +13,9 @@ import torch
 
 from dfcache.errors import BadInputError
 
+# `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("forked_cli")
+
 pytest.importorskip("speculators")
 
 V, VD, H, B, T = 64, 48, 32, 4, 20

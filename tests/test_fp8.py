@@ -18,6 +18,9 @@ from dfcache.keys import compute_key
 from dfcache.store import open_store
 from test_hidden_states import one_torch_thread, run_layers, segments_of, write_tokens  # noqa: F401 (autouse)
 
+# `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("forked_cli")
+
 
 def _states(n=300, h=96, seed=0) -> np.ndarray:
     """bf16 bits like hidden states: a few large channels, rows of different magnitude, a zero row."""

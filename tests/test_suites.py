@@ -18,6 +18,9 @@ from runner.stages.prompts import load_records
 from runner.suites import catalog, sets, tables
 from runner.suites.sources import FieldMap
 
+# `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("forked_cli")
+
 pytest.importorskip("datasets")
 
 
