@@ -3,7 +3,9 @@
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass
@@ -45,6 +47,32 @@ def forked(zygote, func: str, *args, env: dict, cwd, timeout: float) -> Result:
     child = zygote.run(func, *args, timeout=timeout, env=env, unset=tuple(k for k in zygote.env if k not in env),
                        cwd=str(cwd), name="cli")
     return Result(child.code, child.out, child.err)
+
+
+def python_c(zygote, code: str, *args, env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
+    """``python -c CODE ARGS...`` with exactly ``env`` in ``cwd``: a child of ``zygote`` (see
+    :func:`fork_server`) where that starts as a new interpreter would, else a new interpreter."""
+    cmd = [sys.executable, "-c", code, *map(str, args)]
+    if zygote is not None and fork_is_faithful(env, zygote.session_env):
+        r = forked(zygote, "cli_util:run_python_code", *cmd[2:], env=env, cwd=cwd, timeout=timeout)
+        return subprocess.CompletedProcess(cmd, r.code, r.out, r.err)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(cwd))
+
+
+@contextmanager
+def fork_server(env: dict, workdir):
+    """A fork server (tests/reliability/zygote.py) started with ``env`` that imported FORK_PRELOAD,
+    for :func:`python_c`: neither torch nor transformers, so a child still shows whether a command
+    imported them."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "reliability"))
+    from zygote import Zygote
+
+    z = Zygote(FORK_PRELOAD, workdir, env=env)
+    z.session_env = env
+    try:
+        yield z
+    finally:
+        z.close()
 
 
 def dfcache(*args, store=None, env=None, timeout=600, cwd=None) -> Result:

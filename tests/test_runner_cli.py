@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cli_util import fork_server, python_c
 from servers import ClosedPort, RecordingListener, ScriptedServer, SilentListener, TransformersServe
 
 from dfcache import open_store
@@ -81,9 +82,9 @@ def env(tmp_path_factory):
     return e
 
 
-# A fork server started with the module's `env` (fixture `_fork_server`): cli() runs _WRAPPER as
-# `python -c` in its children instead of a new interpreter each (its start-up, imports of dfcache's
-# CLI, typer, numpy and zarr, cost ~1 s of CPU a command). It imports neither torch nor
+# A fork server started with the module's `env`: cli() runs _WRAPPER as `python -c` in its
+# children instead of a new interpreter each (its start-up, imports of dfcache's CLI, typer, numpy
+# and zarr, cost ~1 s of CPU a command; cli_util.python_c). It imports neither torch nor
 # transformers (HEAVY), so what a command imports is still seen.
 _ZYGOTE = None
 
@@ -91,37 +92,17 @@ _ZYGOTE = None
 @pytest.fixture(scope="module", autouse=True)
 def _fork_server(env, tmp_path_factory):
     global _ZYGOTE
-    from cli_util import FORK_PRELOAD
-
-    sys.path.insert(0, str(REPO / "tests" / "reliability"))
-    from zygote import Zygote
-
-    z = Zygote(FORK_PRELOAD, tmp_path_factory.mktemp("cli-fork"), env=env)
-    z.session_env = env
-    _ZYGOTE = z
-    yield
+    with fork_server(env, tmp_path_factory.mktemp("cli-fork")) as _ZYGOTE:
+        yield
     _ZYGOTE = None
-    z.close()
 
 
 def cli(env: dict, store, *args, extra_env: dict | None = None, timeout: float = 180, cwd=None) -> Run:
-    """``dfcache --store STORE ARGS...`` in a subprocess (through ``dfcache.cli.main``): a child of
-    the module's fork server where that starts as a new interpreter would (cli_util.fork_is_faithful)."""
-    from cli_util import fork_is_faithful, forked
-
-    cmd = [sys.executable, "-c", _WRAPPER]
-    if store is not None:
-        cmd += ["--store", str(store)]
-    full_env = {**env, **(extra_env or {})}
-    cwd = str(cwd or (store.parent if store else REPO))
+    """``dfcache --store STORE ARGS...`` in a subprocess (through ``dfcache.cli.main``)."""
+    store_args = ["--store", str(store)] if store is not None else []
     t0 = time.perf_counter()
-    if _ZYGOTE is not None and fork_is_faithful(full_env, _ZYGOTE.session_env):
-        r = forked(_ZYGOTE, "cli_util:run_python_code", *cmd[2:], *map(str, args), env=full_env, cwd=cwd,
-                   timeout=timeout)
-        p = subprocess.CompletedProcess(cmd, r.code, r.out, r.err)
-    else:
-        p = subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
-                           env=full_env, cwd=cwd)
+    p = python_c(_ZYGOTE, _WRAPPER, *store_args, *args, env={**env, **(extra_env or {})},
+                 cwd=str(cwd or (store.parent if store else REPO)), timeout=timeout)
     wall = time.perf_counter() - t0
     err, marker, tail = p.stderr.rpartition("@@dfcache-test ")
     if marker:
