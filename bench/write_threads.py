@@ -7,7 +7,8 @@ one task per layer on its pool, each appending the piece's rows to that layer's 
 ``ArrayWriter``, a checkpoint of every layer after each window) with window buffers that are ready
 at once (no model, no GPU, no torch), and times the whole store path, commits (every fsync)
 included, for each ``$DFCACHE_WRITE_THREADS`` (the uncompressed chunk files of one append written
-at once, ``dfcache.store._pools.write_threads``). The counts run in turn, the order rotating each
+at once, ``dfcache.store._pools.write_threads``) with the CPU time it took (every thread of the
+process). The counts run in turn, the order rotating each
 repetition, medians kept (``bench._common.alternate``); every count writes the same bytes (the
 digests of the committed arrays are compared). Prints one line per count and a JSON summary.
 bench/gpu_extract.py's ``store path alone`` phase measures the same counts behind the real
@@ -88,12 +89,15 @@ def main(argv=None) -> int:
     root.mkdir(parents=True, exist_ok=True)
     store = open_store(root / "store")
     digests: dict[str, list] = {}
+    cpu: dict[str, list] = {}
     old = os.environ.get("DFCACHE_WRITE_THREADS")
 
     def contender(n: str):
         def go() -> float:
             os.environ["DFCACHE_WRITE_THREADS"] = n
+            c0 = time.process_time()
             dt, d = store_path(store, args.layers, args.hidden, tokens, args.piece_tokens, args.window_pieces, data)
+            cpu.setdefault(n, []).append(time.process_time() - c0)  # every thread of the process
             digests.setdefault(n, d)
             assert d == digests[n], "the same rows gave other bytes"
             return dt
@@ -114,12 +118,13 @@ def main(argv=None) -> int:
     out = {"layers": args.layers, "hidden": args.hidden, "tokens": tokens, "bytes": total, "cpu_count": os.cpu_count(),
            "piece_tokens": args.piece_tokens, "window_pieces": args.window_pieces, "same_bytes": same,
            "threads": {n: {"median_s": round(med(v), 4), "tok_per_s": round(tokens / med(v)),
-                           "gbps": round(total / med(v) / 1e9, 3), "runs_s": [round(x, 4) for x in v]}
+                           "gbps": round(total / med(v) / 1e9, 3), "runs_s": [round(x, 4) for x in v],
+                           "cpu_s": round(med(cpu[n]), 4)}
                        for n, v in times.items()}}
     base = out["threads"][counts[0]]["tok_per_s"]
     for n, r in out["threads"].items():
         print(f"DFCACHE_WRITE_THREADS={n}: {r['tok_per_s']:,} tok/s ({r['gbps']} GB/s, {r['tok_per_s'] / base:.2f}x "
-              f"of {counts[0]}), median of {r['runs_s']}")
+              f"of {counts[0]}), CPU {r['cpu_s']:.3f} s, median of {r['runs_s']}")
     print(f"same bytes for every count: {same}")
     print(json.dumps(out))
     if args.json:
