@@ -12,7 +12,8 @@ Environment:
     DFCACHE_DEBUG      any non-empty value: tracebacks instead of one-line errors (as ``--debug``).
     DFCACHE_WRITE_THREADS
                        chunk files of one array a store writer writes at once (default: the
-                       machine's cores, at most 8; 1: one after the other on the appending thread).
+                       machine's cores, at most 8; 1: one after the other on the appending thread);
+                       a local store fsyncs 4 x that many staged files at once (at least 8).
     DFCACHE_PROGRESS_INTERVAL
                        seconds between the progress lines of long stages when stderr is not a
                        terminal (default 10; 0: a line at every step; ``--no-progress``: none).

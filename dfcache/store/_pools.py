@@ -53,6 +53,18 @@ def write_pool(threads: int):
     return thread_pool(f"write{threads}", min(64, 8 * (threads - 1)))
 
 
+def fsync_pool():
+    """The threads that fsync a local store's staged files in the background (a file's fsync is
+    handed over once it is written; a checkpoint or a commit waits for them all): 4 per write
+    thread, at least 8 (the count before 2026-12-06, kept for 1 and 2 write threads), at most 64.
+    A thread waiting in fsync costs no core, and concurrent fsyncs keep the disk's queue full and
+    let the filesystem join them in one journal commit. With 8, the extraction's store path wrote
+    1.43 GB/s on an H200 host whose disk took 1.94 GB/s from 4 parallel fsync'd streams
+    (docs/benchmarks.md); bench/gpu_extract.py's write-threads curve shows what more of both gives."""
+    n = min(64, max(8, 4 * write_threads()))
+    return thread_pool(f"fsync{n}", n)
+
+
 class _Recycler:
     """Result buffers of large reads, handed out again once nothing refers to them.
 
