@@ -673,6 +673,9 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         counts = [int(x) for x in args.write_threads.split(",") if x.strip()]
         if not counts:
             return
+        # About 2 GB of rows a run (12 runs by default; the 27B preset's full set is 13 GB a run).
+        m = max(1, min(args.samples, int(2e9 // (args.seq_len * bytes_per_token))))
+        c_offsets, c_ids = offsets[: m + 1], ids[: int(offsets[m])]
         old = os.environ.get("DFCACHE_WRITE_THREADS")
         runs: dict[int, list[float]] = {n: [] for n in counts}
         try:
@@ -680,7 +683,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
                 k = rep % len(counts)
                 for n in counts[k:] + counts[:k]:
                     os.environ["DFCACHE_WRITE_THREADS"] = str(n)
-                    st_n, dt_n, _ = direct_extract(Fake(), offsets, ids, f"store-only-t{n}", stage="bench_store_only")
+                    st_n, dt_n, _ = direct_extract(Fake(), c_offsets, c_ids, f"store-only-t{n}", stage="bench_store_only")
                     runs[n].append(st_n.tokens / dt_n)
         finally:
             if old is None:
@@ -692,7 +695,9 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         curve = {str(n): round(statistics.median(v), 1) for n, v in runs.items()}
         b.res["store_only"]["by_write_threads"] = curve
         b.res["store_only"]["by_write_threads_runs"] = {str(n): [round(x, 1) for x in v] for n, v in runs.items()}
-        log(f"store path alone by DFCACHE_WRITE_THREADS (tok/s, median of {args.write_threads_reps}): {curve}")
+        b.res["store_only"]["by_write_threads_tokens"] = int(c_offsets[-1])
+        log(f"store path alone by DFCACHE_WRITE_THREADS (tok/s, median of {args.write_threads_reps}, "
+            f"{int(c_offsets[-1])} tokens a run): {curve}")
 
     def batch_sweep():
         """Bare forwards of the same samples in batches of 1, 2, 4, ... and whether each size gives
