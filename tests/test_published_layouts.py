@@ -138,3 +138,96 @@ def test_speculators_eagle3_layouts_equal_their_model(tmp_path, layer, draft_voc
     d2t = model.d2t if model.d2t is not None else torch.zeros(draft_vocab, dtype=torch.long)
     first = want[:, 0].argmax(-1)
     assert tokens[:, 0].tolist() == (first + d2t[first]).tolist()  # drafts in the target's vocabulary
+
+
+# ---- SpecForge / SGLang / the EAGLE repo (LlamaForCausalLMEagle3) -------------------------------
+
+def _specforge_eagle3(path, raw_extra: dict, *, th=H, dtype=torch.float16, embed=True, bin_file=False):
+    """SpecForge's own LlamaForCausalLMEagle3, random, saved with a config.json of a published
+    shape (``raw_extra`` on top of the Llama fields) in ``dtype``: safetensors as SpecForge and
+    lmsys/sglang-EAGLE3-* hold it, or pytorch_model.bin without the embedding as the EAGLE repo
+    (yuhuili/EAGLE3-*) does. Returns the model holding the saved (rounded) weights in float32."""
+    pytest.importorskip("specforge")
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+
+    from specforge.modeling.draft.llama3_eagle import LlamaForCausalLMEagle3
+
+    fields = {k: v for k, v in raw_extra.items() if k not in ("eagle_config", "architectures")}
+    cfg = LlamaConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                      vocab_size=V, rms_norm_eps=1e-5, max_position_embeddings=256, hidden_act="silu",
+                      num_hidden_layers=1, tie_word_embeddings=False, **fields)
+    cfg.draft_vocab_size = DV
+    if th != H:
+        cfg.target_hidden_size = th
+    torch.manual_seed(0)
+    m = LlamaForCausalLMEagle3(cfg).float().eval()
+    with torch.no_grad():
+        for _, p in m.named_parameters():
+            p.copy_((torch.randn_like(p) * (0.3 if p.dim() > 1 else 0.1) + (1.0 if p.dim() == 1 else 0.0))
+                    .to(dtype).float())
+        ids = torch.sort(torch.randperm(V)[:DV]).values
+        m.d2t.copy_(ids - torch.arange(DV))
+        m.t2d.zero_()
+        m.t2d[ids] = True
+    path.mkdir()
+    raw = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64, "num_hidden_layers": 1,
+           "hidden_act": "silu", "rms_norm_eps": 1e-5, "vocab_size": V, "draft_vocab_size": DV,
+           "max_position_embeddings": 256, "tie_word_embeddings": False, "torch_dtype": str(dtype).split(".")[1],
+           **({"target_hidden_size": th} if th != H else {}), **raw_extra}
+    (path / "config.json").write_text(json.dumps(raw))
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in m.state_dict().items()}
+    if not embed:
+        del state["embed_tokens.weight"]
+    if bin_file:
+        torch.save(state, path / "pytorch_model.bin")
+    else:
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return m
+
+
+@pytest.mark.parametrize("layout", ["eagle-repo-bin", "specforge-gpt-oss", "specforge-qwen3"])
+def test_specforge_layouts_equal_specforge_logits(tmp_path, layout):
+    """Three published SpecForge-family shapes: the EAGLE repo's (yuhuili/EAGLE3-LLaMA3.1-Instruct-8B,
+    = SpecForge configs/llama3-8B-eagle3.json: no rope_theta, no layer ids, float16
+    pytorch_model.bin without embed_tokens); SpecForge's configs/gpt-oss-20B-eagle3.json (eagle_config
+    ids, head_dim != hidden/heads, bf16 safetensors with the embedding); configs/qwen3-8b-eagle3.json
+    (rope_theta, rope_scaling null, sliding_window set but use_sliding_window false) with a target
+    wider than the drafter (target_hidden_size)."""
+    from types import SimpleNamespace
+
+    from test_eagle3_reference import _their_logits
+
+    from runner.drafters.dflash import TargetHead
+    from runner.drafters.eagle3 import Eagle3Drafter, score_roots
+    from runner.models.train_tiny import single_thread
+    from runner.stages.drafter_eval import read_drafter
+
+    th, embed, bin_file, dtype = H, True, False, torch.bfloat16
+    if layout == "eagle-repo-bin":
+        extra, embed, bin_file, dtype = {"bos_token_id": 1, "pad_token_id": 0, "use_cache": True}, False, True, torch.float16
+    elif layout == "specforge-gpt-oss":
+        extra = {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 5]}, "head_dim": 16, "pad_token_id": 0}
+    else:
+        extra = {"attention_bias": False, "rope_theta": 1000000, "rope_scaling": None, "sliding_window": 512,
+                 "use_sliding_window": False, "max_window_layers": 36, "target_model_type": "qwen3"}
+        th = 48
+    path = tmp_path / "d"
+    with single_thread():
+        m = _specforge_eagle3(path, extra, th=th, dtype=dtype, embed=embed, bin_file=bin_file)
+        info = SimpleNamespace(num_layers=8, hidden_size=th, vocab_size=V)
+        ref = read_drafter(str(path), target_info=lambda: info, eagle_steps=3)
+        want_ids = [1, 3, 5] if layout == "specforge-gpt-oss" else [1, 3, 4]  # else SGLang's default for 8 layers
+        assert ref.family == "eagle3" and ref.target_layer_ids == want_ids and ref.block_size == 4
+        with pytest.raises(BadInputError, match=f"3 x {th} features but the target is 64 wide"):
+            read_drafter(str(path), target_info=lambda: SimpleNamespace(num_layers=8, hidden_size=64, vocab_size=V))
+        ours = Eagle3Drafter.from_pretrained(path)
+        assert (ours.embed_tokens is not None) == embed
+        g = torch.Generator().manual_seed(1)
+        feats = torch.randn(T, 3 * th, generator=g)
+        seq = torch.randint(0, V, (T + 1,), generator=g)
+        head = TargetHead(m.embed_tokens.weight.detach(), torch.randn(V, H, generator=g))  # the target's embedding
+        theirs = _their_logits(m, feats, seq[1:T + 1])
+        _, logits = score_roots(ours, head, feats, seq, list(range(1, T + 1)), depth=STEPS)
+    torch.testing.assert_close(logits, theirs, rtol=1e-4, atol=1e-4)

@@ -44,6 +44,27 @@ from .eagle3_config import Eagle3Config, default_layer_ids, is_eagle3_config
 __all__ = ["Eagle3Config", "Eagle3Drafter", "default_layer_ids", "score_roots", "draft_one_root",
            "dynamic_tree", "save_eagle3", "init_eagle3_weights", "is_eagle3_config"]
 
+BIN_WEIGHTS = "pytorch_model.bin"  # the EAGLE repo's own checkpoints (yuhuili/EAGLE3-*) hold only this file
+
+
+def _weights(path: Path):
+    """(tensor names, read(names) -> {name: tensor}) of a checkpoint: its safetensors files, else
+    the EAGLE repo's ``pytorch_model.bin`` (a plain state dict; read with ``weights_only``, which
+    unpickles tensors and nothing else)."""
+    if not any(path.glob("*.safetensors")) and (path / BIN_WEIGHTS).is_file():
+        try:
+            state = torch.load(path / BIN_WEIGHTS, map_location="cpu", weights_only=True)
+        except Exception as e:  # a truncated or foreign pickle: torch raises several kinds
+            raise BadInputError(f"drafter checkpoint {path}: {BIN_WEIGHTS} is not a readable state dict ({e}); "
+                                "re-download it or re-save the checkpoint as safetensors.") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise BadInputError(f"drafter checkpoint {path}: {BIN_WEIGHTS} is not a state dict of tensors; "
+                                "re-save the checkpoint as safetensors.")
+        return dict.fromkeys(state), lambda names: {n: state[n] for n in names}
+    files = _safetensors_files(path, f"drafter checkpoint {path}")
+    return files, lambda names: _read_tensors(files, names, "cpu", None)
+
+
 def canonical_name(name: str) -> str:
     """A checkpoint tensor's name under SpecForge's layout: no ``model.`` prefix (vLLM's), the
     decoder layer as ``midlayer.`` (speculators and vLLM write ``layers.0.``)."""
@@ -140,7 +161,7 @@ class Eagle3Drafter(nn.Module):
                         dtype: torch.dtype = torch.float32) -> "Eagle3Drafter":
         path = Path(path)
         cfg = Eagle3Config.from_dict(_read_config(path), source=str(path / "config.json"))
-        files = _safetensors_files(path, f"drafter checkpoint {path}")
+        files, read = _weights(path)
         source_of: dict[str, str] = {}
         for n in files:
             c = canonical_name(n)
@@ -172,7 +193,7 @@ class Eagle3Drafter(nn.Module):
                                 "pass an EAGLE-3 checkpoint, or one re-saved without them.")
         wanted = [source_of[k] for k in expected] + [source_of[k] for k in ("d2t", "embed_tokens.weight")
                                                       if k in source_of]
-        tensors = _read_tensors(files, wanted, "cpu", None)
+        tensors = read(wanted)
         state = {}
         for k, shape in expected.items():
             t = tensors[source_of[k]]

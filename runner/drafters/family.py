@@ -228,6 +228,8 @@ def vocab_map_problem(path: Path, vocab_size: int, draft_vocab_size: int) -> str
         index = tensor_index(path)
         info = index.get("d2t") or index.get("model.d2t")
         d2t = read_ints(info) if info is not None else None
+        if not index and (path / "pytorch_model.bin").is_file():
+            d2t = _bin_d2t(path)  # the EAGLE repo's checkpoints: torch is needed to read them at all
     except (OSError, ValueError, KeyError) as e:
         return f"cannot read its d2t tensor ({e}); re-download or re-save the checkpoint."
     if d2t is None:
@@ -244,6 +246,14 @@ def vocab_map_problem(path: Path, vocab_size: int, draft_vocab_size: int) -> str
         return (f"d2t maps draft ids to target ids {lo}..{hi}, outside the target vocabulary "
                 f"0..{vocab_size - 1}; pass the drafter trained for this target.")
     return None
+
+
+def _bin_d2t(path: Path) -> list[int] | None:
+    from .eagle3 import _weights
+
+    names, read = _weights(path)
+    name = next((n for n in ("d2t", "model.d2t") if n in names), None)
+    return None if name is None else [int(x) for x in read([name])[name].tolist()]
 
 
 def eagle_trees(opts) -> list[list[int]]:

@@ -128,7 +128,8 @@ def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
                                  "directory (config.json + *.safetensors) with --drafter.")
     if not cfg_path.is_file():
         raise BadInputError(f"drafter {path_str} has no config.json; pass a DFlash checkpoint directory.")
-    if not any(path.glob("*.safetensors")):
+    bin_only = not any(path.glob("*.safetensors"))
+    if bin_only and not (path / "pytorch_model.bin").is_file():
         raise BadInputError(f"drafter {path_str} has no *.safetensors weights; pass a complete checkpoint.")
     from ...models.resolve import check_weight_files
 
@@ -144,6 +145,9 @@ def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
     from ...drafters.family import DSpark, Eagle3, family_of
 
     family = family_of(path, cfg)
+    if bin_only and family is not Eagle3:  # pytorch_model.bin: the EAGLE repo's EAGLE-3 checkpoints only
+        raise BadInputError(f"drafter {path_str} has no *.safetensors weights (a pytorch_model.bin is read for "
+                            "EAGLE-3 checkpoints only); pass a complete checkpoint.")
     if family is Eagle3:
         info = target_info() if target_info is not None else None
         plan = Eagle3.plan(path, cfg, num_target_layers=info.num_layers if info else None,
