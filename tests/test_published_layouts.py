@@ -231,3 +231,82 @@ def test_specforge_layouts_equal_specforge_logits(tmp_path, layout):
         theirs = _their_logits(m, feats, seq[1:T + 1])
         _, logits = score_roots(ours, head, feats, seq, list(range(1, T + 1)), depth=STEPS)
     torch.testing.assert_close(logits, theirs, rtol=1e-4, atol=1e-4)
+
+
+# ---- speculators DFlash (RedHatAI/*-speculator.dflash) ---------------------------------------------
+
+@pytest.mark.parametrize("draft_vocab", [48, 64], ids=["draft_vocab", "full_vocab"])
+def test_speculators_dflash_drafts_as_speculators(tmp_path, draft_vocab):
+    """speculators' DFlash layout (``speculators_model_type: dflash``, the Qwen3 backbone under
+    ``transformer_layer_config``, ``aux_hidden_state_layer_ids`` as HF indices, by default a draft
+    vocabulary with ``d2t``/``t2d`` and a reduced ``lm_head``, ``sample_from_anchor`` false, no
+    ``embed_tokens`` saved): recognised, planned as a DFlash chain of B-1 drafts (the report says
+    ``dflash``), and its drafts equal speculators' own model's."""
+    pytest.importorskip("speculators")
+    from test_dspark_speculators import B, H as SH, T as ST, V as SV
+    from transformers import Qwen3Config
+
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    from runner.drafters import dspark
+    from runner.drafters.dflash import TargetHead
+    from runner.drafters.family import DSpark, family_of
+    from runner.models.train_tiny import single_thread
+
+    tl = Qwen3Config(vocab_size=SV, hidden_size=SH, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    tl._attn_implementation = "eager"
+    cfg = DFlashSpeculatorConfig(
+        transformer_layer_config=tl, draft_vocab_size=draft_vocab, block_size=B, aux_hidden_state_layer_ids=[1, 2],
+        mask_token_id=SV - 1, speculators_config=SpeculatorsConfig(
+            algorithm="dflash", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=B - 1)],
+            default_proposal_method="greedy", verifier=VerifierConfig(name_or_path=None, architectures=[])))
+    with single_thread():
+        torch.manual_seed(0)
+        model = DFlashDraftModel(cfg)
+        embed, lm = torch.randn(SV, SH), torch.randn(SV, SH)
+        ids = torch.arange(SV)
+        if draft_vocab != SV:
+            ids = torch.sort(torch.randperm(SV)[:draft_vocab]).values
+            t2d = torch.zeros(SV, dtype=torch.bool)
+            t2d[ids] = True
+            model.load_vocab_mappings(t2d, ids - torch.arange(draft_vocab))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.5 * torch.randn_like(p))
+            model.embed_tokens.weight.copy_(embed)
+            model.lm_head.weight.copy_(lm[ids])
+            model.verifier_lm_head.weight.copy_(lm[ids])
+        path = tmp_path / "ckpt"
+        model.save_pretrained(str(path))
+        raw = json.loads((path / "config.json").read_text())
+        assert raw["speculators_model_type"] == "dflash" and raw["sample_from_anchor"] is False
+        assert family_of(path, raw) is DSpark
+        plan = DSpark.plan(path, raw, layers=[0, 1], block_size=B, target_vocab=SV)
+        assert plan.label == "dflash" and plan.block_size == B and not plan.final_state
+        from types import SimpleNamespace
+
+        from runner.stages.drafter_eval import read_drafter
+
+        ref = read_drafter(str(path), target_info=lambda: SimpleNamespace(num_layers=4, hidden_size=SH, vocab_size=SV))
+        assert (ref.family, ref.block_size, ref.target_layer_ids, ref.mask_token_id) == ("dspark", B, [0, 1], SV - 1)
+        ours = dspark.DSparkDrafter.from_pretrained(path)
+        assert ours.markov is None and ours.first_draft_slot == 1 and ours.target_layer_ids == [0, 1]
+        g = torch.Generator().manual_seed(1)
+        feats, tokens = torch.randn(ST, 2 * SH, generator=g), torch.randint(0, SV - 1, (ST,), generator=g)
+        loss_mask = torch.ones(1, ST)
+        loss_mask[:, :4] = 0  # anchors 4 .. T-B-1, as tests/test_dspark_speculators.py reads them
+        n = int(loss_mask[0, :-B].sum())
+        with torch.no_grad():
+            _, logits, _, _, idx = model.eval()._backbone_forward(
+                feats[None], tokens[None], loss_mask, torch.zeros(1, ST, SH), torch.zeros(1, ST, dtype=torch.long),
+                max_anchors=n)
+        want, roots = logits.view(n, B, -1), idx.view(n, B)[:, 0].tolist()
+        head = TargetHead(embed_tokens=embed, lm_head=lm)
+        drafts = torch.cat([d for _, d in dspark.iter_drafts(ours, head, feats, tokens, roots)])
+    theirs = want[:, 1:].argmax(-1)  # slots 1..B-1 draft (sample_from_anchor false)
+    if draft_vocab != SV:
+        theirs = theirs + model.d2t[theirs]
+    assert drafts.tolist() == theirs.tolist()

@@ -48,6 +48,8 @@ class Plan:
     final_state: bool = False  # trains on the target's final state (after its final norm: layer "final")
     key_inputs: dict[str, Any] = field(default_factory=dict)  # family-only key inputs (DFlash: none)
     summary: str = ""
+    label: str = ""  # what the report's family column says where it is not ``family`` (a speculators
+    #                  DFlash drafted by DSpark's loader without a head: "dflash")
 
 
 class DFlash:
@@ -127,7 +129,8 @@ class Eagle3:
 class DSpark:
     name = "dspark"
     what = ("DSpark drafter (SpecForge DSparkDraftModel: a DFlash backbone, dflash_config.projector_type "
-            "'dspark', with a Markov head; or speculators_model_type 'dspark')")
+            "'dspark', with a Markov head; or speculators_model_type 'dspark'; also speculators' DFlash, "
+            "speculators_model_type 'dflash', its backbone with a draft vocabulary and no head)")
     # SpecForge's DSpark training reads ``target_last_hidden_states`` (its lm_head gives the
     # teacher logits of the L1/confidence losses: specforge.algorithms.common.dflash_family_data
     # and dflash_family_model); its eval here does not (the target's tokens are known).
@@ -145,7 +148,7 @@ class DSpark:
         ``dspark_config.backbone_config``); a draft vocabulary whose d2t map does not fit the target
         is exit 6 here. With ``sample_from_anchor`` a block drafts B tokens, so the report's block
         size is B + 1 and the key has ``sample_from_anchor`` (absent otherwise: keys unchanged)."""
-        from .dspark_config import head_config
+        from .dspark_config import head_config, is_speculators_dflash
 
         cfg = head_config(raw, source=str(path / "config.json"))
         vocab = cfg.vocab_size
@@ -163,11 +166,15 @@ class DSpark:
             key_inputs["sample_from_anchor"] = True
             drafts = int(block_size)
         vocab_note = f", draft vocabulary {cfg.draft_vocab_size}" if cfg.reduced_vocab else ""
+        anchor_note = " (anchor slot drafts)" if cfg.sample_from_anchor else ""
+        if is_speculators_dflash(raw):
+            return Plan("dspark", list(layers), drafts + 1, final_state=False, key_inputs=key_inputs, label="dflash",
+                        summary=f"dflash (speculators layout, no head), chain {drafts}{anchor_note}{vocab_note}, "
+                                f"layers {list(layers)}")
         return Plan("dspark", list(layers), drafts + 1, final_state=cls.trains_on_final_state,
                     key_inputs=key_inputs,
                     summary=f"dspark {cfg.head_type} head rank {cfg.markov_rank}, chain {drafts}"
-                            f"{' (anchor slot drafts)' if cfg.sample_from_anchor else ''}{vocab_note}, "
-                            f"layers {list(layers)}")
+                            f"{anchor_note}{vocab_note}, layers {list(layers)}")
 
     @staticmethod
     def load(path, device, dtype):

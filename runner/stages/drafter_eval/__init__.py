@@ -520,6 +520,7 @@ def read_summary(store, node: Node, docs: list[dict] | None = None) -> dict:
                     "hidden_states_backend": hs_backend, "trained_on": ref.trained_on,
                     "trained_on_declared": ref.trained_on_declared,
                     "backend_mismatch": bool(ref.trained_on and ref.trained_on != hs_backend["kernel"]),
-                    "block_size": ref.block_size, "tree_budgets": budgets, "family": ref.family,
+                    "block_size": ref.block_size, "tree_budgets": budgets,
+                    "family": getattr(ref.plan, "label", "") or ref.family,
                     "max_blocks": node.inputs["max_blocks"]})
     return summary
