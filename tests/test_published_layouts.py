@@ -310,3 +310,89 @@ def test_speculators_dflash_drafts_as_speculators(tmp_path, draft_vocab):
     if draft_vocab != SV:
         theirs = theirs + model.d2t[theirs]
     assert drafts.tolist() == theirs.tolist()
+
+
+# ---- bad input: what no family claims, and what a family would read wrong ---------------------
+
+def _domino(path, vocab=64):
+    """SpecForge configs/qwen3-8b-domino.json's shape (DominoDraftModel: a dflash_config with
+    projector_type 'domino', a GRU head and shifted labels), sizes shrunk."""
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["DominoDraftModel"], "model_type": "qwen3", "block_size": 4, "emb_dim": 8,
+        "dflash_config": {"mask_token_id": vocab - 1, "target_layer_ids": [0, 1], "projector_type": "domino",
+                          "pure_draft_prefix_len": 1, "emb_dim": 8, "gru_hidden_dim": 16, "shift_label": True},
+        "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 8, "intermediate_size": 32, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+        "vocab_size": vocab, "num_target_layers": 4}))
+    from safetensors.torch import save_file
+
+    save_file({"fc.weight": torch.zeros(16, 32), "gru.weight_ih_l0": torch.zeros(48, 8)}, str(path / "model.safetensors"))
+    return path
+
+
+def test_unknown_family_is_exit_6_before_any_work(tiny_target, tmp_path):
+    from cli_util import dfcache
+
+    store = tmp_path / "store"
+    r = dfcache("run", "eval", "--target", tiny_target, "--drafter", _domino(tmp_path / "domino"), "--completions",
+                "local", "--prompts", "builtin:reasoning", "--num-prompts", "1", "--max-new-tokens", "8",
+                "--backend", "torch", store=store)
+    assert r.code == 6 and "Traceback" not in r.err, r.err
+    for what in ("Known families", "dflash:", "eagle3:", "dspark:", "DominoDraftModel", "projector_type='domino'"):
+        assert what in r.err, (what, r.err)
+    assert {f.name for f in store.rglob("*") if f.is_file()} <= {"dfcache-store.json"}  # nothing computed
+
+
+def test_published_shapes_dfcache_cannot_score_are_refused(tmp_path):
+    """Each is exit 6 (BadInputError) naming what it found, never a silent wrong load: P-EAGLE
+    (SpecForge configs/qwen3-8b-peagle.json: four layers, PEagleDraftModel), nebius' unnamed EAGLE-3
+    head (LlamaForCausalLM, one layer, truncated_vocab_size: recognised, but its YaRN RoPE is not
+    plain), a speculators EAGLE-3 with sliding-window layers, an EAGLE-1-style head
+    (use_aux_hidden_state false), and checkpoints holding tensors of modules no family has."""
+    from safetensors.torch import load_file, save_file
+
+    from runner.drafters.dflash import DFlashConfig, DFlashDrafter, init_drafter_weights, save_drafter
+    from runner.drafters.eagle3 import Eagle3Drafter
+    from runner.drafters.family import Eagle3, family_of
+
+    peagle = {"architectures": ["PEagleDraftModel"], "model_type": "llama", "num_hidden_layers": 4, "hidden_size": 16,
+              "num_attention_heads": 2, "intermediate_size": 32, "vocab_size": V, "draft_vocab_size": DV}
+    with pytest.raises(BadInputError, match="PEagleDraftModel.*Known families"):
+        family_of(tmp_path, peagle)
+    layer = {"model_type": "llama", "hidden_size": H, "num_hidden_layers": 1, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "vocab_size": V, "rms_norm_eps": 1e-5}
+    nebius = {"architectures": ["LlamaForCausalLM"], **layer, "truncated_vocab_size": DV, "draft_vocab_size": DV,
+              "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                                                     "beta_slow": 1.0, "original_max_position_embeddings": 4096}}
+    assert family_of(tmp_path, nebius) is Eagle3
+    with pytest.raises(BadInputError, match="rope_scaling type 'yarn' is not supported"):
+        Eagle3.plan(tmp_path, nebius, num_target_layers=8, target_hidden=H, target_vocab=V, steps=None)
+    with pytest.raises(BadInputError, match="no drafter family"):  # a one-layer LM without a draft vocabulary
+        family_of(tmp_path, {"architectures": ["LlamaForCausalLM"], **layer})
+    spec = {"speculators_model_type": "eagle3", "draft_vocab_size": V, "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
+            "transformer_layer_config": {**layer, "layer_types": ["sliding_attention"], "sliding_window": 8}}
+    with pytest.raises(BadInputError, match="sliding-window"):
+        Eagle3.plan(tmp_path, spec, num_target_layers=8, target_hidden=H, target_vocab=V, steps=None)
+    eagle1 = {"architectures": ["LlamaForCausalLMEagle3"], **layer, "eagle_config": {"use_aux_hidden_state": False}}
+    with pytest.raises(BadInputError, match="use_aux_hidden_state is false"):
+        Eagle3.plan(tmp_path, eagle1, num_target_layers=8, target_hidden=H, target_vocab=V, steps=None)
+
+    # an EAGLE-3 checkpoint with P-EAGLE's mask_hidden, a DFlash one with a foreign module
+    e3 = tmp_path / "e3"
+    _specforge_eagle3(e3, {"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 2, 3]}}, dtype=torch.float32)
+    t = load_file(str(e3 / "model.safetensors"))
+    t["mask_hidden"] = torch.zeros(1, 3 * H)
+    save_file(t, str(e3 / "model.safetensors"))
+    with pytest.raises(BadInputError, match=r"\['mask_hidden'\] are not part of a one-layer EAGLE-3"):
+        Eagle3Drafter.from_pretrained(e3)
+    cfg = DFlashConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                       intermediate_size=32, rms_norm_eps=1e-6, rope_theta=1e6, block_size=4, target_layer_ids=[0, 1],
+                       mask_token_id=63, layer_types=["full_attention"])
+    df = save_drafter(init_drafter_weights(DFlashDrafter(cfg), seed=0), tmp_path / "df")
+    DFlashDrafter.from_pretrained(df)  # as saved: loads
+    t = load_file(str(df / "model.safetensors"))
+    t["gru.weight_ih_l0"] = torch.zeros(48, 8)
+    save_file(t, str(df / "model.safetensors"))
+    with pytest.raises(BadInputError, match=r"\['gru.weight_ih_l0'\] are no part of a DFlash drafter"):
+        DFlashDrafter.from_pretrained(df)

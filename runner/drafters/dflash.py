@@ -461,6 +461,9 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rope = Rope(config.head_dim, config.rope_theta)
 
+    _IGNORED_PREFIXES = ("embed_tokens.", "lm_head.", "verifier_norm.", "verifier_lm_head.", "d2t", "t2d",
+                         "confidence_head.", "rotary_emb.")
+
     # The first block slot whose output is a draft: 1 for DFlash (slot 0 is the root, x[p]);
     # DSpark in speculators' default layout (sample_from_anchor) drafts from slot 0 too.
     first_draft_slot = 1
@@ -527,6 +530,16 @@ class DFlashDrafter(nn.Module):
                     raise BadInputError(f"drafter checkpoint {path}: both '{source_of[c]}' and '{name}' "
                                         "are present. Keep one naming (with or without 'model.').")
                 source_of[c] = name
+        # A tensor of no module here changes the forward of whatever wrote it (another family's
+        # head, a second projector): refused, never dropped. What the peers save beside DFlash's
+        # modules and no draft reads: the target's embedding/head copies, speculators' verifier
+        # copies and vocab maps, SpecForge's confidence head (it predicts acceptance only).
+        unknown = sorted(n for n in files if canonical(n) not in expected
+                         and not canonical(n).startswith(cls._IGNORED_PREFIXES))
+        if unknown:
+            raise BadInputError(f"drafter checkpoint {path}: tensors {unknown[:4]}{' ...' if len(unknown) > 4 else ''} "
+                                f"are no part of a {cls.__name__.removesuffix('Drafter')} drafter; pass a checkpoint of "
+                                "a family dfcache knows (dfcache doctor names what its config says).")
         missing = sorted(set(expected) - set(source_of))
         if missing:
             raise BadInputError(

@@ -52,6 +52,10 @@ class Plan:
     #                  DFlash drafted by DSpark's loader without a head: "dflash")
 
 
+# Architectures of SpecForge's families that share DFlash's config shape but not its forward.
+_OTHER_DFLASH_SHAPED = ("DominoDraftModel", "PEagleDraftModel")
+
+
 class DFlash:
     name = "dflash"
     # What it trains on besides its layers: the target's state after its final norm (hidden-state
@@ -65,7 +69,16 @@ class DFlash:
         # backbone does (no Markov head: a confidence head changes no draft) is DFlash's.
         if is_dspark_config(raw) and draft_differs_from_dflash(raw):
             return False
-        return isinstance(raw.get("dflash_config"), dict) or "DFlashDraftModel" in (raw.get("architectures") or [])
+        # SpecForge's other DFlash-shaped families keep a dflash_config too, told apart by
+        # projector_type (configs/qwen3-8b-domino.json: DominoDraftModel, "domino", a GRU head
+        # and shifted labels): they are not DFlash and must not load as it.
+        dcfg = raw.get("dflash_config")
+        projector = dcfg.get("projector_type") if isinstance(dcfg, dict) else None
+        if projector not in (None, "dflash", "dspark"):
+            return False
+        if any(a in _OTHER_DFLASH_SHAPED for a in (raw.get("architectures") or [])):
+            return False
+        return isinstance(dcfg, dict) or "DFlashDraftModel" in (raw.get("architectures") or [])
 
     @staticmethod
     def load(path, device, dtype):
@@ -206,6 +219,9 @@ def describe_config(raw: dict) -> str:
     for k in ("architectures", "model_type", "speculators_model_type"):
         if raw.get(k):
             bits.append(f"{k}={raw[k]!r}")
+    dcfg = raw.get("dflash_config")
+    if isinstance(dcfg, dict) and dcfg.get("projector_type"):
+        bits.append(f"dflash_config.projector_type={dcfg['projector_type']!r}")
     return ", ".join(bits) or f"fields {sorted(raw)[:6]}"
 
 
