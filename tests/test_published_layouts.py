@@ -396,3 +396,58 @@ def test_published_shapes_dfcache_cannot_score_are_refused(tmp_path):
     save_file(t, str(df / "model.safetensors"))
     with pytest.raises(BadInputError, match=r"\['gru.weight_ih_l0'\] are no part of a DFlash drafter"):
         DFlashDrafter.from_pretrained(df)
+
+
+# ---- z-lab's "Meta v1" assistant (MuseGlimmerAssistantModel) --------------------------------------
+
+def test_meta_v1_assistant_layout_is_read_as_zlab_reads_it(tmp_path):
+    """z-lab/dflash tests/fixtures/assistant-config.json (a verbatim copy of the published config):
+    MuseGlimmerAssistantModel, DFlash's fields at the top level (no dflash_config), sliding layers
+    whose in-block attention z-lab runs bidirectionally (is_causal false), rope_parameters, and
+    ``encoder.fc`` / ``encoder.output_norm_enc`` for fc / hidden_norm. It drafts as the same drafter
+    in SpecForge's layout with ``is_causal: false``."""
+    from types import SimpleNamespace
+
+    from safetensors.torch import load_file, save_file
+
+    from runner.drafters.dflash import (DFlashConfig, DFlashDrafter, TargetHead, init_drafter_weights, save_drafter,
+                                        score_roots)
+    from runner.drafters.family import DFlash, family_of
+    from runner.models.train_tiny import single_thread
+    from runner.stages.drafter_eval import read_drafter
+
+    Hd, Vv, Bb = 16, 40, 4
+    cfg = DFlashConfig(hidden_size=Hd, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                       intermediate_size=32, rms_norm_eps=1e-5, rope_theta=500000.0, block_size=Bb,
+                       target_layer_ids=[0, 2], mask_token_id=Vv - 1, layer_types=["sliding_attention"] * 2,
+                       sliding_window=6, is_causal=False)
+    with single_thread():
+        ref = save_drafter(init_drafter_weights(DFlashDrafter(cfg), seed=0, std=0.3), tmp_path / "zlab")
+        meta = tmp_path / "meta"
+        meta.mkdir()
+        (meta / "config.json").write_text(json.dumps({
+            "architectures": ["MuseGlimmerAssistantModel"], "attention_dropout": 0, "block_size": Bb, "dtype": "bfloat16",
+            "head_dim": 8, "hidden_act": "silu", "hidden_size": Hd, "intermediate_size": 32,
+            "layer_types": ["sliding_attention"] * 2, "mask_token_id": Vv - 1, "max_position_embeddings": 131072,
+            "model_type": "muse_glimmer_assistant", "num_attention_heads": 2, "num_hidden_layers": 2,
+            "num_key_value_heads": 1, "rms_norm_eps": 1e-05,
+            "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"}, "sliding_window": 6,
+            "target_layer_ids": [0, 2], "transformers_version": "5.15.0.dev0"}))
+        renames = {"fc.weight": "encoder.fc.weight", "hidden_norm.weight": "encoder.output_norm_enc.weight"}
+        save_file({renames.get(k, k): v for k, v in load_file(str(ref / "model.safetensors")).items()},
+                  str(meta / "model.safetensors"), metadata={"format": "pt"})
+        raw = json.loads((meta / "config.json").read_text())
+        assert family_of(meta, raw) is DFlash
+        dref = read_drafter(str(meta), target_info=lambda: SimpleNamespace(num_layers=4, hidden_size=Hd, vocab_size=Vv))
+        assert (dref.family, dref.target_layer_ids, dref.block_size, dref.mask_token_id) == ("dflash", [0, 2], Bb, Vv - 1)
+        ours, theirs = DFlashDrafter.from_pretrained(meta), DFlashDrafter.from_pretrained(ref)
+        assert [layer.is_causal for layer in ours.layers] == [False, False]
+        g = torch.Generator().manual_seed(2)
+        head = TargetHead(torch.randn(Vv, Hd, generator=g), torch.randn(Vv, Hd, generator=g))
+        feats, toks = torch.randn(14, 2 * Hd, generator=g), torch.randint(0, Vv - 1, (14,), generator=g)
+        roots = list(range(1, 10))
+        a, b = score_roots(ours, head, feats, toks, roots), score_roots(theirs, head, feats, toks, roots)
+        for layer in theirs.layers:  # the sliding layers' default (causal) would draft otherwise
+            layer.is_causal = True
+        c = score_roots(theirs, head, feats, toks, roots)
+    assert torch.equal(a, b) and not torch.allclose(a, c)

@@ -55,6 +55,13 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 # DFlash2 adds modules that change the forward pass; silently ignoring them would give wrong drafts.
 _DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 _DFLASH2_TENSOR_MARKERS = ("candidate_selector.", "attention_conv.", "mlp_conv.")
+# A DFlash drafter published under another name: z-lab's loaders read "MuseGlimmerAssistantModel"
+# (the "Meta v1" assistant, z-lab/dflash tests/fixtures/assistant-config.json) as DFlash with its
+# fields at the top level, its in-block attention bidirectional (z-lab dflash/model_mlx.py
+# _meta_v1_config_kwargs: is_causal=False, although its layers are sliding_attention) and two
+# modules renamed (_remap_meta_v1_weights).
+META_V1_ARCH = "MuseGlimmerAssistantModel"
+_META_V1_RENAMES = (("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm."))
 
 
 # --------------------------------------------------------------------------------------------
@@ -177,7 +184,8 @@ class DFlashConfig:
             layer_types=list(layer_types),
             sliding_window=int(window) if "sliding_attention" in layer_types else None,
             attention_bias=bool(raw.get("attention_bias", False)),
-            is_causal=None if draft_value("is_causal") is None else bool(draft_value("is_causal")),
+            is_causal=(False if META_V1_ARCH in (raw.get("architectures") or []) else None)
+            if draft_value("is_causal") is None else bool(draft_value("is_causal")),
             output_multiplier=float(draft_value("output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap else None,
             input_embedding_scale=float(draft_value("input_embedding_scale", 1.0)),
@@ -516,7 +524,11 @@ class DFlashDrafter(nn.Module):
         expected = dict(model.named_parameters())
 
         def canonical(name: str) -> str:
-            return name[len("model."):] if name.startswith("model.") else name
+            name = name[len("model."):] if name.startswith("model.") else name
+            for old, new in _META_V1_RENAMES:
+                if name.startswith(old):
+                    return new + name[len(old):]
+            return name
 
         dflash2 = sorted(n for n in files if any(m in n for m in _DFLASH2_TENSOR_MARKERS))
         if dflash2:

@@ -61,7 +61,7 @@ class DFlash:
     # What it trains on besides its layers: the target's state after its final norm (hidden-state
     # layer "final")? DFlash: no (SpecForge's DFlash files hold its layers only).
     trains_on_final_state = False
-    what = "DFlash block-diffusion drafter (config.json with dflash_config)"
+    what = "DFlash block-diffusion drafter (config.json with dflash_config, or z-lab's MuseGlimmerAssistantModel)"
 
     @staticmethod
     def recognises(raw: dict) -> bool:
@@ -78,7 +78,8 @@ class DFlash:
             return False
         if any(a in _OTHER_DFLASH_SHAPED for a in (raw.get("architectures") or [])):
             return False
-        return isinstance(dcfg, dict) or "DFlashDraftModel" in (raw.get("architectures") or [])
+        archs = raw.get("architectures") or []
+        return isinstance(dcfg, dict) or "DFlashDraftModel" in archs or "MuseGlimmerAssistantModel" in archs
 
     @staticmethod
     def load(path, device, dtype):

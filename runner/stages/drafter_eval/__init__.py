@@ -164,7 +164,7 @@ def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
     dcfg = cfg.get("dflash_config") or {}
     if not isinstance(dcfg, dict):
         raise BadInputError(f"{cfg_path}: dflash_config must be an object.")
-    ids = dcfg.get("target_layer_ids")
+    ids = dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))  # top level: DFlashConfig's precedence
     if int_list(ids) is None:
         raise BadInputError(f"{cfg_path}: dflash_config.target_layer_ids is missing or not a list of "
                             "integers; the drafter's tap layers must come from its checkpoint (guessing "
