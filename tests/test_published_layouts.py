@@ -22,8 +22,9 @@ from dfcache.errors import BadInputError
 H, V, DV, T, STEPS = 32, 80, 48, 16, 3
 
 
-def _speculators_eagle3(out, *, layer: str, draft_vocab: int, drop_embedding=False, seed=0, **flags):
-    """speculators' own Eagle3DraftModel with random weights, saved by its save_pretrained."""
+def _speculators_eagle3(out, *, layer: str, draft_vocab: int, drop_embedding=False, seed=0, rope=None, **flags):
+    """speculators' own Eagle3DraftModel with random weights, saved by its save_pretrained; ``rope``:
+    the verifier's RoPE it copies into transformer_layer_config (speculators train/cli.py)."""
     pytest.importorskip("speculators")
     from transformers import LlamaConfig, Qwen3Config
 
@@ -34,6 +35,8 @@ def _speculators_eagle3(out, *, layer: str, draft_vocab: int, drop_embedding=Fal
 
     cls = LlamaConfig if layer == "llama" else Qwen3Config
     extra = {"attention_bias": True} if flags.pop("attention_bias", False) else {}
+    if rope is not None:
+        extra["rope_parameters"] = rope
     tl = cls(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
              num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, max_position_embeddings=256, **extra)
     tl._attn_implementation = "eager"  # flex attention needs a compiler; eager takes their float mask
@@ -99,10 +102,18 @@ def _our_logits(d, head, feats, ids):
     return torch.stack(out, 1)
 
 
+# The verifiers' RoPE scalings speculators copies (Llama-3.1: llama3; gpt-oss: yarn, truncate false),
+# their lengths shrunk so that the scaled frequencies turn within a 16-token test sequence.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+             "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+
+
 @pytest.mark.parametrize("layer,draft_vocab,drop_embedding,flags", [
-    ("llama", DV, False, {"norm_before_fc": True, "norm_before_residual": True}),
-    ("qwen3", V, True, {"fc_norm": True, "norm_output": True, "attention_bias": True}),
-], ids=["llama-norm_before_fc-draft_vocab", "qwen3-fc_norm-norm_output-bias-no_embed"])
+    ("llama", DV, False, {"norm_before_fc": True, "norm_before_residual": True, "rope": LLAMA3_ROPE}),
+    ("qwen3", V, True, {"fc_norm": True, "norm_output": True, "attention_bias": True, "rope": YARN_ROPE}),
+], ids=["llama-llama3_rope-norm_before_fc-draft_vocab", "qwen3-yarn-fc_norm-norm_output-bias-no_embed"])
 def test_speculators_eagle3_layouts_equal_their_model(tmp_path, layer, draft_vocab, drop_embedding, flags):
     from runner.drafters.dflash import TargetHead
     from runner.drafters.eagle3 import Eagle3Drafter, score_roots
@@ -125,6 +136,7 @@ def test_speculators_eagle3_layouts_equal_their_model(tmp_path, layer, draft_voc
         assert (c.norm_before_fc, c.fc_norm, c.feed_normed, c.qk_norm, c.attention_bias) == (
             bool(flags.get("norm_before_fc")), bool(flags.get("fc_norm")), bool(flags.get("norm_output")),
             layer == "qwen3", bool(flags.get("attention_bias")))
+        assert c.rope_scaling["rope_type"] == flags["rope"]["rope_type"]
         g = torch.Generator().manual_seed(1)
         feats = torch.randn(T, 3 * H, generator=g)
         seq = torch.randint(0, V, (T + 1,), generator=g)
@@ -347,8 +359,8 @@ def test_unknown_family_is_exit_6_before_any_work(tiny_target, tmp_path):
 def test_published_shapes_dfcache_cannot_score_are_refused(tmp_path):
     """Each is exit 6 (BadInputError) naming what it found, never a silent wrong load: P-EAGLE
     (SpecForge configs/qwen3-8b-peagle.json: four layers, PEagleDraftModel), nebius' unnamed EAGLE-3
-    head (LlamaForCausalLM, one layer, truncated_vocab_size: recognised, but its YaRN RoPE is not
-    plain), a speculators EAGLE-3 with sliding-window layers, an EAGLE-1-style head
+    head (LlamaForCausalLM, one layer, truncated_vocab_size: recognised, its YaRN RoPE read; a RoPE
+    type dfcache does not compute, longrope, is refused), a speculators EAGLE-3 with sliding-window layers, an EAGLE-1-style head
     (use_aux_hidden_state false), and checkpoints holding tensors of modules no family has."""
     from safetensors.torch import load_file, save_file
 
@@ -366,8 +378,13 @@ def test_published_shapes_dfcache_cannot_score_are_refused(tmp_path):
               "rope_theta": 150000, "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
                                                      "beta_slow": 1.0, "original_max_position_embeddings": 4096}}
     assert family_of(tmp_path, nebius) is Eagle3
-    with pytest.raises(BadInputError, match="rope_scaling type 'yarn' is not supported"):
-        Eagle3.plan(tmp_path, nebius, num_target_layers=8, target_hidden=H, target_vocab=V, steps=None)
+    from runner.drafters.eagle3_config import Eagle3Config
+
+    read = Eagle3Config.from_dict(nebius)  # its YaRN RoPE is read (tested against speculators' above)
+    assert (read.draft_vocab_size, read.rope_scaling["rope_type"], read.target_layer_ids) == (DV, "yarn", None)
+    longrope = {**nebius, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}}
+    with pytest.raises(BadInputError, match="rope_type='longrope' is not supported"):
+        Eagle3.plan(tmp_path, longrope, num_target_layers=8, target_hidden=H, target_vocab=V, steps=None)
     with pytest.raises(BadInputError, match="no drafter family"):  # a one-layer LM without a draft vocabulary
         family_of(tmp_path, {"architectures": ["LlamaForCausalLM"], **layer})
     spec = {"speculators_model_type": "eagle3", "draft_vocab_size": V, "eagle_aux_hidden_state_layer_ids": [1, 2, 3],

@@ -116,7 +116,7 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.embed_tokens: torch.Tensor | None = None  # the drafter's own embedding, when saved
-        self.rope = Rope(hd, cfg.rope_theta)
+        self.rope = Rope(hd, cfg.rope_theta, cfg.rope_scaling)
         self.layer_ids: list[int] | None = cfg.target_layer_ids
 
     # ---- what the eval and the online loops read ------------------------------------------
@@ -229,7 +229,7 @@ class Eagle3Drafter(nn.Module):
         model = model.to(device)
         if model.embed_tokens is not None:
             model.embed_tokens = model.embed_tokens.to(device)
-        model.rope = Rope(cfg.head_dim, cfg.rope_theta)
+        model.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         return model.eval()
 
     # ---- one decoder step -------------------------------------------------------------------

@@ -81,6 +81,7 @@ class Eagle3Config:
     declared_layer_ids: list[int] | None = None  # as the config spells them (speculators: HF indices)
     fc_norm: bool = False      # SpecForge and speculators: an RMSNorm per target layer's features before fc
     norm_output: bool = True   # SpecForge: False gives logits = lm_head(h) without the final norm
+    rope_scaling: dict | None = None  # llama3 / yarn / linear frequencies (runner.drafters.rope)
     norm_before_fc: bool = False  # speculators (RedHatAI gpt-oss heads): one RMSNorm over the 3 layers' concat
     feed_normed: bool = False  # speculators' norm_output (EAGLE 3.1): the next step reads norm(h), not h
     qk_norm: bool = False      # Qwen3 layer (speculators' default transformer_layer_config): q/k RMSNorm per head
@@ -121,14 +122,11 @@ class Eagle3Config:
         act = layer.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise BadInputError(f"{source}: hidden_act={act!r}; EAGLE-3 drafters use a SwiGLU MLP ('silu').")
-        for where in ("rope_scaling", "rope_parameters"):
-            params = layer.get(where) or {}
-            rtype = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
-            if rtype not in (None, "default"):
-                # SpecForge's LlamaForCausalLMEagle3 and vLLM apply llama3 / yarn / mrope frequencies,
-                # which dfcache's plain RoPE does not; drafting without them would give other logits.
-                raise BadInputError(f"{source}: {where} type {rtype!r} is not supported (plain RoPE only); "
-                                    "remove it if the drafter was trained without scaling.")
+        # speculators copies the verifier's RoPE into transformer_layer_config (train/cli.py: llama3
+        # for Llama-3.1 verifiers, yarn for gpt-oss), nebius' heads declare yarn: read, not refused
+        from .rope import rope_scaling_of
+
+        scaling = rope_scaling_of(layer, source)
         prf = layer.get("partial_rotary_factor", (layer.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0))
         if prf not in (None, 1, 1.0):
             raise BadInputError(f"{source}: partial_rotary_factor={prf} is not supported (the drafter rotates "
@@ -200,7 +198,7 @@ class Eagle3Config:
                    layout="speculators" if spec else "specforge", declared_layer_ids=declared,
                    norm_before_residual=nbr, speculative_tokens=k,
                    fc_norm=fc_norm, norm_output=norm_output, norm_before_fc=norm_before_fc, feed_normed=feed_normed,
-                   qk_norm=model_type == "qwen3" and spec,
+                   qk_norm=model_type == "qwen3" and spec, rope_scaling=scaling,
                    attention_bias=bool(layer.get("attention_bias", False)), mlp_bias=bool(layer.get("mlp_bias", False)))
 
     def to_dict(self) -> dict[str, Any]:
@@ -216,6 +214,8 @@ class Eagle3Config:
             out["target_hidden_size"] = self.target_hidden_size
         if self.fc_norm:
             out["fc_norm"] = True
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = dict(self.rope_scaling)
         if self.norm_before_fc:
             out["norm_before_fc"] = True
         if self.norm_before_residual:
