@@ -468,3 +468,31 @@ def test_meta_v1_assistant_layout_is_read_as_zlab_reads_it(tmp_path):
             layer.is_causal = True
         c = score_roots(theirs, head, feats, toks, roots)
     assert torch.equal(a, b) and not torch.allclose(a, c)
+
+
+@pytest.mark.parametrize("name,raw,family,rope", [
+    # SpecForge configs/kimi-k3-dspark.json: a DSpark whose backbone declares YaRN (rope_parameters)
+    ("kimi-k3-dspark", {"architectures": ["DSparkDraftModel"], "model_type": "qwen3", "block_size": 7, "head_dim": 8,
+                        "hidden_size": 16, "intermediate_size": 32, "num_attention_heads": 2, "num_key_value_heads": 1,
+                        "num_hidden_layers": 1, "layer_types": ["full_attention"], "num_target_layers": 93,
+                        "vocab_size": 64, "rope_parameters": {"factor": 16.0, "original_max_position_embeddings": 4096,
+                                                              "rope_theta": 10000.0, "rope_type": "yarn"},
+                        "dflash_config": {"attention_mode": "gqa", "markov_head_type": "vanilla", "markov_rank": 8,
+                                          "mask_token_id": 63, "projector_type": "dspark",
+                                          "target_layer_ids": [7, 23, 51, 67, 83]}}, "dspark", "yarn"),
+    # SpecForge configs/qwen2-5-vl-7b-eagle3.json: mrope (plain on text)
+    ("qwen2.5-vl-eagle3", {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": 16,
+                           "head_dim": 8, "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 32,
+                           "num_hidden_layers": 1, "vocab_size": 64, "draft_vocab_size": 32, "rope_theta": 1000000,
+                           "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]},
+                           "target_model_type": "qwen2_5_vl"}, "eagle3", None),
+])
+def test_published_configs_parse(tmp_path, name, raw, family, rope):
+    from runner.drafters.dflash import DFlashConfig
+    from runner.drafters.dspark_config import backbone_config
+    from runner.drafters.eagle3_config import Eagle3Config
+    from runner.drafters.family import family_of
+
+    assert family_of(tmp_path, raw).name == family
+    cfg = Eagle3Config.from_dict(raw) if family == "eagle3" else DFlashConfig.from_dict(backbone_config(raw))
+    assert (cfg.rope_scaling or {}).get("rope_type") == rope
