@@ -213,6 +213,7 @@ class DSparkDrafter(DFlashDrafter):
 
     d2t: torch.Tensor | None = None
     lm_weight: torch.Tensor | None = None
+    _IGNORED_PREFIXES = DFlashDrafter._IGNORED_PREFIXES + ("markov_head.",)  # the head: read below
 
     @classmethod
     def checkpoint_config(cls, raw: dict, source: str):

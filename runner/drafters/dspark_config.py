@@ -28,15 +28,23 @@ class DSparkHeadConfig:
 
 
 def is_dspark_config(raw: dict) -> bool:
-    """A DSpark checkpoint's ``config.json`` in either peer's layout."""
+    """A DSpark checkpoint's ``config.json`` in either peer's layout, or a speculators DFlash one
+    (``speculators_model_type: "dflash"``, RedHatAI/*-speculator.dflash): the same backbone and
+    layout with no Markov head, by default a reduced draft vocabulary (``draft_vocab_size`` 32000
+    with ``d2t``/``t2d`` and the reduced ``lm_head``), which DFlash's loader (SpecForge's and
+    z-lab's layout: the target's head) does not read; DSpark's does, so it is drafted by it."""
     dflash = raw.get("dflash_config")
     if isinstance(dflash, dict) and dflash.get("projector_type") == "dspark":
         return True
-    return raw.get("speculators_model_type") == "dspark" or "DSparkDraftModel" in (raw.get("architectures") or [])
+    return is_speculators_layout(raw) or "DSparkDraftModel" in (raw.get("architectures") or [])
 
 
 def is_speculators_layout(raw: dict) -> bool:
-    return raw.get("speculators_model_type") == "dspark"
+    return raw.get("speculators_model_type") in ("dspark", "dflash")
+
+
+def is_speculators_dflash(raw: dict) -> bool:
+    return raw.get("speculators_model_type") == "dflash"
 
 
 def _vocab_sizes(raw: dict) -> tuple[int | None, int | None]:
@@ -56,7 +64,16 @@ def _vocab_sizes(raw: dict) -> tuple[int | None, int | None]:
 
 def head_config(raw: dict, source: str = "config.json") -> DSparkHeadConfig:
     """The Markov/confidence head fields; BadInputError (exit 6) for what dfcache cannot score."""
-    if is_speculators_layout(raw):
+    if is_speculators_dflash(raw):
+        # speculators' DFlash (DFlashSpeculatorConfig): no Markov or confidence head, and
+        # sample_from_anchor defaults to false (from_training_args: true for dspark only)
+        layout, fields = "speculators", raw
+        rank_default, conf_default, with_markov_default, anchor_default = 0, False, False, False
+        for key in ("markov_rank", "enable_confidence_head"):
+            if raw.get(key):
+                raise BadInputError(f"DFlash drafter {source}: speculators_model_type 'dflash' with {key} set, which "
+                                    "speculators' DFlash does not define; pass the checkpoint as speculators wrote it.")
+    elif is_speculators_layout(raw):
         layout, fields = "speculators", raw
         rank_default, conf_default, with_markov_default, anchor_default = 256, True, True, True
     else:

@@ -40,7 +40,7 @@ def _loss(d: Eagle3Drafter, head, seq, t2d: torch.Tensor) -> torch.Tensor:
     k, v = _expand_kv(k, groups), _expand_kv(v, groups)
     att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
     h1 = d.finish(att.transpose(0, 1), res)
-    rows = torch.arange(n)
+    rows = torch.arange(n, device=x.device)  # the bench trains on the GPU: every index beside the tokens
     q2, k2, v2, r2 = d.qkv(d.embed(head, x[2:n + 2]), h1, rows + 1)
     h2 = d.finish(_attend(q2, k, v, rows + 1, [_expand_kv(k2, groups)], [_expand_kv(v2, groups)],
                           1.0 / math.sqrt(c.head_dim)), r2)

@@ -82,8 +82,11 @@ def reference_draft(drafter, head, ctx_features, block_ids, start: int):
         h = h * cfg.input_embedding_scale
     pos = torch.arange(start + B, device=dev)
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=dev).float() / hd))
+    scale = 1.0
+    if getattr(cfg, "rope_scaling", None) is not None:  # llama3 / yarn / linear: the drafter's own table
+        inv_freq, scale = drafter.rope.inv_freq.to(dev), drafter.rope.attention_factor
     ang = pos[:, None].float() * inv_freq
-    cos, sin = torch.cat([ang, ang], -1).cos().to(dt), torch.cat([ang, ang], -1).sin().to(dt)
+    cos, sin = (torch.cat([ang, ang], -1).cos() * scale).to(dt), (torch.cat([ang, ang], -1).sin() * scale).to(dt)
     for i, layer in enumerate(drafter.layers):
         a = layer.self_attn
         x = layer.input_layernorm(h)

@@ -128,7 +128,8 @@ def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
                                  "directory (config.json + *.safetensors) with --drafter.")
     if not cfg_path.is_file():
         raise BadInputError(f"drafter {path_str} has no config.json; pass a DFlash checkpoint directory.")
-    if not any(path.glob("*.safetensors")):
+    bin_only = not any(path.glob("*.safetensors"))
+    if bin_only and not (path / "pytorch_model.bin").is_file():
         raise BadInputError(f"drafter {path_str} has no *.safetensors weights; pass a complete checkpoint.")
     from ...models.resolve import check_weight_files
 
@@ -144,6 +145,9 @@ def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
     from ...drafters.family import DSpark, Eagle3, family_of
 
     family = family_of(path, cfg)
+    if bin_only and family is not Eagle3:  # pytorch_model.bin: the EAGLE repo's EAGLE-3 checkpoints only
+        raise BadInputError(f"drafter {path_str} has no *.safetensors weights (a pytorch_model.bin is read for "
+                            "EAGLE-3 checkpoints only); pass a complete checkpoint.")
     if family is Eagle3:
         info = target_info() if target_info is not None else None
         plan = Eagle3.plan(path, cfg, num_target_layers=info.num_layers if info else None,
@@ -160,7 +164,7 @@ def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
     dcfg = cfg.get("dflash_config") or {}
     if not isinstance(dcfg, dict):
         raise BadInputError(f"{cfg_path}: dflash_config must be an object.")
-    ids = dcfg.get("target_layer_ids")
+    ids = dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))  # top level: DFlashConfig's precedence
     if int_list(ids) is None:
         raise BadInputError(f"{cfg_path}: dflash_config.target_layer_ids is missing or not a list of "
                             "integers; the drafter's tap layers must come from its checkpoint (guessing "
@@ -516,6 +520,7 @@ def read_summary(store, node: Node, docs: list[dict] | None = None) -> dict:
                     "hidden_states_backend": hs_backend, "trained_on": ref.trained_on,
                     "trained_on_declared": ref.trained_on_declared,
                     "backend_mismatch": bool(ref.trained_on and ref.trained_on != hs_backend["kernel"]),
-                    "block_size": ref.block_size, "tree_budgets": budgets, "family": ref.family,
+                    "block_size": ref.block_size, "tree_budgets": budgets,
+                    "family": getattr(ref.plan, "label", "") or ref.family,
                     "max_blocks": node.inputs["max_blocks"]})
     return summary
