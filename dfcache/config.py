@@ -11,8 +11,8 @@ Environment:
     DFCACHE_CONFIG     path of a config file to use instead of the usual search.
     DFCACHE_DEBUG      any non-empty value: tracebacks instead of one-line errors (as ``--debug``).
     DFCACHE_WRITE_THREADS
-                       chunk files of one array a store writer writes at once (default: the
-                       machine's cores, at most 8; 1: one after the other on the appending thread);
+                       chunk files of one array a store writer writes at once (default 1: one
+                       after the other on the appending thread; more measured no gain on a GPU host);
                        a local store fsyncs 4 x that many staged files at once (at least 8).
     DFCACHE_PROGRESS_INTERVAL
                        seconds between the progress lines of long stages when stderr is not a
@@ -180,7 +180,7 @@ def segment_bytes() -> int:
 
 def write_threads() -> int | None:
     """Chunk files of one array written at once ($DFCACHE_WRITE_THREADS, a positive integer), or
-    None when unset (the store sizes it from the machine: ``dfcache.store._pools.write_threads``)."""
+    None when unset (the store then writes one after the other: ``dfcache.store._pools.write_threads``)."""
     raw = os.environ.get("DFCACHE_WRITE_THREADS", "").strip()
     if not raw:
         return None

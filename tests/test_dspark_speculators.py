@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from dfcache.errors import BadInputError
+from speculators_util import fill_speculators_model
 
 # `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("forked_cli")
@@ -43,15 +44,8 @@ def _build(out, *, anchor: bool | None, draft_vocab: int, head_type="rnn", seed=
     torch.manual_seed(seed)
     model = DSparkDraftModel(cfg)
     embed, lm = torch.randn(V, H), torch.randn(V, H)
-    ids = torch.arange(V)
-    if draft_vocab != V:
-        ids = torch.sort(torch.randperm(V)[:draft_vocab]).values
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[ids] = True
-        model.load_vocab_mappings(t2d, ids - torch.arange(draft_vocab))
+    ids = fill_speculators_model(model, V, draft_vocab, 0.5)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.5 * torch.randn_like(p))
         model.embed_tokens.weight.copy_(embed)
         model.lm_head.weight.copy_(lm[ids])
         model.verifier_lm_head.weight.copy_(lm[ids])

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from dfcache.errors import BadInputError
+from speculators_util import fill_speculators_model
 
 H, V, DV, T, STEPS = 32, 80, 48, 16, 3
 
@@ -48,14 +49,7 @@ def _speculators_eagle3(out, *, layer: str, draft_vocab: int, drop_embedding=Fal
         **flags)
     torch.manual_seed(seed)
     model = Eagle3DraftModel(cfg)
-    if draft_vocab != V:
-        ids = torch.sort(torch.randperm(V)[:draft_vocab]).values
-        t2d = torch.zeros(V, dtype=torch.bool)
-        t2d[ids] = True
-        model.load_vocab_mappings(t2d, ids - torch.arange(draft_vocab))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.3 * torch.randn_like(p))
+    fill_speculators_model(model, V, draft_vocab, 0.3)
     model.save_pretrained(str(out))
     embed = model.embed_tokens.weight.detach().clone()
     if drop_embedding:  # converted checkpoints without the drafter's embedding: vLLM shares the target's
@@ -279,15 +273,8 @@ def test_speculators_dflash_drafts_as_speculators(tmp_path, draft_vocab):
         torch.manual_seed(0)
         model = DFlashDraftModel(cfg)
         embed, lm = torch.randn(SV, SH), torch.randn(SV, SH)
-        ids = torch.arange(SV)
-        if draft_vocab != SV:
-            ids = torch.sort(torch.randperm(SV)[:draft_vocab]).values
-            t2d = torch.zeros(SV, dtype=torch.bool)
-            t2d[ids] = True
-            model.load_vocab_mappings(t2d, ids - torch.arange(draft_vocab))
+        ids = fill_speculators_model(model, SV, draft_vocab, 0.5)
         with torch.no_grad():
-            for name, p in model.named_parameters():
-                p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.5 * torch.randn_like(p))
             model.embed_tokens.weight.copy_(embed)
             model.lm_head.weight.copy_(lm[ids])
             model.verifier_lm_head.weight.copy_(lm[ids])

@@ -410,7 +410,10 @@ def test_mt_bench_second_turns_follow_the_targets_answers(tiny_target, tmp_path,
     store = tmp_path / "store"
     sel = dict(target=str(tiny_target), completions="local", prompts="suite:mt-bench", max_new_tokens=4,
                dtype="float32", device="cpu")
+    planned = api.plan("completions", store=store, **sel)
+    assert planned.waits and "turn 2 of 2 multi-turn prompt(s)" in planned.waits  # what `dfcache plan` notes
     res = api.run("completions", store=store, **sel)
+    assert api.plan("completions", store=store, **sel).waits is None
     assert [(n.stage, n.samples["produced"], n.samples["cached"]) for n in res.nodes] == [
         ("prompts", 4, 0), ("completions", 4, 0)]  # turn 1's, made by the run's first graph, count as made
     ctx, nodes = api.resolve_graph("completions", api.make_options(**sel), str(store))

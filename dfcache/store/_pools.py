@@ -32,18 +32,17 @@ def thread_pool(name: str, workers: int):
         return hit[1]
 
 
-WRITE_THREADS_CAP = 8  # chunk files of one array written at once, at most (default sizing)
-
-
 def write_threads() -> int:
-    """Chunk files of one array written at once: ``$DFCACHE_WRITE_THREADS``, else the machine's
-    cores, at most :data:`WRITE_THREADS_CAP` (1: one after the other on the appending thread).
-    A file write is a copy into the page cache, without the GIL; fsyncs run apart (a staging
-    area's background fsyncs), so threads beyond the cores only queue."""
+    """Chunk files of one array written at once: ``$DFCACHE_WRITE_THREADS``, else 1 (one after the
+    other on the appending thread). Opt-in: on an H200 host (16 cores) the extraction's store path
+    alone wrote 94.7k, 86.9k, 82.7k and 100.0k tok/s with 1, 2, 4 and 8 threads a layer (medians of
+    2, run to run 72k-104k; docs/benchmarks.md), and 1.00-1.07x on the 2-core VM: no gain measured,
+    so the default keeps the one-thread writer. A file write is a copy into the page cache, without
+    the GIL; fsyncs run apart (a staging area's background fsyncs)."""
     from ..config import write_threads as configured
 
     n = configured()
-    return n if n is not None else max(1, min(WRITE_THREADS_CAP, os.cpu_count() or 1))
+    return n if n is not None else 1
 
 
 def write_pool(threads: int):
