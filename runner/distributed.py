@@ -443,6 +443,7 @@ def run_worker(upto: str, opts, store, *, worker: Worker, argv=None, log=None, o
     # of the same partition, as a run of one process names them (core/execution.py _count_earlier).
     final = {n.partition.key: n.key for n in nodes2 if n.partition is not None}
     done = [final.get(partition_of.get(k), k) for g in (gathered or []) for k in g["work_done"]]
-    ctx2.work_done = [k for k in dict.fromkeys(done + ctx2.work_done) if k in {n.key for n in nodes2}]
+    keys2 = {n.key for n in nodes2}
+    ctx2.work_done = [k for k in dict.fromkeys(done + ctx2.work_done) if k in keys2]
     result.ctx, result.nodes = ctx2, nodes2
     return result

@@ -58,3 +58,17 @@ def forked_cli(_cli_fork_server):
     cli_util._FORK = _cli_fork_server
     yield
     cli_util._FORK = None
+
+
+@pytest.fixture(scope="module")
+def module_fork_server(request, env, tmp_path_factory):
+    """A fork server started with the module's own ``env`` fixture, set as the module's ``_ZYGOTE``
+    for its ``cli()`` wrapper (``cli_util.python_c``): ~1 s of CPU less a command than a new
+    interpreter. It imports no torch, so whether a command did is still seen. A module takes it
+    with an autouse fixture of its own."""
+    from cli_util import fork_server
+
+    with fork_server(env, tmp_path_factory.mktemp("cli-fork")) as zygote:
+        request.module._ZYGOTE = zygote
+        yield zygote
+    request.module._ZYGOTE = None

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from cli_util import fork_server, python_c
+from cli_util import python_c
 
 from dfcache.errors import EXIT_BAD_INPUT, EXIT_USAGE
 
@@ -74,11 +74,8 @@ _ZYGOTE = None
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _fork_server(env, tmp_path_factory):
-    global _ZYGOTE
-    with fork_server(env, tmp_path_factory.mktemp("cli-fork")) as _ZYGOTE:
-        yield
-    _ZYGOTE = None
+def _fork_server(module_fork_server):  # conftest: sets _ZYGOTE
+    yield
 
 
 def cli(env, store, *args, timeout=300) -> Run:

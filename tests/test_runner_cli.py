@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from cli_util import fork_server, python_c
+from cli_util import python_c
 from servers import ClosedPort, RecordingListener, ScriptedServer, SilentListener, TransformersServe
 
 from dfcache import open_store
@@ -90,11 +90,8 @@ _ZYGOTE = None
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _fork_server(env, tmp_path_factory):
-    global _ZYGOTE
-    with fork_server(env, tmp_path_factory.mktemp("cli-fork")) as _ZYGOTE:
-        yield
-    _ZYGOTE = None
+def _fork_server(module_fork_server):  # conftest: sets _ZYGOTE
+    yield
 
 
 def cli(env: dict, store, *args, extra_env: dict | None = None, timeout: float = 180, cwd=None) -> Run:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_util import fork_server, python_c
+from cli_util import python_c
 
 from runner.drafters.checkpoints import (expand_drafter_arg, glob_checkpoints, incomplete_reason, step_from_name,
                                          training_checkpoints)
@@ -58,11 +58,8 @@ _ZYGOTE = None
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _fork_server(env, tmp_path_factory):
-    global _ZYGOTE
-    with fork_server(env, tmp_path_factory.mktemp("cli-fork")) as _ZYGOTE:
-        yield
-    _ZYGOTE = None
+def _fork_server(module_fork_server):  # conftest: sets _ZYGOTE
+    yield
 
 
 def cli(env, store, *args, timeout=300):
