@@ -54,13 +54,13 @@ def write_pool(threads: int):
 
 def fsync_pool():
     """The threads that fsync a local store's staged files in the background (a file's fsync is
-    handed over once it is written; a checkpoint or a commit waits for them all): 4 per write
-    thread, at least 8 (the count before 2026-12-06, kept for 1 and 2 write threads), at most 64.
-    A thread waiting in fsync costs no core, and concurrent fsyncs keep the disk's queue full and
-    let the filesystem join them in one journal commit. With 8, the extraction's store path wrote
-    1.43 GB/s on an H200 host whose disk took 1.94 GB/s from 4 parallel fsync'd streams
-    (docs/benchmarks.md); bench/gpu_extract.py's write-threads curve shows what more of both gives."""
-    n = min(64, max(8, 4 * write_threads()))
+    handed over once it is written; a checkpoint or a commit waits for them all): 32, or 4 per
+    write thread, at most 64. A thread waiting in fsync costs no core, and concurrent fsyncs keep
+    the disk's queue full and let the filesystem join them in one journal commit. Measured on an
+    H100 host (bench/results/gpu/store_variants.py, 2026-12-07, four layers of 1 MiB chunk files):
+    8 threads 60k tok/s (0.98 GB/s), 32 threads 125k (2.05 GB/s), 64 threads 124k; plain 1 MiB
+    files fsync'd without the store 135k, 16 MiB ones 150k."""
+    n = min(64, max(32, 4 * write_threads()))
     return thread_pool(f"fsync{n}", n)
 
 

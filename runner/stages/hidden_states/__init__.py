@@ -212,6 +212,15 @@ class _SegmentRows:
         """The pipeline checkpoints after every window; a segment commits only whole."""
 
 
+def _commit_or_abort(writer) -> None:
+    """Commit a segment writer; if its commit fails, remove what it staged."""
+    try:
+        writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
+
+
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
     groups: dict[str, list[Node]] = {}
     for n in nodes:
@@ -258,6 +267,7 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
     origin = samples_origin(ctx.store, getattr(tokens_node.spec, "completions", None))
     total_tokens, segments = 0, 0
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     import numpy as np
 
@@ -295,26 +305,46 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
             return w
 
         state = {"segment": 0}
+        committing: list = []  # (segment, its layers' commit futures): one segment at a time
 
-        def commit_segment(seg: int, _token=None) -> None:
-            # Runs in the pipeline's writer thread, between two segments' rows (extract's boundaries).
+        def settle() -> None:
+            # Runs in the pipeline's writer thread at the next boundary (or after the pipeline):
+            # the segment whose commits were started there is committed, then counted and hooked.
             nonlocal total_tokens, segments
-            for k in layers:
-                sinks_by_layer[k].finish_segment(writer_for(k, seg))
-                open_writers.pop(k).commit()
+            if not committing:
+                return
+            seg, futures = committing.pop()
+            errors = [e for e in (f.exception() for f in futures) if e is not None]
+            if errors:
+                raise errors[0]
             first, stop = cuts[seg]
             total_tokens += int(toks.offsets[stop] - toks.offsets[first])
             segments += 1
-            state["segment"] = seg + 1
             hook = ctx.hooks.on_extract_checkpoint
             if hook is not None:
                 hook(segments - 1, total_tokens)
+
+        def commit_segment(seg: int, _token=None) -> None:
+            # Runs in the pipeline's writer thread, between two segments' rows (extract's
+            # boundaries). The layers' commits (each waits for its chunk files' fsyncs, then
+            # publishes) run on their own threads, side by side, while the writer goes on with
+            # the next segment's rows: one after the other in the writer thread they stalled it at
+            # every boundary (1.25 B on an H100: the extraction waited 2.3 s of its 2.9 s on the
+            # writer, 0.82x of the bare forward, 2026-12-07).
+            settle()
+            started = []
+            for k in layers:
+                sinks_by_layer[k].finish_segment(writer_for(k, seg))
+                started.append(commits.submit(_commit_or_abort, open_writers.pop(k)))
+            committing.append((seg, started))
+            state["segment"] = seg + 1
 
         empty = np.zeros((0,) + row_shape, np.uint8 if lossy else np.float32 if stored_dtype == "float32" else np.uint16)
         sinks_by_layer = {k: _SegmentRows(lambda seg, k=k: writer_for(k, seg), cuts, lengths, state, empty)
                           for k in layers}
         sinks = [LayerSink(layer=k, writer=sinks_by_layer[k], array=sinks_by_layer[k]) for k in layers]
         desc = f"hidden states L{','.join(map(str, layers))}"
+        commits = ThreadPoolExecutor(max_workers=len(layers), thread_name_prefix="dfcache-segment-commit")
         try:
             # One pipeline over every segment, so compute never waits for a segment's commit.
             stats = extract(target, toks.token_ids, toks.offsets, sinks, batch_tokens=ctx.options.batch_tokens,
@@ -323,10 +353,16 @@ def _produce_group(ctx: RunContext, nodes: list[Node]) -> None:
                             on_boundary=commit_segment, quantize=lossy)
             for seg in range(state["segment"], len(cuts)):  # segments of empty samples only, when nothing ran
                 commit_segment(seg)
+            settle()
         except BaseException:
+            for _seg, futures in committing:  # a segment whose rows are all written still commits
+                for f in futures:
+                    f.exception()
             for w in open_writers.values():
                 w.abort()
             raise
+        finally:
+            commits.shutdown(wait=True)
     wall = time.perf_counter() - t0
     ctx.last_extract_stats = stats
     if total_tokens:
