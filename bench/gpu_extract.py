@@ -179,6 +179,9 @@ def main() -> int:
     ap.add_argument("--in-memory", action="store_true",
                     help="build the model on the GPU and hand it to the stage (config.json only on disk)")
     ap.add_argument("--skip-full", action="store_true", help="skip the full forward with logits")
+    ap.add_argument("--write-threads", default="1,2,4,8",
+                    help="DFCACHE_WRITE_THREADS values the store path alone is measured at ('' skips)")
+    ap.add_argument("--write-threads-reps", type=int, default=3, help="runs of each --write-threads value")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="check this script on a CPU machine: tiny sizes, torch backend only, no GPU figures")
     args = ap.parse_args()
@@ -659,8 +662,42 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         offsets, ids = equal.spec.offsets, equal.spec.ids
         st, dt, _ = direct_extract(Fake(), offsets, ids, "store-only", stage="bench_store_only")
         r = row("store path only (no forward)", "none", st.tokens, dt)
+        from dfcache.store._pools import write_threads
+
         b.res["store_only"] = {"tok_per_s": r["tok_per_s"], "gbps": st.tokens * bytes_per_token / dt / 1e9,
-                               "writer_wait_s": st.writer_wait_s, "compute_loop_s": st.forward_s}
+                               "writer_wait_s": st.writer_wait_s, "compute_loop_s": st.forward_s,
+                               "write_threads": write_threads()}
+        # The same store path by DFCACHE_WRITE_THREADS (chunk files of one layer's append written
+        # at once; 1 = one after the other, the writer before 2026-12-06): the counts in turn,
+        # the order rotating, medians (bench/write_threads.py does the same without a GPU).
+        counts = [int(x) for x in args.write_threads.split(",") if x.strip()]
+        if not counts:
+            return
+        # About 2 GB of rows a run (12 runs by default; the 27B preset's full set is 13 GB a run).
+        m = max(1, min(args.samples, int(2e9 // (args.seq_len * bytes_per_token))))
+        c_offsets, c_ids = offsets[: m + 1], ids[: int(offsets[m])]
+        old = os.environ.get("DFCACHE_WRITE_THREADS")
+        runs: dict[int, list[float]] = {n: [] for n in counts}
+        try:
+            for rep in range(args.write_threads_reps):
+                k = rep % len(counts)
+                for n in counts[k:] + counts[:k]:
+                    os.environ["DFCACHE_WRITE_THREADS"] = str(n)
+                    st_n, dt_n, _ = direct_extract(Fake(), c_offsets, c_ids, f"store-only-t{n}", stage="bench_store_only")
+                    runs[n].append(st_n.tokens / dt_n)
+        finally:
+            if old is None:
+                os.environ.pop("DFCACHE_WRITE_THREADS", None)
+            else:
+                os.environ["DFCACHE_WRITE_THREADS"] = old
+        import statistics
+
+        curve = {str(n): round(statistics.median(v), 1) for n, v in runs.items()}
+        b.res["store_only"]["by_write_threads"] = curve
+        b.res["store_only"]["by_write_threads_runs"] = {str(n): [round(x, 1) for x in v] for n, v in runs.items()}
+        b.res["store_only"]["by_write_threads_tokens"] = int(c_offsets[-1])
+        log(f"store path alone by DFCACHE_WRITE_THREADS (tok/s, median of {args.write_threads_reps}, "
+            f"{int(c_offsets[-1])} tokens a run): {curve}")
 
     def batch_sweep():
         """Bare forwards of the same samples in batches of 1, 2, 4, ... and whether each size gives
@@ -1012,6 +1049,8 @@ def suite_rows(b: Bench) -> list[dict]:
                  f"parallel fsync'd streams {disk.get('parallel_fsync_streams_gbps')}) "
                  f"= {disk['ceiling_tok_per_s']:,.0f} tok/s at {disk['bytes_per_token']} B/token; "
                  f"store path alone {(res.get('store_only') or {}).get('tok_per_s') or 0:,.0f} tok/s"
+                 + (f" (by DFCACHE_WRITE_THREADS: {res['store_only']['by_write_threads']} tok/s)"
+                    if (res.get("store_only") or {}).get("by_write_threads") else "")
                  + (f"; batch shapes used {st.get('batch_shapes')}, refused (change bits) {st.get('shapes_changing_bits')}; "
                     f"GPU time in forwards {st.get('forward_gpu_s', 0):.2f} s of {st.get('wall_s', 0):.2f} s"
                     if st.get("batch_shapes") is not None else "")

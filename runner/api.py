@@ -73,6 +73,9 @@ class PlanResult:
 
     upto: str
     nodes: list[NodeResult]
+    # What the graph cannot plan yet (a multi-turn set's later turn is made from the target's
+    # earlier answers): the note `dfcache plan` prints; ``run`` makes that turn, then the rest.
+    waits: str | None = None
 
     @property
     def to_produce(self) -> list[NodeResult]:
@@ -266,7 +269,7 @@ def plan(upto: str = "eval", *, store=None, options: EvalOptions | None = None,
         ctx, nodes = resolve_graph(upto, opts, st, argv=argv, log=output.line, out=output.out, bars=output.bars)
     if opts.offline:
         check_offline(ctx, nodes)
-    return PlanResult(upto=upto, nodes=[_node_result(n) for n in nodes])
+    return PlanResult(upto=upto, nodes=[_node_result(n) for n in nodes], waits=ctx.waiting_turns)
 
 
 @_python_errors

@@ -48,7 +48,7 @@ BARRIER_TIMEOUT_S = 7 * 24 * 3600
 
 
 class Group:
-    """The barrier and the final gather, when the workers can meet (else no-ops).
+    """The barrier, the gather and rank 0's decisions, when the workers can meet (else no-ops).
 
     Only ``torch.distributed`` with gloo (it runs on CPU, so CPU workers meet too), initialised
     from torchrun's variables; nothing of ours listens on a port. If it cannot start, the
@@ -95,6 +95,17 @@ class Group:
         out = [None] * self.worker.world if self.worker.main else None
         dist.gather_object(obj, out, dst=0)
         return out
+
+    def agree(self, decision: bool) -> bool:
+        """Rank 0's ``decision`` on every worker (a worker's own when the workers cannot meet), so
+        that all take the same next step and none waits at a barrier the others skip."""
+        if not self.active:
+            return decision
+        import torch.distributed as dist
+
+        box = [decision if self.worker.main else None]
+        dist.broadcast_object_list(box, src=0)
+        return bool(box[0])
 
     def close(self) -> None:
         if self._ours:
@@ -343,44 +354,72 @@ def run_worker(upto: str, opts, store, *, worker: Worker, argv=None, log=None, o
     # read from the store; a --shard worker has a log of its own and shows its own bars.
     own_bars = show and not worker.can_meet
     work_opts = replace(opts, concurrency=split_concurrency(opts.concurrency, worker), progress=own_bars)
-    with Group(worker, log=wlog) as group:
+    from dfcache.samples import index_of
+
+    def resolved():
         ctx, nodes = resolve_graph(upto, work_opts, store, argv=argv, log=wlog, out=out, worker=worker)
         if worker.can_meet:  # ranks share a terminal (a --shard worker has its own log, and its bars)
             ctx.out = _Tagged(ctx.out, worker.tag)
-        check_offline(ctx, nodes)
-        if any(n.needs == "gpu" and n.produce for n in nodes):
-            device_for(worker, "cuda")  # a LOCAL_RANK with no GPU fails now, not after others' work
-        sh = plan_share(ctx, nodes, worker, missing_only=group.active)
-        full = {n.key: (list(n.produce), list(n.pull), n.status) for n in nodes if n.partition is not None}
-        group.barrier()  # every worker has listed the store; only now may anyone commit
-        restrict(nodes, sh.mine)
-        work = [n for n in nodes if n.partition is not None and (n.produce or n.pull)]
-        progress = StoreProgress(ctx.store.url, sh.units, enabled=show and group.active and worker.main,
-                                 desc=f"{worker.world} ranks")
-        with progress:
-            execute(ctx, work)
-        mine = {n.key: (n.pulled, n.produced) for n in nodes if n.partition is not None}
-        gathered = group.gather({"counts": mine, "work_done": list(ctx.work_done)})
-        met = group.active
-    out = WorkerRun(worker, my_units=sh.my_units, my_tokens=sh.my_tokens, job_units=sh.job_units,
-                    shares_missing=met)
-    if met and not worker.main:
-        return out  # rank 0 speaks for the job
-    from dfcache.samples import index_of
+        return ctx, nodes
 
+    gathered: list = []
+    made: dict[str, tuple[set, set]] = {}  # partition -> sample keys to produce, to pull (every round)
+    partition_of: dict[str, str] = {}  # node key -> its partition, over every round
+    my_units = my_tokens = job_units = 0
+    with Group(worker, log=wlog) as group:
+        ctx, nodes = resolved()
+        while True:  # one round, or one per turn of a multi-turn set (its later turns need the answers)
+            check_offline(ctx, nodes)
+            if any(n.needs == "gpu" and n.produce for n in nodes):
+                device_for(worker, "cuda")  # a LOCAL_RANK with no GPU fails now, not after others' work
+            sh = plan_share(ctx, nodes, worker, missing_only=group.active)
+            full = {n.key: (list(n.produce), list(n.pull), n.status) for n in nodes if n.partition is not None}
+            partition_of.update((n.key, n.partition.key) for n in nodes if n.partition is not None)
+            for n in nodes:  # what the job makes, by sample key: an earlier turn's samples count as made
+                if n.partition is not None:
+                    produce, pull = made.setdefault(n.partition.key, (set(), set()))
+                    produce.update(n.sample_keys[i] for i in n.produce)
+                    pull.update(n.sample_keys[i] for i in n.pull)
+            group.barrier()  # every worker has listed the store; only now may anyone commit
+            restrict(nodes, sh.mine)
+            work = [n for n in nodes if n.partition is not None and (n.produce or n.pull)]
+            progress = StoreProgress(ctx.store.url, sh.units, enabled=show and group.active and worker.main,
+                                     desc=f"{worker.world} ranks")
+            with progress:
+                execute(ctx, work)
+            # By partition: a node's key names its sample set, which a later turn's round grows.
+            mine = {n.partition.key: (n.pulled, n.produced) for n in nodes if n.partition is not None}
+            gathered += group.gather({"counts": mine, "work_done": list(ctx.work_done)}) or []
+            my_units, my_tokens, job_units = my_units + sh.my_units, my_tokens + sh.my_tokens, job_units + sh.job_units
+            waited = ctx.waiting_turns
+            if waited is None:
+                break
+            # The graph ended at a turn's completions (runner/core/pipeline.py later_turns). Once
+            # every worker's are stored (torchrun: all have passed the gather; --shard: this
+            # worker finds them all), the next turn is shared like the first, not left to one.
+            index_of(ctx.store).refresh()
+            ctx_next, nodes_next = resolved()
+            if not group.agree(ctx_next.waiting_turns != waited):
+                break  # --shard: other workers still owe answers to that turn (a later run goes on)
+            wlog(f"prompts: {waited}; they are stored now, so the workers go on with that turn")
+            ctx, nodes = ctx_next, nodes_next
+        met = group.active
+    result = WorkerRun(worker, my_units=my_units, my_tokens=my_tokens, job_units=job_units, shares_missing=met)
+    if met and not worker.main:
+        return result  # rank 0 speaks for the job
     index_of(ctx.store).refresh()  # it was listed before the other workers committed
     ctx2, nodes2 = resolve_graph(upto, replace(opts, progress=show), ctx.store, argv=argv, log=log, out=out,
                                   worker=worker)
     left = [n for n in nodes2 if n.partition is not None and (n.produce or n.pull)]
     if left and not met:
         # Other workers' shares are not done (yet): this one reports its own part only.
-        out.complete = False
-        out.missing = len({i for n in left for i in n.produce + n.pull})
-        out.ctx, out.nodes = ctx, nodes
+        result.complete = False
+        result.missing = len({i for n in left for i in n.produce + n.pull})
+        result.ctx, result.nodes = ctx, nodes
         for n in nodes:
             if n.partition is not None:
                 n.produce, n.pull, n.status = full[n.key]
-        return out
+        return result
     check_offline(ctx2, nodes2)
     execute(ctx2, nodes2)  # the report; under torchrun also anything no share held (a concurrent writer)
     by_key = {n.key: n for n in nodes}
@@ -389,11 +428,22 @@ def run_worker(upto: str, opts, store, *, worker: Worker, argv=None, log=None, o
         n1 = by_key.get(n2.key)
         if n2.partition is None or n1 is None:
             continue
-        n2.local, n2.in_remote = n1.local, n1.in_remote  # what was stored when the job started
-        n2.produce, n2.pull, n2.status = full[n1.key]
-        n2.pulled += sum(c.get(n1.key, (0, 0))[0] for c in counts)
-        n2.produced += sum(c.get(n1.key, (0, 0))[1] for c in counts)
-    done = [k for g in (gathered or []) for k in g["work_done"]]
-    ctx2.work_done = list(dict.fromkeys(done + ctx2.work_done))
-    out.ctx, out.nodes = ctx2, nodes2
-    return out
+        # What was stored when the job started, and what it made or pulled (an earlier turn's samples
+        # are stored by the time of the last round, but the job made them).
+        produce, pull = made.get(n1.partition.key, (set(), set()))
+        keys = n2.sample_keys
+        n2.local = {i for i in n1.local if keys[i] not in produce and keys[i] not in pull}
+        n2.in_remote = n1.in_remote
+        last_produce, last_pull, n2.status = full[n1.key]
+        n2.produce = sorted(set(last_produce) | {i for i, k in enumerate(keys) if k in produce})
+        n2.pull = sorted((set(last_pull) | {i for i, k in enumerate(keys) if k in pull}) - set(n2.produce))
+        n2.pulled += sum(c.get(n1.partition.key, (0, 0))[0] for c in counts)
+        n2.produced += sum(c.get(n1.partition.key, (0, 0))[1] for c in counts)
+    # An earlier turn's round worked on nodes of a smaller graph: named by the final graph's node
+    # of the same partition, as a run of one process names them (core/execution.py _count_earlier).
+    final = {n.partition.key: n.key for n in nodes2 if n.partition is not None}
+    done = [final.get(partition_of.get(k), k) for g in (gathered or []) for k in g["work_done"]]
+    keys2 = {n.key for n in nodes2}
+    ctx2.work_done = [k for k in dict.fromkeys(done + ctx2.work_done) if k in keys2]
+    result.ctx, result.nodes = ctx2, nodes2
+    return result

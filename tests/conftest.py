@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -14,9 +15,60 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+# The environment the session started with (before any test's monkeypatch).
+_SESSION_ENV = dict(os.environ)
+
+
 @pytest.fixture(scope="session")
 def tiny_target(tmp_path_factory):
     """A tiny random Qwen3.5 target + tokenizer with a chat template, built once per session."""
     from runner.models.tiny import build_tiny_target
 
     return build_tiny_target(tmp_path_factory.mktemp("tiny") / "target")
+
+
+@pytest.fixture(scope="session")
+def _cli_fork_server(tmp_path_factory):
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve().parent
+    for p in (str(here), str(here / "reliability")):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+    import cli_util
+    from zygote import Zygote
+
+    # Started from the session's environment (not from the first opted-in test's, which may have
+    # changed it): the modules it imports read nothing else.
+    z = Zygote(cli_util.FORK_PRELOAD, tmp_path_factory.mktemp("cli-fork"), env=_SESSION_ENV)
+    z.session_env = _SESSION_ENV
+    yield z
+    z.close()
+
+
+@pytest.fixture
+def forked_cli(_cli_fork_server):
+    """``cli_util.dfcache`` runs each command in a child forked from one interpreter that imported
+    dfcache's light modules, instead of a new interpreter (a module opts in with
+    ``pytestmark = pytest.mark.usefixtures("forked_cli")``). The child runs dfcache/__main__.py as
+    ``__main__`` with the call's own environment, directory and timeout."""
+    import cli_util
+
+    cli_util._FORK = _cli_fork_server
+    yield
+    cli_util._FORK = None
+
+
+@pytest.fixture(scope="module")
+def module_fork_server(request, env, tmp_path_factory):
+    """A fork server started with the module's own ``env`` fixture, set as the module's ``_ZYGOTE``
+    for its ``cli()`` wrapper (``cli_util.python_c``): ~1 s of CPU less a command than a new
+    interpreter. It imports no torch, so whether a command did is still seen. A module takes it
+    with an autouse fixture of its own."""
+    from cli_util import fork_server
+
+    with fork_server(env, tmp_path_factory.mktemp("cli-fork")) as zygote:
+        request.module._ZYGOTE = zygote
+        yield zygote
+    request.module._ZYGOTE = None

@@ -10,6 +10,9 @@ from dfcache.testing.store_conformance import write_example
 
 from cli_util import dfcache
 
+# `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("forked_cli")
+
 
 @pytest.fixture
 def filled(tmp_path):

@@ -14,6 +14,9 @@ from dfcache.diff import diff_artifacts
 from dfcache.errors import BadInputError
 from test_hidden_states import one_torch_thread, run_layers, segments_of, write_tokens  # noqa: F401 (autouse)
 
+# `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("forked_cli")
+
 
 def segment(store, node) -> str:
     """The key of the one segment holding a layer node's samples."""

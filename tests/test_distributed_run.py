@@ -265,3 +265,27 @@ def test_python_api_run_with_shard_makes_only_its_share(tmp_path, server, tiny_t
     assert _states(_open(store)) == reference
     with pytest.raises(Exception, match="--shard '2/2'|2/2"):
         api.run("hidden-states", shard="2/2", **opts)
+
+
+def test_torchrun_ranks_share_mt_bench_second_turns(tmp_path, env, tiny_target):
+    """A multi-turn set under torchrun: the ranks share the first turns, meet, and share the
+    second turns too (made from the stored answers), rather than rank 0 making them alone; the
+    job's summary counts every turn's completion once."""
+    from test_suites import MT_BENCH, cache_dataset
+
+    cache = tmp_path / "hf-datasets"
+    cache_dataset(cache, "HuggingFaceH4/mt_bench_prompts", None, {"train": MT_BENCH})
+    store = tmp_path / "store"
+    cmd = ["-m", "dfcache", "--store", str(store), "run", "completions", "--target", str(tiny_target),
+           "--completions", "local", "--prompts", "suite:mt-bench", "--max-new-tokens", "4", "--device", "cpu",
+           "--dtype", "float32", "--no-progress", "--json"]
+    r = _run(_torchrun(2, *cmd), env, {"HF_DATASETS_CACHE": str(cache)})
+    assert r.returncode == 0, r.stderr
+    (summary,) = [line for line in r.stdout.splitlines() if line.startswith("{")]
+    out = json.loads(summary)
+    assert out["worker"]["complete"]
+    (row,) = [s["samples"] for s in json.loads(summary)["stages"] if s["stage"] == "completions"]
+    assert (row["computed"], row["reused"]) == (4, 0)  # two first turns and two second turns, once each
+    assert out["computed"] and set(out["computed"]) <= {n["key"] for n in out["nodes"]}  # the final graph's nodes name the work
+    for rank in (0, 1):  # both ranks went on with the second turns (rank 1 used to stop after the first)
+        assert f"[rank {rank}/2] prompts: the prompts of turn 2 of 2 multi-turn prompt(s)" in r.stderr, r.stderr

@@ -16,6 +16,9 @@ from runner.models.train_tiny import single_thread
 
 from cli_util import dfcache  # noqa: E402  (tests/ is on sys.path under pytest's rootdir)
 
+# `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("forked_cli")
+
 
 def _dspark(src, dst, **fields):
     shutil.copytree(src, dst)

@@ -92,11 +92,14 @@ def test_configs_of_both_layouts():
     sp = {"speculators_model_type": "dspark", "markov_head_type": "gated", "sample_from_anchor": False}
     cfg = head_config(sp)
     assert (cfg.layout, cfg.markov_rank, cfg.head_type, cfg.confidence_with_markov) == ("speculators", 256, "gated", True)
+    # speculators' default: the anchor slot drafts too (DSparkSpeculatorConfig.sample_from_anchor)
+    assert head_config({"speculators_model_type": "dspark"}).sample_from_anchor
     assert not is_dspark_config({"dflash_config": {"block_size": 8}})
 
 
 @pytest.mark.parametrize("raw, words", [
-    ({"speculators_model_type": "dspark"}, "sample_from_anchor"),
+    ({"speculators_model_type": "dspark", "draft_vocab_size": 80, "transformer_layer_config": {"vocab_size": 64}},
+     "draft_vocab_size 80"),
     ({"dflash_config": {"projector_type": "dspark", "markov_rank": 4, "markov_head_type": "lstm"}}, "markov_head_type"),
     ({"dflash_config": {"projector_type": "dspark", "enable_confidence_head": True,
                         "confidence_head_with_markov": True}}, "markov_rank > 0"),

@@ -13,6 +13,9 @@ from runner.models.train_tiny import single_thread
 
 from cli_util import dfcache  # noqa: E402  (tests/ is on sys.path under pytest's rootdir)
 
+# `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("forked_cli")
+
 
 @pytest.fixture(scope="module")
 def eagle(tiny_target, tmp_path_factory):
@@ -62,7 +65,7 @@ def test_run_eval_side_by_side_with_a_family_column(eagle, tmp_path):
     dflash = make_untrained_drafter(eagle["target"], tmp_path / "dflash")  # layers 1, 3, 5 like the EAGLE-3 one
     store = tmp_path / "store"
     args = ("run", "eval", "--target", eagle["target"], "--drafter", dflash, "--drafter", eagle["drafter"],
-            "--completions", "local", "--num-prompts", "2", "--max-new-tokens", "24", "--dtype", "float32",
+            "--completions", "local", "--num-prompts", "1", "--max-new-tokens", "12", "--dtype", "float32",
             "--backend", "torch", "--eagle-steps", "3", "--eagle-tree", "2,3,6", "--tree-budget", "4")
     r = dfcache(*args, "--json", store=store)
     assert r.code == 0, r.err

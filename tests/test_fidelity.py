@@ -28,7 +28,6 @@ import torch
 from runner.stages.drafter_eval import metrics
 from runner.drafters.dflash import DFlashDrafter, load_target_head, score_roots
 from runner.trust.parity import greedy_continuation, online_dflash
-from runner.models.tiny import build_tiny_target
 from runner.models.train_tiny import (HELDOUT_PROMPT_IDS, TrainStats, capture_features, greedy_complete,
                                       load_prompts, make_untrained_drafter, single_thread, train_tiny_drafter)
 
@@ -38,14 +37,14 @@ TREE_BUDGETS = [1, 4, 16]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_target, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # One intra-op thread: these ops are tiny, and two threads on a busy 2-core box stall each other.
     with single_thread():
         root = tmp_path_factory.mktemp("fidelity")
         c0 = time.process_time()
-        target_dir = build_tiny_target(root / "target")
+        target_dir = tiny_target  # the session's (the same default build; this module wrote a second one)
         c1 = time.process_time()
         stats: list[TrainStats] = []
         drafter_dir = train_tiny_drafter(target_dir, root / "drafter", seed=0, stats=stats)

@@ -18,6 +18,9 @@ from dfcache.keys import compute_key
 from dfcache.store import open_store
 from test_hidden_states import one_torch_thread, run_layers, segments_of, write_tokens  # noqa: F401 (autouse)
 
+# `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("forked_cli")
+
 
 def _states(n=300, h=96, seed=0) -> np.ndarray:
     """bf16 bits like hidden states: a few large channels, rows of different magnitude, a zero row."""
@@ -205,10 +208,14 @@ def test_fp8_where_it_does_not_apply_is_exit_2_with_what_it_applies_to(tmp_path,
     assert not (tmp_path / "s" / "artifacts").exists() or not any((tmp_path / "s" / "artifacts").iterdir())
 
 
-def test_extraction_keys_fp8_apart_quantizes_the_bf16_rows_and_reads_dequantize(tiny_target, tmp_path, capfd):
+def test_extraction_keys_fp8_apart_quantizes_the_bf16_rows_and_reads_dequantize(tiny_target, tmp_path, capfd,
+                                                                                monkeypatch):
     import torch
 
+    import runner.stages.hidden_states as hs
     from runner.stages.hidden_states import read_layer
+
+    monkeypatch.setattr(hs, "LOSSY_CHECK_SAMPLES", 5)  # the check reads a bounded, evenly spaced subset
 
     store = open_store(tmp_path / "store")
     tok = write_tokens(store, tiny_target)
@@ -218,7 +225,8 @@ def test_extraction_keys_fp8_apart_quantizes_the_bf16_rows_and_reads_dequantize(
     # the first FP8 extraction of samples whose bf16 states are cached prints its per-layer error
     err = capfd.readouterr().err
     for k in (1, 3):
-        assert f"layer {k} fp8-e4m3 vs the cached bfloat16 states of the same 12 sample(s): rel_l2 0.0" in err
+        assert (f"layer {k} fp8-e4m3 vs the cached bfloat16 states of 5 of the same 12 samples (evenly spaced; "
+                "`dfcache diff` compares them all): rel_l2 0.0") in err
     assert "--codec none --codec fp8-e4m3" in err
     f8z, ctx = run_layers(store, tok, [1, 3], None, dtype="bfloat16", compression="fp8-e4m3+zstd")
     for k in (1, 3):
@@ -283,3 +291,12 @@ def test_quantize_on_cuda_gives_the_hosts_bits():
         where = [(int(r), int(c), int(on_host[r, c]), int(on_device[r, c])) for r, c in zip(rows[:5], cols[:5])]
         assert not len(rows), f"{len(rows)} bytes differ (row, column, host, device): {where}"
 
+
+
+def test_the_lossy_check_picks_evenly_spaced_samples_first_and_last_included():
+    from runner.stages.hidden_states import _evenly_spaced
+
+    assert _evenly_spaced(5, 16) == [0, 1, 2, 3, 4]
+    picks = _evenly_spaced(128, 16)
+    assert len(picks) == 16 and picks[0] == 0 and picks[-1] == 127 and picks == sorted(set(picks))
+    assert max(b - a for a, b in zip(picks, picks[1:])) <= 9

@@ -5,6 +5,8 @@ written by a crashed commit."""
 import json
 import os
 import shutil
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +16,30 @@ from dfcache.cli import main as cli_main
 from dfcache.keys import compute_key
 from dfcache.maintenance import ls_entry, ls_output
 from dfcache.store import _index, open_store
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "reliability"))
+from zygote import Zygote  # noqa: E402
+
+# What the fast entry imports (dfcache/__main__.py), loaded once by the fork server below.
+FAST_ENTRY = ["dfcache", "dfcache.__main__", "dfcache.cmdline", "dfcache.config", "dfcache.store.layout",
+              "dfcache.listing", "dfcache.store", "dfcache.interrupts", "json", "stat", "runpy", "cli_util"]
+
+
+@pytest.fixture(scope="module")
+def fast_ls(tmp_path_factory):
+    """``python -m dfcache ls ...`` as forked children of one interpreter that imported the fast
+    entry's modules: each child runs dfcache/__main__.py as ``__main__``, as the interpreter does.
+    ``_check`` lists a store 4 times a call, 7 calls: 28 interpreter start-ups (the file took 10.6 s
+    quiet, 8.3 s with forks of ~0.02 s each; on 2 busy cores its tests took ~80 s, mostly start-ups).
+    The real executable is still run below (test_changes_behind_the_index, test_fast_entry_...)."""
+    z = Zygote(FAST_ENTRY, tmp_path_factory.mktemp("fast-ls"))
+
+    def ls(store_root, *args):
+        c = z.run("cli_util:run_dfcache_module", "--store", store_root, "ls", *args, name="ls")
+        return c.code, c.out, c.err
+
+    yield ls
+    z.close()
 
 
 def _commit(store, i, stage="tokens", kernel=None, summary=None):
@@ -48,15 +74,15 @@ def _in_process(capsys, store, *args):
     return capsys.readouterr().out
 
 
-def _check(capsys, store):
+def _check(capsys, store, fast_ls):
     """Subprocess (fast entry) and in-process (full CLI) listings both equal the manifests'."""
     for args, kw in (((), {"json_out": False}), (("--json",), {}),
                      (("--stage", "tokens", "--json"), {"stage": "tokens"}),
                      (("--backend", "fla"), {"json_out": False, "kernel": "fla"})):
         want = _expected(store, **kw)
-        r = dfcache("ls", *args, store=store.backend.local_root)
-        assert r.code == 0, r.err
-        assert r.out == want, args
+        code, out, err = fast_ls(store.backend.local_root, *args)
+        assert code == 0, err
+        assert out == want, args
         assert _in_process(capsys, store, *args) == want, args
 
 
@@ -68,33 +94,33 @@ def store(tmp_path):
     return s
 
 
-def test_commit_logs_and_listing_compacts(store, capsys):
+def test_commit_logs_and_listing_compacts(store, capsys, fast_ls):
     idx = store.backend.local_root / "index"
     log = (idx / "listing.log").read_text().splitlines()
     assert len(log) == 6  # one line per commit
     lst = store.backend.listing()
     assert lst.reread == 0  # every manifest came from the commit log, none was parsed again
     assert not (idx / "listing.log").exists() and (idx / "listing").exists()
-    _check(capsys, store)
+    _check(capsys, store, fast_ls)
     again = store.backend.listing()
     assert again.reread == 0 and len(again.artifacts) == 6
 
 
-def test_missing_or_garbage_index_is_rebuilt(store, capsys):
+def test_missing_or_garbage_index_is_rebuilt(store, capsys, fast_ls):
     store.backend.listing()
     shutil.rmtree(store.backend.local_root / "index")  # an old store: no index at all
-    _check(capsys, store)
+    _check(capsys, store, fast_ls)
     snap = store.backend.local_root / "index" / "listing"
     assert snap.exists()
     lines = snap.read_bytes().split(b"\n")
     snap.write_bytes(b"\n".join(lines[:3]) + b"\n" + lines[3][:40])  # torn (written without fsync)
-    _check(capsys, store)
+    _check(capsys, store, fast_ls)
     snap.write_bytes(b"\x00" * 100)
-    _check(capsys, store)
+    _check(capsys, store, fast_ls)
     assert len(store.backend.listing().artifacts) == 6
 
 
-def test_changes_behind_the_index(store, capsys):
+def test_changes_behind_the_index(store, capsys, fast_ls):
     root = store.backend.local_root
     store.backend.listing()
     keys = sorted(m.key for m in store.list_manifests())
@@ -115,7 +141,7 @@ def test_changes_behind_the_index(store, capsys):
     bad = _manifest_path(store, keys[2])
     bad.write_text(bad.read_text().replace('"format_version": 1', '"format_version": 7'))
     (root / "artifacts" / "ab" / ("ab" + "0" * 30)).mkdir(parents=True)
-    _check(capsys, store)
+    _check(capsys, store, fast_ls)
     lst = store.backend.listing()
     listed = {e[1] for e in lst.artifacts}
     assert new in listed and keys[0] not in listed and keys[2] not in listed
@@ -136,7 +162,7 @@ def test_racy_entries_are_hashed_and_settle(store, monkeypatch):
     assert {line.split("\t")[2] for line in snap} == {"1"}
 
 
-def test_log_lines_of_other_code_or_torn_are_ignored(store, capsys):
+def test_log_lines_of_other_code_or_torn_are_ignored(store, capsys, fast_ls):
     root = store.backend.local_root
     log = root / "index" / "listing.log"
     lines = log.read_text().splitlines()
@@ -148,7 +174,7 @@ def test_log_lines_of_other_code_or_torn_are_ignored(store, capsys):
     log.write_text("\n".join([forged, bent, *lines[2:]])[:-7])
     lst = store.backend.listing()
     assert lst.reread == 3  # the forged, the bent and the torn line's manifests were read
-    _check(capsys, store)
+    _check(capsys, store, fast_ls)
 
 
 def test_fast_entry_falls_back_to_the_full_cli(store, tmp_path):

@@ -14,6 +14,9 @@ from dfcache.keys import compute_key
 from dfcache.store import format as fmt
 from dfcache.store import migrate_store, open_store
 
+# `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("forked_cli")
+
 OLD_MARKER = b'{"format_version": 1, "kind": "dfcache-store"}\n'  # what format-1 dfcache wrote
 
 

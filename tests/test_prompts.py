@@ -9,6 +9,9 @@ from runner.stages.prompts import BUILTIN_SETS, load_records, parse_records
 
 from cli_util import dfcache
 
+# `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("forked_cli")
+
 
 def test_builtin_sets_are_usable():
     for name in BUILTIN_SETS:

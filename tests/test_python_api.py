@@ -42,11 +42,12 @@ def test_python_md_examples_run(in_example_dir):
 @pytest.fixture
 def fresh_cli_state():
     # dfcache.cli.main keeps global options (--json, --store) in a module-level state.
-    from dfcache.cli.common import GlobalState, state
+    from dfcache.cli.common import REGISTERED_FIELDS, GlobalState, state
 
     yield state
     for k, v in vars(GlobalState()).items():
-        setattr(state, k, v)
+        if k not in REGISTERED_FIELDS:  # what the commands registered, once a process (dfcache.cli._register_all)
+            setattr(state, k, v)
 
 
 def _cli_plan(capsys, *args) -> list[dict]:

@@ -11,6 +11,9 @@ from dfcache import compute_key, open_store
 from dfcache.errors import EXIT_USAGE, UsageError
 from dfcache.query import matches, parse_where
 
+# `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("forked_cli")
+
 H100 = {"versions": {"torch": "2.13.0", "transformers": "5.24.0", "flash-linear-attention": "0.6.0"},
         "gpu": "NVIDIA H100 80GB HBM3", "torch_cuda": "12.8"}
 H200 = {"versions": {"torch": "2.13.0", "transformers": "5.25.1", "flash-linear-attention": "0.10.0"},

@@ -19,12 +19,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cli_util import python_c
 
 from dfcache.errors import EXIT_BAD_INPUT, EXIT_USAGE
 
@@ -69,9 +68,18 @@ def env(tmp_path_factory):
     return e
 
 
+# cli() runs _EXE in children of a fork server started with the module's `env` (cli_util.python_c):
+# ~1 s of CPU less a command; it imports no torch, so whether a command did is still seen.
+_ZYGOTE = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fork_server(module_fork_server):  # conftest: sets _ZYGOTE
+    yield
+
+
 def cli(env, store, *args, timeout=300) -> Run:
-    p = subprocess.run([sys.executable, "-c", _EXE, "--store", str(store), *map(str, args)], capture_output=True,
-                       text=True, timeout=timeout, env=env, cwd=str(Path(store).parent))
+    p = python_c(_ZYGOTE, _EXE, "--store", store, *args, env=env, cwd=Path(store).parent, timeout=timeout)
     err, _, tail = p.stderr.rpartition("@@reports-test ")
     info = json.loads(tail) if tail.strip() else {"rc": p.returncode, "torch": None}
     assert info["rc"] == p.returncode

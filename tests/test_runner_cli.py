@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from cli_util import python_c
 from servers import ClosedPort, RecordingListener, ScriptedServer, SilentListener, TransformersServe
 
 from dfcache import open_store
@@ -81,14 +82,24 @@ def env(tmp_path_factory):
     return e
 
 
+# A fork server started with the module's `env`: cli() runs _WRAPPER as `python -c` in its
+# children instead of a new interpreter each (its start-up, imports of dfcache's CLI, typer, numpy
+# and zarr, cost ~1 s of CPU a command; cli_util.python_c). It imports neither torch nor
+# transformers (HEAVY), so what a command imports is still seen.
+_ZYGOTE = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fork_server(module_fork_server):  # conftest: sets _ZYGOTE
+    yield
+
+
 def cli(env: dict, store, *args, extra_env: dict | None = None, timeout: float = 180, cwd=None) -> Run:
     """``dfcache --store STORE ARGS...`` in a subprocess (through ``dfcache.cli.main``)."""
-    cmd = [sys.executable, "-c", _WRAPPER]
-    if store is not None:
-        cmd += ["--store", str(store)]
+    store_args = ["--store", str(store)] if store is not None else []
     t0 = time.perf_counter()
-    p = subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=timeout,
-                       env={**env, **(extra_env or {})}, cwd=str(cwd or (store.parent if store else REPO)))
+    p = python_c(_ZYGOTE, _WRAPPER, *store_args, *args, env={**env, **(extra_env or {})},
+                 cwd=str(cwd or (store.parent if store else REPO)), timeout=timeout)
     wall = time.perf_counter() - t0
     err, marker, tail = p.stderr.rpartition("@@dfcache-test ")
     if marker:

@@ -18,6 +18,9 @@ from runner.stages.prompts import load_records
 from runner.suites import catalog, sets, tables
 from runner.suites.sources import FieldMap
 
+# `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("forked_cli")
+
 pytest.importorskip("datasets")
 
 
@@ -292,6 +295,7 @@ def test_several_sets_in_one_run(hf_cache, tmp_path):
     r = dfcache(*args, "--mix", "coding=0.5,gsm8k=0.4", store=store)
     assert r.code == 6 and "--mix weights sum to 0.9, not 1" in r.err, r.err
     assert not (store / "artifacts").exists() or not any((store / "artifacts").rglob("manifest*"))
+    assert not (store / "example").exists()  # refused before any work: the example's models not built
     r = dfcache(*args, "--mix", "coding=0.5,humaneval=0.5", store=store)
     assert r.code == 6 and "--mix names humaneval, not a prompt set of this run (coding, gsm8k)" in r.err, r.err
     r = dfcache(*args, "--mix", "coding=0.25,gsm8k=0.75", "--json", store=store)
@@ -406,7 +410,10 @@ def test_mt_bench_second_turns_follow_the_targets_answers(tiny_target, tmp_path,
     store = tmp_path / "store"
     sel = dict(target=str(tiny_target), completions="local", prompts="suite:mt-bench", max_new_tokens=4,
                dtype="float32", device="cpu")
+    planned = api.plan("completions", store=store, **sel)
+    assert planned.waits and "turn 2 of 2 multi-turn prompt(s)" in planned.waits  # what `dfcache plan` notes
     res = api.run("completions", store=store, **sel)
+    assert api.plan("completions", store=store, **sel).waits is None
     assert [(n.stage, n.samples["produced"], n.samples["cached"]) for n in res.nodes] == [
         ("prompts", 4, 0), ("completions", 4, 0)]  # turn 1's, made by the run's first graph, count as made
     ctx, nodes = api.resolve_graph("completions", api.make_options(**sel), str(store))
@@ -425,6 +432,42 @@ def test_mt_bench_second_turns_follow_the_targets_answers(tiny_target, tmp_path,
         with pytest.raises(OfflineMissingError, match=r"2 of 2 sample\(s\) missing \(prompt ids '81', '82'"):
             api.run("completions", store=tmp_path / "other", offline=True,
                     **{**sel, "completions": "server", "server": port.url})
+
+
+def test_mt_bench_second_turns_are_shared_by_shard_workers(tiny_target, tmp_path, monkeypatch):
+    """--shard workers share the second turns as they share the first: the worker that finds every
+    first turn stored goes on with its share of the second in the same run (before, the second
+    turns waited for later runs of every worker), and nothing is made twice."""
+    from runner import api
+
+    cache = tmp_path / "hf-datasets"
+    cache_dataset(cache, "HuggingFaceH4/mt_bench_prompts", None, {"train": MT_BENCH})
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(cache))
+    monkeypatch.setenv("DFCACHE_HOME", str(tmp_path / "home"))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DFCACHE_OFFLINE"):
+        monkeypatch.delenv(k, raising=False)
+    store = tmp_path / "store"
+    sel = dict(target=str(tiny_target), completions="local", prompts="suite:mt-bench", max_new_tokens=4,
+               dtype="float32", device="cpu")
+
+    def stored_turn2() -> int:
+        ctx, nodes = api.resolve_graph("completions", api.make_options(**sel), str(store))
+        if ctx.waiting_turns is not None:
+            return 0
+        comps = nodes[-1]
+        return len([i for i in comps.local if nodes[0].ids[i].endswith("/turn2")])
+
+    first = api.run("completions", store=store, shard="0/2", **sel)
+    assert not first.complete and stored_turn2() == 0  # its first turns; the other worker owes the rest
+    lines: list[str] = []
+    second = api.run("completions", store=store, shard="1/2", log=lines.append, **sel)
+    assert any("so the workers go on with that turn" in line for line in lines), lines
+    made = stored_turn2()
+    third = api.run("completions", store=store, shard="0/2", **sel)
+    assert third.complete and stored_turn2() == 2  # two runs of worker 0 and one of worker 1: every turn
+    produced = sum(n.samples["produced"] for n in third.nodes if n.stage == "completions")
+    assert produced == 2 - made and second.complete == (made == 2)
+
 
 
 def test_per_turn_columns_and_the_mix_over_all_turns():

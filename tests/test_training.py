@@ -27,11 +27,12 @@ from runner import api  # noqa: E402
 @pytest.fixture(autouse=True)
 def fresh_cli_state():
     # dfcache.cli.main keeps global options (--json, --store) in a module-level state.
-    from dfcache.cli.common import GlobalState, state
+    from dfcache.cli.common import REGISTERED_FIELDS, GlobalState, state
 
     yield
     for k, v in vars(GlobalState()).items():
-        setattr(state, k, v)
+        if k not in REGISTERED_FIELDS:  # what the commands registered, once a process (dfcache.cli._register_all)
+            setattr(state, k, v)
 
 
 DRAFTER_LAYERS = [3, 1]  # deliberately not sorted: concatenation follows the drafter's order

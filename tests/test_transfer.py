@@ -28,6 +28,9 @@ from dfcache.keys import compute_key  # noqa: E402
 from dfcache.store import open_store  # noqa: E402
 from dfcache.transfer import compare, list_remote, open_remote, pull_keys, push_keys, select_keys  # noqa: E402
 
+# `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("forked_cli")
+
 
 # ------------------------------------------------------------------------------ fixtures
 

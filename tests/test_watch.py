@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_util import python_c
 
 from runner.drafters.checkpoints import (expand_drafter_arg, glob_checkpoints, incomplete_reason, step_from_name,
                                          training_checkpoints)
@@ -50,9 +51,19 @@ def env(tmp_path_factory):
     return e
 
 
+# cli() runs _WRAPPER in children of a fork server started with the module's `env`
+# (cli_util.python_c): ~1 s of CPU less a command; it imports no torch, so whether a command did is
+# still seen. The Ctrl-C test below starts its own interpreter.
+_ZYGOTE = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fork_server(module_fork_server):  # conftest: sets _ZYGOTE
+    yield
+
+
 def cli(env, store, *args, timeout=300):
-    p = subprocess.run([sys.executable, "-c", _WRAPPER, "--store", str(store), *map(str, args)],
-                       capture_output=True, text=True, timeout=timeout, env=env, cwd=str(store.parent))
+    p = python_c(_ZYGOTE, _WRAPPER, "--store", store, *args, env=env, cwd=store.parent, timeout=timeout)
     err, _, tail = p.stderr.rpartition("@@watch-test ")
     torch_imported = json.loads(tail)["torch"] if tail.strip() else None
     return p.returncode, p.stdout, err, torch_imported

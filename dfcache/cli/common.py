@@ -42,6 +42,9 @@ class GlobalState:
 
 state = GlobalState()
 
+# The fields command plugins fill when they are registered (once per process): main() resets the others.
+REGISTERED_FIELDS = ("known_stages", "known_kernels", "recomputers")
+
 
 # The global options: accepted before the command (`dfcache --store S ls`) and after it
 # (`dfcache ls --store S`), on every command. Declared once here; the app callback and

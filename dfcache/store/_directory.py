@@ -27,7 +27,7 @@ from pathlib import Path
 from ..errors import IntegrityError, StoreWriteError, UntrustedManifestError, UsageError
 from ._backend import Backend, Staging, Temporary, UnreadableManifest, too_large
 from ._files import NotRegularFile, kind_of, read_regular
-from ._pools import thread_pool
+from ._pools import fsync_pool
 from .format import check_store_marker, damaged_marker, store_marker_bytes
 from .layout import (ARTIFACTS, GRAVE_SUFFIX, INDEX, LOCKS, MANIFEST, MAX_MANIFEST_BYTES, MAX_MARKER_BYTES,
                      RESERVED_DIRS, RESUME_SUFFIX, SAMPLE_INDEX, STAGING, STORE_MARKER, TMP_SUFFIX, artifact_parts,
@@ -186,6 +186,7 @@ class _DirectoryStaging(Staging):
         self._dir_fd = fd
         self._made_dirs: set[str] = set()
         self._pending: list = []
+        self._fsyncs = fsync_pool()
 
     def size(self, relpath: str) -> int | None:
         try:
@@ -218,7 +219,7 @@ class _DirectoryStaging(Staging):
             os.replace(tmp, p)
         # fsync in the background while the writer produces the next chunk: one at a time at
         # commit cost 80% of a write (bench/write_variants.py); flush() waits for them.
-        self._pending.append(thread_pool("fsync", 8).submit(_fsync_path, p))
+        self._pending.append(self._fsyncs.submit(_fsync_path, p))
         return n
 
     def flush(self) -> None:

@@ -32,6 +32,38 @@ def thread_pool(name: str, workers: int):
         return hit[1]
 
 
+def write_threads() -> int:
+    """Chunk files of one array written at once: ``$DFCACHE_WRITE_THREADS``, else 1 (one after the
+    other on the appending thread). Opt-in: on an H200 host (16 cores) the extraction's store path
+    alone wrote 94.7k, 86.9k, 82.7k and 100.0k tok/s with 1, 2, 4 and 8 threads a layer (medians of
+    2, run to run 72k-104k; docs/benchmarks.md), and 1.00-1.07x on the 2-core VM: no gain measured,
+    so the default keeps the one-thread writer. A file write is a copy into the page cache, without
+    the GIL; fsyncs run apart (a staging area's background fsyncs)."""
+    from ..config import write_threads as configured
+
+    n = configured()
+    return n if n is not None else 1
+
+
+def write_pool(threads: int):
+    """The threads that write chunk files for arrays of ``threads`` threads each (the appending
+    thread is one of them): enough for 8 arrays at once (an extraction writes a layer an array,
+    8 layers at a time); more arrays queue for them."""
+    return thread_pool(f"write{threads}", min(64, 8 * (threads - 1)))
+
+
+def fsync_pool():
+    """The threads that fsync a local store's staged files in the background (a file's fsync is
+    handed over once it is written; a checkpoint or a commit waits for them all): 4 per write
+    thread, at least 8 (the count before 2026-12-06, kept for 1 and 2 write threads), at most 64.
+    A thread waiting in fsync costs no core, and concurrent fsyncs keep the disk's queue full and
+    let the filesystem join them in one journal commit. With 8, the extraction's store path wrote
+    1.43 GB/s on an H200 host whose disk took 1.94 GB/s from 4 parallel fsync'd streams
+    (docs/benchmarks.md); bench/gpu_extract.py's write-threads curve shows what more of both gives."""
+    n = min(64, max(8, 4 * write_threads()))
+    return thread_pool(f"fsync{n}", n)
+
+
 class _Recycler:
     """Result buffers of large reads, handed out again once nothing refers to them.
 

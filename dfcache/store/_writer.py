@@ -1,6 +1,7 @@
 """Writing artifacts: :class:`ArtifactWriter` stages one artifact privately and publishes it
 atomically, manifest last; :class:`ArrayWriter` appends one array's rows, a full chunk going to
-the staging area as soon as it fills (compressed ones on encoder threads). What the files are is
+the staging area as soon as it fills (compressed ones on encoder threads; the uncompressed chunks
+of one append written by ``write_threads()`` threads at once, all staged before it returns). What the files are is
 :mod:`dfcache.store.format`; resumable writers checkpoint in their staging area
 (``layout.PROGRESS``, ``layout.tail_relpath``).
 """
@@ -22,7 +23,7 @@ from ..keys import KEY_PATTERN
 from ..manifest import CODECS, FP8_DTYPE, NAME_PATTERN, STORAGE_DTYPE, ArraySpec, BlobSpec, Manifest, validate_manifest
 from . import format as fmt
 from ._backend import Staging
-from ._pools import thread_pool
+from ._pools import thread_pool, write_pool, write_threads
 from .format import default_chunk_rows
 from .layout import BLOBS, CHUNKS, PROGRESS, TAILS, tail_relpath
 
@@ -62,6 +63,11 @@ class ArrayWriter:
         self._fill = 0
         self.closed = False
         self._inflight: deque = deque()  # compressed chunks being encoded and staged
+        # Uncompressed chunks of one append written at once (the appending thread is one writer).
+        self.write_threads = write_threads()
+        # The first error of a chunk write: the array's chunks are no longer all staged, so no
+        # checkpoint may name them (drain() raises it again) and nothing more is appended.
+        self._failed: BaseException | None = None
 
     @property
     def rows_written(self) -> int:
@@ -101,22 +107,61 @@ class ArrayWriter:
         drained (``write_array`` does), so compressed chunks are encoded from it without a copy."""
         if self.closed:
             raise UsageError(f"array {self.name} is already finished.")
+        self._check_failed()
         data = self._as_storage(data)
         if self.total_rows is not None and self.rows_written + len(data) > self.total_rows:
             raise UsageError(f"array {self.name} has {self.total_rows} rows; appending "
                              f"{len(data)} to {self.rows_written} overflows it.")
+        full: list = []  # the chunks this append fills: (rows, kept)
         if self._fill:
             need = self.chunk_rows - self._fill
             self._keep(data[:need])
             data = data[need:]
             if self._fill == self.chunk_rows:
-                self._write_chunk(self._buf)  # consumed before it returns: the buffer is free again
+                full.append((self._buf, False))  # written before the tail is kept in it again
                 self._fill = 0
         while len(data) >= self.chunk_rows:
-            self._write_chunk(data[: self.chunk_rows], kept=kept)
+            full.append((data[: self.chunk_rows], kept))
             data = data[self.chunk_rows:]
+        try:
+            if self.codec == "none" and self.write_threads > 1 and len(full) > 1:
+                self._write_chunks([rows for rows, _ in full])
+            else:
+                for rows, k in full:
+                    self._write_chunk(rows, kept=k)
+        except BaseException as e:
+            if self._failed is None:
+                self._failed = e
+            raise
         if len(data):
             self._keep(data)
+
+    def _write_chunks(self, chunks: list) -> None:
+        """Uncompressed full chunks written ``write_threads`` at a time (chunk files are
+        independent; the appending thread writes its share too), every one staged when this
+        returns, as one after the other would be: the caller may then reuse its rows."""
+        index = len(self.chunk_digests)
+        self.chunk_digests.extend([None] * len(chunks))
+        jobs = [(fmt.chunk_relpath(self.name, index + i, 1 + len(self.row_shape)), index + i, rows)
+                for i, rows in enumerate(chunks)]
+        n = min(self.write_threads, len(jobs))
+        # Interleaved shares: the files appear in about their order, whichever thread is slow.
+        self._inflight.extend(write_pool(self.write_threads).submit(self._put_plain, jobs[i::n]) for i in range(1, n))
+        try:
+            self._put_plain(jobs[0::n])
+        except BaseException as e:
+            if self._failed is None:
+                self._failed = e
+            self.drain(raise_errors=False)  # no thread still writes from the caller's rows
+            raise
+        self.drain()  # every share staged (or its first error raised) before the rows are let go
+
+    def _put_plain(self, jobs: list) -> None:
+        for rel, index, rows in jobs:
+            if rows.dtype.byteorder == ">":
+                rows = rows.astype(rows.dtype.newbyteorder("<"))
+            self.chunk_digests[index] = fmt.chunk_digest(rows)
+            self.owner._put(rel, fmt.encode_chunk(rows, "none"))
 
     def _write_chunk(self, rows: np.ndarray, *, kept: bool = False) -> None:
         index = len(self.chunk_digests)
@@ -130,8 +175,9 @@ class ArrayWriter:
             kept = True
         rel = fmt.chunk_relpath(self.name, index, 1 + len(self.row_shape))
         if self.codec == "none":
-            self.chunk_digests.append(fmt.chunk_digest(full[:len(rows)]))
+            self.chunk_digests.append(None)  # filled once the file is staged: a failed put leaves no digest
             self.owner._put(rel, fmt.encode_chunk(full, self.codec))
+            self.chunk_digests[index] = fmt.chunk_digest(full[:len(rows)])
             return
         if not kept and full is rows:  # the caller's rows: it may reuse its buffer once append() returns
             full = np.array(rows, copy=True)
@@ -150,13 +196,24 @@ class ArrayWriter:
         self.owner._put(rel, fmt.encode_chunk(full, self.codec))
 
     def drain(self, *, raise_errors: bool = True) -> None:
-        """Wait until every chunk handed to the encoder threads is staged."""
+        """Wait until every chunk handed to other threads is staged; then raise the first error
+        of a chunk write, if any (this one's or an earlier one's)."""
         while self._inflight:
-            future = self._inflight.popleft()
-            if raise_errors:
-                future.result()
-            else:
-                future.exception()
+            exc = self._inflight[0].exception()  # waits for it
+            self._inflight.popleft()
+            if exc is not None and self._failed is None:
+                self._failed = exc
+        if raise_errors:
+            self._check_failed()
+
+    def _check_failed(self) -> None:
+        """Raise the error that broke a chunk write of this array, if one did (an interrupt
+        becomes a UsageError: the later call was not interrupted)."""
+        if isinstance(self._failed, Exception):
+            raise self._failed
+        if self._failed is not None:
+            raise UsageError(f"array {self.name} was interrupted while writing its chunks; "
+                             "abort this writer and write the artifact again.")
 
     def finish(self) -> ArraySpec:
         if not self.closed:
@@ -165,7 +222,12 @@ class ArrayWriter:
                                  "write them all before committing.")
             self.total_rows = self.rows_written
             if self._fill:
-                self._write_chunk(self._tail)
+                try:
+                    self._write_chunk(self._tail)
+                except BaseException as e:
+                    if self._failed is None:
+                        self._failed = e
+                    raise
                 self._fill = 0
             self.closed = True
         self.drain()

@@ -109,6 +109,10 @@ def resolve_graph(upto: str, opts: EvalOptions, store=None, *, argv: list[str] |
         from dfcache.fp8 import check_applies
 
         check_applies(opts.compression, stage=upto, dtype=opts.dtype)
+    if opts.mix is not None:  # before any work (the example's build included): exit 2 or 6 naming the fix
+        from ..suites import sets
+
+        sets.parse_mix(opts.mix, sets.names(opts.prompts))
     st = open_store_arg(store, opts)
     argv = command_argv(upto, argv, opts, st)  # before the example fills in its paths: `--example` says them
     if opts.example:

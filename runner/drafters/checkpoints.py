@@ -189,7 +189,7 @@ def incomplete_reason(path: Path) -> str | None:
         absent = sorted(n for n in names if not (path / n).is_file())
         if absent:
             return f"shard {absent[0]} named by {index.name} is not there yet"
-    if not shards:
+    if not shards and not (path / "pytorch_model.bin").is_file():  # .bin: the EAGLE repo's EAGLE-3 files
         return "no *.safetensors weights yet"
     for shard in shards:
         problem = safetensors_problem(shard)

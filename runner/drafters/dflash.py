@@ -46,6 +46,8 @@ from torch import nn
 
 from dfcache.errors import BadInputError
 
+from .rope import rope_scaling_of
+
 __all__ = [
     "DFlashConfig", "DFlashDrafter", "TargetHead", "load_target_head", "save_drafter",
     "score_roots", "score_roots_one_at_a_time", "iter_score_roots", "check_compatible", "init_drafter_weights",
@@ -55,6 +57,13 @@ _LAYER_TYPES = ("full_attention", "sliding_attention")
 # DFlash2 adds modules that change the forward pass; silently ignoring them would give wrong drafts.
 _DFLASH2_KEYS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 _DFLASH2_TENSOR_MARKERS = ("candidate_selector.", "attention_conv.", "mlp_conv.")
+# A DFlash drafter published under another name: z-lab's loaders read "MuseGlimmerAssistantModel"
+# (the "Meta v1" assistant, z-lab/dflash tests/fixtures/assistant-config.json) as DFlash with its
+# fields at the top level, its in-block attention bidirectional (z-lab dflash/model_mlx.py
+# _meta_v1_config_kwargs: is_causal=False, although its layers are sliding_attention) and two
+# modules renamed (_remap_meta_v1_weights).
+META_V1_ARCH = "MuseGlimmerAssistantModel"
+_META_V1_RENAMES = (("encoder.fc.", "fc."), ("encoder.output_norm_enc.", "hidden_norm."))
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,6 +94,7 @@ class DFlashConfig:
     input_embedding_scale: float = 1.0
     num_target_layers: int | None = None
     vocab_size: int | None = None
+    rope_scaling: dict | None = None  # rope_scaling_of: llama3 / yarn / linear frequencies; None: plain
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "DFlashConfig":
@@ -141,11 +151,7 @@ class DFlashConfig:
         rope_theta = raw.get("rope_theta", rope_params.get("rope_theta"))
         need("rope_theta", rope_theta, "Add the drafter's own rope_theta (e.g. 1000000 for Qwen3 "
                                        "drafters, 10000000 for Qwen3.5/3.6); it is not the target's.")
-        for where, params in (("rope_parameters", rope_params), ("rope_scaling", rope_scaling)):
-            rtype = params.get("rope_type", params.get("type", "default"))
-            if rtype not in (None, "default"):
-                raise BadInputError(f"{source}: {where}.rope_type={rtype!r} is not supported (only plain "
-                                    "RoPE). Remove it if the drafter was trained without scaling.")
+        scaling = rope_scaling_of(raw, source)
         prf = raw.get("partial_rotary_factor", rope_params.get("partial_rotary_factor", 1.0))
         if prf not in (None, 1, 1.0):
             raise BadInputError(f"{source}: partial_rotary_factor={prf} is not supported; DFlash drafters "
@@ -177,12 +183,14 @@ class DFlashConfig:
             layer_types=list(layer_types),
             sliding_window=int(window) if "sliding_attention" in layer_types else None,
             attention_bias=bool(raw.get("attention_bias", False)),
-            is_causal=None if draft_value("is_causal") is None else bool(draft_value("is_causal")),
+            is_causal=(False if META_V1_ARCH in (raw.get("architectures") or []) else None)
+            if draft_value("is_causal") is None else bool(draft_value("is_causal")),
             output_multiplier=float(draft_value("output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap else None,
             input_embedding_scale=float(draft_value("input_embedding_scale", 1.0)),
             num_target_layers=int(num_target_layers) if num_target_layers is not None else None,
             vocab_size=int(raw["vocab_size"]) if raw.get("vocab_size") is not None else None,
+            rope_scaling=scaling,
         )
         if cfg.num_target_layers is not None and max(cfg.target_layer_ids) >= cfg.num_target_layers:
             raise BadInputError(f"{source}: target_layer_ids {cfg.target_layer_ids} reach past "
@@ -209,6 +217,8 @@ class DFlashConfig:
             out["num_target_layers"] = self.num_target_layers
         if self.vocab_size is not None:
             out["vocab_size"] = self.vocab_size
+        if self.rope_scaling is not None:
+            out["rope_scaling"] = dict(self.rope_scaling)
         if self.is_causal is not None:
             out["dflash_config"]["is_causal"] = self.is_causal
         if self.output_multiplier != 1.0:
@@ -380,19 +390,79 @@ def _rope_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch
 
 
 class Rope:
-    """Plain RoPE tables (Qwen3 layout: the two halves of head_dim share frequencies)."""
+    """RoPE tables (Qwen3 / Llama layout: the two halves of head_dim share frequencies), with the
+    frequency scalings published drafters declare (:func:`rope_scaling_of`), computed as
+    transformers' ``ROPE_INIT_FUNCTIONS`` do (what z-lab's, speculators' and vLLM's drafters run):
+    ``llama3`` (wavelengths past ``original_max_position_embeddings / low_freq_factor`` divided by
+    ``factor``, a smooth ramp down to ``/ high_freq_factor``), ``yarn`` (NTK-by-parts ramp between
+    the ``beta_fast``/``beta_slow`` correction dims, cos/sin times the attention factor
+    ``0.1 ln(factor) + 1`` or the mscale ratio) and ``linear`` (every frequency divided by
+    ``factor``)."""
 
-    def __init__(self, head_dim: int, theta: float):
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.attention_factor = 1.0
+        kind = (scaling or {}).get("rope_type", "default")
+        if kind == "linear":
+            inv_freq = inv_freq / float(scaling["factor"])
+        elif kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif kind == "yarn":
+            inv_freq, self.attention_factor = _yarn_inv_freq(head_dim, theta, scaling)
+        self.inv_freq = inv_freq
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[..., None] * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_factor != 1.0:
+            return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         return x * cos + _rotate_half(x) * sin
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
+    import math
+
+    factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+    old = float(p["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(dim: int, base: float, p: dict) -> tuple[torch.Tensor, float]:
+    import math
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    factor = float(p["factor"])
+    orig = float(p["original_max_position_embeddings"])
+    attention = p.get("attention_factor")
+    if attention is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(orig / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(float(p.get("beta_fast") or 32)), correction_dim(float(p.get("beta_slow") or 1))
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention)
 
 
 class DFlashLayer(nn.Module):
@@ -465,11 +535,23 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        self.rope = Rope(config.head_dim, config.rope_theta)
+        self.rope = Rope(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    _IGNORED_PREFIXES = ("embed_tokens.", "lm_head.", "verifier_norm.", "verifier_lm_head.", "d2t", "t2d",
+                         "confidence_head.", "rotary_emb.")
+
+    # The first block slot whose output is a draft: 1 for DFlash (slot 0 is the root, x[p]);
+    # DSpark in speculators' default layout (sample_from_anchor) drafts from slot 0 too.
+    first_draft_slot = 1
 
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    @property
+    def num_drafts(self) -> int:
+        """Drafts per block: B - 1 for DFlash (slots 1..B-1), B where slot 0 drafts too."""
+        return self.config.block_size - self.first_draft_slot
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -490,6 +572,12 @@ class DFlashDrafter(nn.Module):
     # ---- loading ----------------------------------------------------------------------------
 
     @classmethod
+    def checkpoint_config(cls, raw: dict, source: str) -> DFlashConfig:
+        """The backbone's config from a checkpoint's ``config.json`` (a family in another layout
+        overrides it)."""
+        return DFlashConfig.from_dict(raw, source=source)
+
+    @classmethod
     def from_pretrained(cls, path: str | Path, device: str | torch.device = "cpu",
                         dtype: torch.dtype = torch.float32) -> "DFlashDrafter":
         path = Path(path)
@@ -497,14 +585,18 @@ class DFlashDrafter(nn.Module):
         if not cfg_path.exists():
             raise BadInputError(f"drafter checkpoint {path}: no config.json. Pass the drafter directory "
                                 "(config.json + *.safetensors).")
-        config = DFlashConfig.from_dict(_read_config(path), source=str(cfg_path))
+        config = cls.checkpoint_config(_read_config(path), source=str(cfg_path))
         files = _safetensors_files(path, f"drafter checkpoint {path}")
         with torch.device("meta"):
             model = cls(config)
         expected = dict(model.named_parameters())
 
         def canonical(name: str) -> str:
-            return name[len("model."):] if name.startswith("model.") else name
+            name = name[len("model."):] if name.startswith("model.") else name
+            for old, new in _META_V1_RENAMES:
+                if name.startswith(old):
+                    return new + name[len(old):]
+            return name
 
         dflash2 = sorted(n for n in files if any(m in n for m in _DFLASH2_TENSOR_MARKERS))
         if dflash2:
@@ -518,6 +610,16 @@ class DFlashDrafter(nn.Module):
                     raise BadInputError(f"drafter checkpoint {path}: both '{source_of[c]}' and '{name}' "
                                         "are present. Keep one naming (with or without 'model.').")
                 source_of[c] = name
+        # A tensor of no module here changes the forward of whatever wrote it (another family's
+        # head, a second projector): refused, never dropped. What the peers save beside DFlash's
+        # modules and no draft reads: the target's embedding/head copies, speculators' verifier
+        # copies and vocab maps, SpecForge's confidence head (it predicts acceptance only).
+        unknown = sorted(n for n in files if canonical(n) not in expected
+                         and not canonical(n).startswith(cls._IGNORED_PREFIXES))
+        if unknown:
+            raise BadInputError(f"drafter checkpoint {path}: tensors {unknown[:4]}{' ...' if len(unknown) > 4 else ''} "
+                                f"are no part of a {cls.__name__.removesuffix('Drafter')} drafter; pass a checkpoint of "
+                                "a family dfcache knows (dfcache doctor names what its config says).")
         missing = sorted(set(expected) - set(source_of))
         if missing:
             raise BadInputError(
@@ -542,7 +644,7 @@ class DFlashDrafter(nn.Module):
             state[c] = t
         model = model.to_empty(device=device).to(dtype)
         model.load_state_dict(state, strict=True)
-        model.rope = Rope(config.head_dim, config.rope_theta)
+        model.rope = Rope(config.head_dim, config.rope_theta, config.rope_scaling)
         return model.eval()
 
     # ---- forward pieces ---------------------------------------------------------------------
@@ -573,7 +675,10 @@ class DFlashDrafter(nn.Module):
                 and cfg.output_multiplier == 1.0 and not cfg.final_logit_softcapping):
             # the product straight into the caller's buffer: F.linear's bits, one pass fewer
             return torch.matmul(self.norm(hidden), head.lm_head.t(), out=out)
-        logits = head.logits(self.norm(hidden)).float()
+        return self._scaled(head.logits(self.norm(hidden)).float(), out)
+
+    def _scaled(self, logits: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The config's output multiplier and final soft-capping applied, into ``out`` when given."""
         if self.config.output_multiplier != 1.0:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
@@ -737,7 +842,7 @@ class DFlashDrafter(nn.Module):
     def block_logits(self, ctx_kv: Sequence[tuple[torch.Tensor, torch.Tensor]], roots: torch.Tensor,
                      root_tokens: torch.Tensor, head: TargetHead, out: torch.Tensor | None = None) -> torch.Tensor:
         """Draft logits [n, B-1, V] (float32) for blocks rooted at ``roots`` (written into ``out``
-        when given, a float32 tensor of that shape).
+        when given, a float32 tensor of that shape); [n, num_drafts, V] in general.
 
         All n blocks run through the projections and MLPs as one batch; attention runs per group
         of roots of similar position (:func:`_block_attention`), block r attending to context keys
@@ -775,8 +880,10 @@ class DFlashDrafter(nn.Module):
                 attn = _block_attention(q, k_ctx, v_ctx, k_blk, v_blk, sorted_roots, groups,
                                         causal=layer.is_causal, window=layer.sliding_window, masks=masks)
             if i == last:
-                # Only slots 1..B-1 give logits (§1.7); slot 0's last residual/MLP step is unused.
-                h, attn = h[:, 1:], attn[:, 1:]
+                # Only slots 1..B-1 give logits (§1.7); slot 0's last residual/MLP step is unused
+                # (unless it drafts: first_draft_slot 0).
+                s = self.first_draft_slot
+                h, attn = h[:, s:], attn[:, s:]
             if torch.is_grad_enabled():
                 h = h + layer.self_attn.o_proj(attn)
                 h = h + layer.mlp_forward(layer.post_attention_layernorm(h))
@@ -785,7 +892,7 @@ class DFlashDrafter(nn.Module):
                 h = layer.self_attn.o_proj(attn).add_(h)
                 h = layer.mlp_forward(layer.post_attention_layernorm(h)).add_(h)
         unsorted = bool((order[1:] < order[:-1]).any()) if order.numel() > 1 else False
-        hidden = h if last >= 0 else h[:, 1:]
+        hidden = h if last >= 0 else h[:, self.first_draft_slot:]
         if unsorted:
             logits = self.compute_logits(hidden, head)[torch.argsort(order)]
             return logits if out is None else out.copy_(logits)
@@ -1122,7 +1229,7 @@ def score_roots(drafter: DFlashDrafter, head: TargetHead, context_features: torc
     in the order of ``roots``. Equal (to float rounding) to :func:`score_roots_one_at_a_time`.
     """
     roots = [int(r) for r in roots]
-    out = torch.empty((len(roots), drafter.block_size - 1, head.vocab_size), dtype=torch.float32,
+    out = torch.empty((len(roots), drafter.num_drafts, head.vocab_size), dtype=torch.float32,
                       device=drafter.device)
     if all(a <= b for a, b in zip(roots, roots[1:])):
         # ascending (the usual case): every chunk's logits are written straight into their rows
@@ -1164,7 +1271,7 @@ def _reference_block(drafter: DFlashDrafter, head: TargetHead, features: torch.T
         attn = attn[0].transpose(0, 1).reshape(B, -1).to(drafter.dtype)
         h = h + layer.self_attn.o_proj(attn)
         h = h + layer.mlp_forward(layer.post_attention_layernorm(h))
-    return drafter.compute_logits(h[1:], head)
+    return drafter.compute_logits(h[drafter.first_draft_slot:], head)
 
 
 def score_roots_one_at_a_time(drafter: DFlashDrafter, head: TargetHead, context_features: torch.Tensor,
@@ -1177,7 +1284,7 @@ def score_roots_one_at_a_time(drafter: DFlashDrafter, head: TargetHead, context_
     with torch.inference_mode():
         rows = [_reference_block(drafter, head, feats, p, token_ids[p].to(drafter.device)) for p in roots]
     if not rows:
-        return torch.empty((0, drafter.block_size - 1, head.vocab_size))
+        return torch.empty((0, drafter.num_drafts, head.vocab_size))
     return torch.stack(rows)
 
 
@@ -1197,8 +1304,9 @@ def save_drafter(model: DFlashDrafter, out_dir: str | Path) -> Path:
     return out
 
 
-def init_drafter_weights(model: DFlashDrafter, seed: int, std: float = 0.02) -> DFlashDrafter:
-    """Deterministic random init (normal(0, std) linears, unit norms), independent of torch's global RNG."""
+def init_drafter_weights(model: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
+    """Deterministic random init (normal(0, std) linears, unit norms, zero biases), independent of
+    torch's global RNG; any family's drafter (EAGLE-3's train_eagle3 uses it too)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -38,10 +38,49 @@ from torch import nn
 from dfcache.errors import BadInputError
 
 from .dflash import RMSNorm, Rope, TargetHead, _read_config, _read_tensors, _safetensors_files
+from .dflash import init_drafter_weights as init_eagle3_weights  # one deterministic init for every family
 from .eagle3_config import Eagle3Config, default_layer_ids, is_eagle3_config
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "default_layer_ids", "score_roots", "draft_one_root",
            "dynamic_tree", "save_eagle3", "init_eagle3_weights", "is_eagle3_config"]
+
+BIN_WEIGHTS = "pytorch_model.bin"  # the EAGLE repo's own checkpoints (yuhuili/EAGLE3-*) hold only this file
+
+
+def _weights(path: Path):
+    """(tensor names, read(names) -> {name: tensor}) of a checkpoint: its safetensors files, else
+    the EAGLE repo's ``pytorch_model.bin`` (a plain state dict; read with ``weights_only``, which
+    unpickles tensors and nothing else)."""
+    if not any(path.glob("*.safetensors")) and (path / BIN_WEIGHTS).is_file():
+        try:
+            state = torch.load(path / BIN_WEIGHTS, map_location="cpu", weights_only=True)
+        except Exception as e:  # a truncated or foreign pickle: torch raises several kinds
+            raise BadInputError(f"drafter checkpoint {path}: {BIN_WEIGHTS} is not a readable state dict ({e}); "
+                                "re-download it or re-save the checkpoint as safetensors.") from None
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise BadInputError(f"drafter checkpoint {path}: {BIN_WEIGHTS} is not a state dict of tensors; "
+                                "re-save the checkpoint as safetensors.")
+        return dict.fromkeys(state), lambda names: {n: state[n] for n in names}
+    files = _safetensors_files(path, f"drafter checkpoint {path}")
+    return files, lambda names: _read_tensors(files, names, "cpu", None)
+
+
+def canonical_name(name: str) -> str:
+    """A checkpoint tensor's name under SpecForge's layout: no ``model.`` prefix (vLLM's), the
+    decoder layer as ``midlayer.`` (speculators and vLLM write ``layers.0.``)."""
+    name = name[len("model."):] if name.startswith("model.") else name
+    return "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
+
+
+# Tensors a published EAGLE-3 checkpoint may hold that change no draft: t2d (derivable from d2t),
+# speculators' verifier copies (verifier_norm / verifier_lm_head: training targets only) and
+# older checkpoints' RoPE tables.
+_IGNORED = ("t2d", "d2t", "embed_tokens.weight", "verifier_norm.weight", "verifier_lm_head.weight")
+
+
+def _ignorable(name: str) -> bool:
+    return name in _IGNORED or name.endswith("rotary_emb.inv_freq")
+
 
 class Eagle3Drafter(nn.Module):
     """The EAGLE-3 draft model's tensors under SpecForge's names (speculators' ``layers.0.`` map here)."""
@@ -53,25 +92,31 @@ class Eagle3Drafter(nn.Module):
         self.fc = nn.Linear(3 * cfg.target_hidden_size, H, bias=False)
         if cfg.fc_norm:
             self.fc_norm = nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(3))
+        if cfg.norm_before_fc:
+            self.input_norm = RMSNorm(3 * cfg.target_hidden_size, cfg.rms_norm_eps)
+        ab, mb = cfg.attention_bias, cfg.mlp_bias
         self.midlayer = nn.Module()
         m = self.midlayer
         m.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         m.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         m.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         m.self_attn = nn.Module()
-        m.self_attn.q_proj = nn.Linear(2 * H, cfg.num_attention_heads * hd, bias=False)
-        m.self_attn.k_proj = nn.Linear(2 * H, cfg.num_key_value_heads * hd, bias=False)
-        m.self_attn.v_proj = nn.Linear(2 * H, cfg.num_key_value_heads * hd, bias=False)
-        m.self_attn.o_proj = nn.Linear(cfg.num_attention_heads * hd, H, bias=False)
+        m.self_attn.q_proj = nn.Linear(2 * H, cfg.num_attention_heads * hd, bias=ab)
+        m.self_attn.k_proj = nn.Linear(2 * H, cfg.num_key_value_heads * hd, bias=ab)
+        m.self_attn.v_proj = nn.Linear(2 * H, cfg.num_key_value_heads * hd, bias=ab)
+        m.self_attn.o_proj = nn.Linear(cfg.num_attention_heads * hd, H, bias=ab)
+        if cfg.qk_norm:  # Qwen3's attention: RMSNorm over each head's q and k before RoPE
+            m.self_attn.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            m.self_attn.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         m.mlp = nn.Module()
-        m.mlp.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
-        m.mlp.up_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
-        m.mlp.down_proj = nn.Linear(cfg.intermediate_size, H, bias=False)
+        m.mlp.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=mb)
+        m.mlp.up_proj = nn.Linear(H, cfg.intermediate_size, bias=mb)
+        m.mlp.down_proj = nn.Linear(cfg.intermediate_size, H, bias=mb)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.embed_tokens: torch.Tensor | None = None  # the drafter's own embedding, when saved
-        self.rope = Rope(hd, cfg.rope_theta)
+        self.rope = Rope(hd, cfg.rope_theta, cfg.rope_scaling)
         self.layer_ids: list[int] | None = cfg.target_layer_ids
 
     # ---- what the eval and the online loops read ------------------------------------------
@@ -116,23 +161,39 @@ class Eagle3Drafter(nn.Module):
                         dtype: torch.dtype = torch.float32) -> "Eagle3Drafter":
         path = Path(path)
         cfg = Eagle3Config.from_dict(_read_config(path), source=str(path / "config.json"))
-        files = _safetensors_files(path, f"drafter checkpoint {path}")
+        files, read = _weights(path)
+        source_of: dict[str, str] = {}
+        for n in files:
+            c = canonical_name(n)
+            if c in source_of:
+                raise BadInputError(f"drafter checkpoint {path}: both '{source_of[c]}' and '{n}' are present; "
+                                    "keep one naming (SpecForge's midlayer.* or speculators' layers.0.*).")
+            source_of[c] = n
+        # What the tensors say where configs differ among writers: a Qwen3 layer's q/k norms
+        # (speculators labels some Qwen3-shaped layers llama) and attention/MLP biases.
+        if "midlayer.self_attn.q_norm.weight" in source_of:
+            cfg.qk_norm = True
+        if "midlayer.self_attn.q_proj.bias" in source_of:
+            cfg.attention_bias = True
+        if "midlayer.mlp.gate_proj.bias" in source_of:
+            cfg.mlp_bias = True
         with torch.device("meta"):
             model = cls(cfg)
         expected = {k: tuple(v.shape) for k, v in model.named_parameters()}
-
-        def canonical(name: str) -> str:
-            name = name[len("model."):] if name.startswith("model.") else name
-            return "midlayer." + name[len("layers.0."):] if name.startswith("layers.0.") else name
-
-        source_of = {canonical(n): n for n in files}
         missing = sorted(set(expected) - set(source_of))
         if missing:
             raise BadInputError(f"drafter checkpoint {path}: missing EAGLE-3 tensors {missing[:5]}"
                                 f"{' ...' if len(missing) > 5 else ''}; re-save it with SpecForge or speculators.")
+        # Any other tensor changes the drafter's forward in a way this loader does not know (a
+        # second decoder layer, P-EAGLE's mask_hidden, ...): refused, never silently dropped.
+        unknown = sorted(n for c, n in source_of.items() if c not in expected and not _ignorable(c))
+        if unknown:
+            raise BadInputError(f"drafter checkpoint {path}: tensors {unknown[:5]}{' ...' if len(unknown) > 5 else ''} "
+                                "are not part of a one-layer EAGLE-3 drafter (SpecForge's or speculators' names); "
+                                "pass an EAGLE-3 checkpoint, or one re-saved without them.")
         wanted = [source_of[k] for k in expected] + [source_of[k] for k in ("d2t", "embed_tokens.weight")
                                                       if k in source_of]
-        tensors = _read_tensors(files, wanted, "cpu", None)
+        tensors = read(wanted)
         state = {}
         for k, shape in expected.items():
             t = tensors[source_of[k]]
@@ -168,7 +229,7 @@ class Eagle3Drafter(nn.Module):
         model = model.to(device)
         if model.embed_tokens is not None:
             model.embed_tokens = model.embed_tokens.to(device)
-        model.rope = Rope(cfg.head_dim, cfg.rope_theta)
+        model.rope = Rope(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         return model.eval()
 
     # ---- one decoder step -------------------------------------------------------------------
@@ -182,6 +243,8 @@ class Eagle3Drafter(nn.Module):
         q = m.self_attn.q_proj(x).view(n, c.num_attention_heads, c.head_dim)
         k = m.self_attn.k_proj(x).view(n, c.num_key_value_heads, c.head_dim)
         v = m.self_attn.v_proj(x).view(n, c.num_key_value_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = m.self_attn.q_norm(q), m.self_attn.k_norm(k)
         cos, sin = self.rope.cos_sin(positions, x.dtype)
         cos, sin = cos[:, None, :], sin[:, None, :]
         return Rope.apply(q, cos, sin), Rope.apply(k, cos, sin), v, residual
@@ -191,17 +254,23 @@ class Eagle3Drafter(nn.Module):
         m = self.midlayer
         h = residual + m.self_attn.o_proj(attn.reshape(attn.shape[0], -1))
         x = m.post_attention_layernorm(h)
-        return h + m.mlp.down_proj(F.silu(m.mlp.gate_proj(x)) * m.mlp.up_proj(x))
+        out = h + m.mlp.down_proj(F.silu(m.mlp.gate_proj(x)) * m.mlp.up_proj(x))
+        # speculators' norm_output (EAGLE 3.1): the state carried to the next step, and the one its
+        # lm_head reads, is norm(h) (Eagle3DraftModel.forward); logits() then applies no second norm.
+        return self.norm(out) if self.config.feed_normed else out
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits of pre-norm outputs."""
-        return self.lm_head(self.norm(h) if self.config.norm_output else h).float()
+        """Draft-vocabulary logits of the layer's outputs (pre-norm, or already normed: feed_normed)."""
+        c = self.config
+        return self.lm_head(self.norm(h) if c.norm_output and not c.feed_normed else h).float()
 
     def context_kv(self, head: TargetHead, features: torch.Tensor, next_tokens: torch.Tensor, start: int = 0):
         """First-step (q, k, v, residual) of positions start..start+n-1: features [n, 3*Ht] of those
         positions, tokens x[start+1..start+n] (``start`` > 0: a serving engine's draft-extend of
         newly accepted positions)."""
         x = features.to(self.dtype)
+        if self.config.norm_before_fc:
+            x = self.input_norm(x)
         if self.config.fc_norm:
             x = torch.cat([n(c) for n, c in zip(self.fc_norm, x.chunk(3, dim=-1))], dim=-1)
         g = self.fc(x)
@@ -473,9 +542,3 @@ def save_eagle3(model: Eagle3Drafter, out_dir: str | Path) -> Path:
     return out
 
 
-def init_eagle3_weights(model: Eagle3Drafter, seed: int, std: float = 0.02) -> Eagle3Drafter:
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(torch.ones_like(p) if name.endswith("norm.weight") else torch.randn(p.shape, generator=gen) * std)
-    return model

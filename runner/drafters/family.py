@@ -11,8 +11,11 @@ recognised and validated, how it loads; the stage and ``parity`` dispatch on ``D
   the block size the report uses (draft depth + 1) and the key inputs only this family has. Every
   check that needs no weights (and the d2t map, read with numpy) runs here, before any work.
   DFlash's planning is ``runner.stages.drafter_eval.read_drafter``'s, unchanged: it adds no key input.
-  DSpark's is DFlash's (its backbone's layers, block size and MASK id) plus the key input
-  ``family: "dspark"``; its Markov head is in the checkpoint, so in the drafter fingerprint.
+  DSpark's is DFlash's (its backbone's layers, block size and MASK id; speculators' layout read
+  through ``dspark_config.backbone_config``) plus the key input ``family: "dspark"`` (and
+  ``sample_from_anchor: true`` where its anchor slot drafts: block size B + 1); its Markov head and
+  vocabulary map are in the checkpoint, so in the drafter fingerprint; a d2t that does not fit the
+  target is exit 6 here.
 * ``load(path, device, dtype)``: the torch model.
 * Drafting from cached features, batched over all roots of a response: DFlash
   ``runner.drafters.dflash.iter_score_roots``, EAGLE-3 ``runner.drafters.eagle3.score_roots`` and
@@ -45,6 +48,12 @@ class Plan:
     final_state: bool = False  # trains on the target's final state (after its final norm: layer "final")
     key_inputs: dict[str, Any] = field(default_factory=dict)  # family-only key inputs (DFlash: none)
     summary: str = ""
+    label: str = ""  # what the report's family column says where it is not ``family`` (a speculators
+    #                  DFlash drafted by DSpark's loader without a head: "dflash")
+
+
+# Architectures of SpecForge's families that share DFlash's config shape but not its forward.
+_OTHER_DFLASH_SHAPED = ("DominoDraftModel", "PEagleDraftModel")
 
 
 class DFlash:
@@ -52,7 +61,7 @@ class DFlash:
     # What it trains on besides its layers: the target's state after its final norm (hidden-state
     # layer "final")? DFlash: no (SpecForge's DFlash files hold its layers only).
     trains_on_final_state = False
-    what = "DFlash block-diffusion drafter (config.json with dflash_config)"
+    what = "DFlash block-diffusion drafter (config.json with dflash_config, or z-lab's MuseGlimmerAssistantModel)"
 
     @staticmethod
     def recognises(raw: dict) -> bool:
@@ -60,7 +69,17 @@ class DFlash:
         # backbone does (no Markov head: a confidence head changes no draft) is DFlash's.
         if is_dspark_config(raw) and draft_differs_from_dflash(raw):
             return False
-        return isinstance(raw.get("dflash_config"), dict) or "DFlashDraftModel" in (raw.get("architectures") or [])
+        # SpecForge's other DFlash-shaped families keep a dflash_config too, told apart by
+        # projector_type (configs/qwen3-8b-domino.json: DominoDraftModel, "domino", a GRU head
+        # and shifted labels): they are not DFlash and must not load as it.
+        dcfg = raw.get("dflash_config")
+        projector = dcfg.get("projector_type") if isinstance(dcfg, dict) else None
+        if projector not in (None, "dflash", "dspark"):
+            return False
+        if any(a in _OTHER_DFLASH_SHAPED for a in (raw.get("architectures") or [])):
+            return False
+        archs = raw.get("architectures") or []
+        return isinstance(dcfg, dict) or "DFlashDraftModel" in archs or "MuseGlimmerAssistantModel" in archs
 
     @staticmethod
     def load(path, device, dtype):
@@ -124,7 +143,8 @@ class Eagle3:
 class DSpark:
     name = "dspark"
     what = ("DSpark drafter (SpecForge DSparkDraftModel: a DFlash backbone, dflash_config.projector_type "
-            "'dspark', with a Markov head)")
+            "'dspark', with a Markov head; or speculators_model_type 'dspark'; also speculators' DFlash, "
+            "speculators_model_type 'dflash', its backbone with a draft vocabulary and no head)")
     # SpecForge's DSpark training reads ``target_last_hidden_states`` (its lm_head gives the
     # teacher logits of the L1/confidence losses: specforge.algorithms.common.dflash_family_data
     # and dflash_family_model); its eval here does not (the target's tokens are known).
@@ -136,20 +156,39 @@ class DSpark:
         return is_dspark_config(raw) and draft_differs_from_dflash(raw)
 
     @classmethod
-    def plan(cls, path: Path, raw: dict, *, layers: list[int], block_size: int) -> Plan:
-        """Planning fields: the backbone's (read as DFlash's by the caller); what the head cannot be
-        scored with (the anchor slot drafting, a draft vocabulary, speculators' layout) is exit 6."""
-        from .dspark_config import head_config
+    def plan(cls, path: Path, raw: dict, *, layers: list[int], block_size: int,
+             target_vocab: int | None = None) -> Plan:
+        """Planning fields: the backbone's (read as DFlash's by the caller, speculators' layout through
+        ``dspark_config.backbone_config``); a draft vocabulary whose d2t map does not fit the target
+        is exit 6 here. With ``sample_from_anchor`` a block drafts B tokens, so the report's block
+        size is B + 1 and the key has ``sample_from_anchor`` (absent otherwise: keys unchanged)."""
+        from .dspark_config import head_config, is_speculators_dflash
 
         cfg = head_config(raw, source=str(path / "config.json"))
-        if cfg.layout != "specforge" or not isinstance(raw.get("dflash_config"), dict):
-            raise BadInputError(f"DSpark drafter {path}: speculators' layout (speculators_model_type 'dspark', "
-                                "no dflash_config) is not scored yet; pass a checkpoint in SpecForge's layout "
-                                "(DSparkDraftModel with dflash_config).")
-        return Plan("dspark", list(layers), int(block_size), final_state=cls.trains_on_final_state,
-                    key_inputs={"family": "dspark"},
-                    summary=f"dspark {cfg.head_type} head rank {cfg.markov_rank}, chain {block_size - 1}, "
-                            f"layers {list(layers)}")
+        vocab = cfg.vocab_size
+        if target_vocab is not None and vocab is not None and vocab != target_vocab:
+            raise BadInputError(f"DSpark drafter {path}: its config says a {vocab}-token vocabulary (vocab_size), "
+                                f"the target has {target_vocab}; pass the drafter trained for this target.")
+        if cfg.reduced_vocab or cfg.layout == "speculators":
+            problem = vocab_map_problem(path, vocab if vocab is not None else target_vocab,
+                                        cfg.draft_vocab_size) if (vocab or target_vocab) else None
+            if problem:
+                raise BadInputError(f"DSpark drafter {path}: {problem}")
+        key_inputs = {"family": "dspark"}
+        drafts = int(block_size) - 1
+        if cfg.sample_from_anchor:
+            key_inputs["sample_from_anchor"] = True
+            drafts = int(block_size)
+        vocab_note = f", draft vocabulary {cfg.draft_vocab_size}" if cfg.reduced_vocab else ""
+        anchor_note = " (anchor slot drafts)" if cfg.sample_from_anchor else ""
+        if is_speculators_dflash(raw):
+            return Plan("dspark", list(layers), drafts + 1, final_state=False, key_inputs=key_inputs, label="dflash",
+                        summary=f"dflash (speculators layout, no head), chain {drafts}{anchor_note}{vocab_note}, "
+                                f"layers {list(layers)}")
+        return Plan("dspark", list(layers), drafts + 1, final_state=cls.trains_on_final_state,
+                    key_inputs=key_inputs,
+                    summary=f"dspark {cfg.head_type} head rank {cfg.markov_rank}, chain {drafts}"
+                            f"{anchor_note}{vocab_note}, layers {list(layers)}")
 
     @staticmethod
     def load(path, device, dtype):
@@ -181,6 +220,9 @@ def describe_config(raw: dict) -> str:
     for k in ("architectures", "model_type", "speculators_model_type"):
         if raw.get(k):
             bits.append(f"{k}={raw[k]!r}")
+    dcfg = raw.get("dflash_config")
+    if isinstance(dcfg, dict) and dcfg.get("projector_type"):
+        bits.append(f"dflash_config.projector_type={dcfg['projector_type']!r}")
     return ", ".join(bits) or f"fields {sorted(raw)[:6]}"
 
 
@@ -198,28 +240,44 @@ def family_of(path: Path, raw: dict):
 def d2t_problem(path: Path, cfg: Eagle3Config) -> str | None:
     """Read only the ``d2t`` tensor (its safetensors bytes: no torch, no numpy, which a cached run
     never imports) and check it maps the draft vocabulary into the target's."""
+    return vocab_map_problem(path, cfg.vocab_size, cfg.draft_vocab_size)
+
+
+def vocab_map_problem(path: Path, vocab_size: int, draft_vocab_size: int) -> str | None:
+    """:func:`d2t_problem` for any family storing EAGLE-3's ``d2t`` (offsets: draft id d is target
+    id ``d + d2t[d]``; SpecForge and speculators both write it so)."""
     from ..models.safetensors_header import read_ints, tensor_index
 
     try:
         index = tensor_index(path)
         info = index.get("d2t") or index.get("model.d2t")
         d2t = read_ints(info) if info is not None else None
+        if not index and (path / "pytorch_model.bin").is_file():
+            d2t = _bin_d2t(path)  # the EAGLE repo's checkpoints: torch is needed to read them at all
     except (OSError, ValueError, KeyError) as e:
         return f"cannot read its d2t tensor ({e}); re-download or re-save the checkpoint."
     if d2t is None:
-        if cfg.draft_vocab_size != cfg.vocab_size:
-            return (f"draft_vocab_size {cfg.draft_vocab_size} != vocab_size {cfg.vocab_size} but no d2t tensor; "
+        if draft_vocab_size != vocab_size:
+            return (f"draft_vocab_size {draft_vocab_size} != vocab_size {vocab_size} but no d2t tensor; "
                     "re-save the checkpoint with its vocab maps.")
         return None
-    if len(d2t) != cfg.draft_vocab_size:
-        return (f"d2t has {len(d2t)} entries, not draft_vocab_size = {cfg.draft_vocab_size}; "
+    if len(d2t) != draft_vocab_size:
+        return (f"d2t has {len(d2t)} entries, not draft_vocab_size = {draft_vocab_size}; "
                 "re-save the checkpoint with its vocab maps.")
     mapped = [i + o for i, o in enumerate(d2t)]
     lo, hi = min(mapped), max(mapped)
-    if lo < 0 or hi >= cfg.vocab_size:
+    if lo < 0 or hi >= vocab_size:
         return (f"d2t maps draft ids to target ids {lo}..{hi}, outside the target vocabulary "
-                f"0..{cfg.vocab_size - 1}; pass the drafter trained for this target.")
+                f"0..{vocab_size - 1}; pass the drafter trained for this target.")
     return None
+
+
+def _bin_d2t(path: Path) -> list[int] | None:
+    from .eagle3 import _weights
+
+    names, read = _weights(path)
+    name = next((n for n in ("d2t", "model.d2t") if n in names), None)
+    return None if name is None else [int(x) for x in read([name])[name].tolist()]
 
 
 def eagle_trees(opts) -> list[list[int]]:

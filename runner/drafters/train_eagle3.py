@@ -17,8 +17,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .dflash import load_target_head
-from .eagle3 import Eagle3Config, Eagle3Drafter, _attend, _expand_kv, init_eagle3_weights, save_eagle3
+from .dflash import init_drafter_weights, load_target_head
+from .eagle3 import Eagle3Config, Eagle3Drafter, _attend, _expand_kv, save_eagle3
 
 DEFAULT_LAYER_IDS = (1, 3, 5)  # the tiny DFlash drafter's: `--example` extracts them once for both
 
@@ -40,7 +40,7 @@ def _loss(d: Eagle3Drafter, head, seq, t2d: torch.Tensor) -> torch.Tensor:
     k, v = _expand_kv(k, groups), _expand_kv(v, groups)
     att = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
     h1 = d.finish(att.transpose(0, 1), res)
-    rows = torch.arange(n)
+    rows = torch.arange(n, device=x.device)  # the bench trains on the GPU: every index beside the tokens
     q2, k2, v2, r2 = d.qkv(d.embed(head, x[2:n + 2]), h1, rows + 1)
     h2 = d.finish(_attend(q2, k, v, rows + 1, [_expand_kv(k2, groups)], [_expand_kv(v2, groups)],
                           1.0 / math.sqrt(c.head_dim)), r2)
@@ -53,6 +53,24 @@ def _loss(d: Eagle3Drafter, head, seq, t2d: torch.Tensor) -> torch.Tensor:
         ce = F.cross_entropy(logits[keep], t2d[tgt][keep]) if keep.any() else logits.sum() * 0
         total = total + (0.8 ** s) * ce
     return total
+
+
+def fit(d: Eagle3Drafter, head, data, t2d: torch.Tensor, *, steps: int, lr: float, gen: torch.Generator,
+        losses: list[float]) -> None:
+    """``steps`` AdamW steps (cosine schedule, gradients clipped to 1) of :func:`_loss` on two
+    sequences of ``data`` a step, picked with ``gen``; each step's loss appended to ``losses`` (kept
+    when a step raises, so a caller can say how far training got)."""
+    opt = torch.optim.AdamW(d.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    for _ in range(steps):
+        picks = torch.randperm(len(data), generator=gen)[:2].tolist()
+        loss = sum(_loss(d, head, data[i], t2d) for i in picks) / len(picks)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        losses.append(float(loss.detach()))
 
 
 def train_tiny_eagle3(target_dir: str | Path, out_dir: str | Path, *, steps: int = 120, seed: int = 0,
@@ -75,21 +93,10 @@ def train_tiny_eagle3(target_dir: str | Path, out_dir: str | Path, *, steps: int
                        head_dim=H // 4, intermediate_size=2 * H, rms_norm_eps=1e-6, rope_theta=10000.0,
                        vocab_size=V, draft_vocab_size=int(ids.shape[0]), target_layer_ids=list(layer_ids))
     with single_thread():
-        d = init_eagle3_weights(Eagle3Drafter(cfg), seed).train()
+        d = init_drafter_weights(Eagle3Drafter(cfg), seed).train()
         d.d2t = ids - torch.arange(ids.shape[0])
-        opt = torch.optim.AdamW(d.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
-        gen = torch.Generator().manual_seed(seed)
-        losses = []
-        for _ in range(steps):
-            picks = torch.randperm(len(data), generator=gen)[:2].tolist()
-            loss = sum(_loss(d, head, data[i], t2d) for i in picks) / len(picks)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(d.parameters(), 1.0)
-            opt.step()
-            sched.step()
-            losses.append(float(loss.detach()))
+        losses: list[float] = []
+        fit(d, head, data, t2d, steps=steps, lr=lr, gen=torch.Generator().manual_seed(seed), losses=losses)
         d.eval()
         save_eagle3(d, out_dir)
     if stats is not None:

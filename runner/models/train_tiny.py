@@ -244,13 +244,13 @@ def build_training_data(target_dir: str | Path, layer_ids: Sequence[int], *, max
 
 def _block_loss(drafter: DFlashDrafter, head, seq: TrainingSequence, anchors: torch.Tensor,
                 gamma: float) -> torch.Tensor:
-    B, T = drafter.block_size, seq.tokens.shape[0]
+    K, T = drafter.num_drafts, seq.tokens.shape[0]
     ctx_kv = drafter.context_kv(seq.features)
-    logits = drafter.block_logits(ctx_kv, anchors, seq.tokens[anchors], head)      # [n, B-1, V]
-    pos = anchors[:, None] + torch.arange(1, B)                                     # labels' positions
+    logits = drafter.block_logits(ctx_kv, anchors, seq.tokens[anchors], head)      # [n, K, V]
+    pos = anchors[:, None] + torch.arange(1, K + 1)                                 # labels' positions
     valid = pos < T
     labels = seq.tokens[pos.clamp(max=T - 1)]
-    weight = torch.exp(-(torch.arange(1, B, dtype=torch.float32) - 1) / gamma)[None, :] * valid
+    weight = torch.exp(-(torch.arange(1, K + 1, dtype=torch.float32) - 1) / gamma)[None, :] * valid
     ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="none")
     return (ce.view_as(weight) * weight).sum() / weight.sum()
 
@@ -270,8 +270,12 @@ def train_tiny_drafter(target_dir: str | Path, out_dir: str | Path, *, steps: in
                        sliding_window: int | None = DEFAULT_SLIDING_WINDOW, max_new_tokens: int = 64,
                        prompt_ids: Sequence[str] | None = None, anchors_per_seq: int = 24, seqs_per_step: int = 2,
                        lr: float = 3e-3, loss_decay_gamma: float = 4.0,
-                       data: list[TrainingSequence] | None = None, stats: list | None = None) -> Path:
+                       data: list[TrainingSequence] | None = None, stats: list | None = None,
+                       first_draft_slot: int = 1) -> Path:
     """Train a tiny drafter on the target's own greedy completions and save it to ``out_dir``.
+
+    ``first_draft_slot`` 0 trains slot 0 (the root's) to draft too, slot k the token k+1 after the
+    root (speculators' ``sample_from_anchor``); the file saved is a DFlash checkpoint either way.
 
     Trains on every built-in prompt except ``HELDOUT_PROMPT_IDS`` unless ``prompt_ids`` says
     otherwise. ``data`` reuses sequences from :func:`build_training_data`. If ``stats`` is a list,
@@ -289,6 +293,7 @@ def train_tiny_drafter(target_dir: str | Path, out_dir: str | Path, *, steps: in
     if not data:
         raise ValueError("no training sequence has a completion of 2+ tokens")
     drafter = init_drafter_weights(DFlashDrafter(cfg), seed).train()
+    drafter.first_draft_slot = first_draft_slot
     opt = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     warm = max(1, steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(

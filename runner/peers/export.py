@@ -1,6 +1,7 @@
 """`dfcache export`: a selection's stored states in SpecForge's or speculators' on-disk layout.
 
-Layouts (read from the peers' own code; docs/peers.md has the sources):
+Layouts (read from the peers' own code; docs/cli.md, "Training data: export to SpecForge and
+speculators", has the sources):
 
 * ``specforge`` (SpecForge ``scripts/prepare_hidden_states.py`` with the DFlash capture layout,
   read by ``specforge.runtime.data_plane.feature_store.load_feature_file`` and normalized by

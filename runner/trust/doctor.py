@@ -166,6 +166,16 @@ def run_doctor(target: str, drafter: str, *, target_revision: str | None = None,
     if fam is Eagle3:
         _check_eagle3(rep, ddir, dcfg, tcfg, tcfg_all, depth, hidden, d_tensors)
         return _completions_checks(rep, store, completions_from, tdir)
+    raw = dcfg
+    if fam is DSpark:  # speculators' layout: its backbone's fields read as SpecForge's
+        from ..drafters.dspark_config import backbone_config
+
+        try:
+            dcfg = backbone_config(raw, source=str(ddir / "config.json"))
+        except BadInputError as e:
+            rep.add("dspark backbone", "error", str(e), "pass a DSpark checkpoint dfcache scores")
+            return rep
+        dflash = dcfg.get("dflash_config") if isinstance(dcfg.get("dflash_config"), dict) else {}
 
     ids = _check_layers(rep, dval("target_layer_ids"), depth, dcfg)
     _check_widths(rep, dcfg, hidden, ids, d_tensors)
@@ -176,7 +186,7 @@ def run_doctor(target: str, drafter: str, *, target_revision: str | None = None,
     _check_rope(rep, dcfg, tcfg)
     _check_embedding_scale(rep, model_type, tcfg, hidden, float(dval("input_embedding_scale", 1.0) or 1.0))
     if fam is DSpark:  # the DFlash backbone checked above; its Markov head here
-        _check_dspark(rep, ddir, dcfg, vocab_rows, d_tensors)
+        _check_dspark(rep, ddir, raw, vocab_rows, d_tensors)
     return _completions_checks(rep, store, completions_from, tdir)
 
 
@@ -185,16 +195,26 @@ def _check_dspark(rep: DoctorReport, ddir: Path, dcfg: dict, vocab: int | None, 
     shapes the config and the target's vocabulary give (headers only)."""
     from ..drafters.dspark_config import head_config
 
+    from ..drafters.dspark_config import backbone_config
+    from ..drafters.family import vocab_map_problem
+
     try:
         cfg = head_config(dcfg, source=str(ddir / "config.json"))
-        if cfg.layout != "specforge":
-            raise BadInputError("speculators' layout (no dflash_config) is not scored yet")
     except BadInputError as e:
-        rep.add("dspark head", "error", str(e), "pass a DSpark checkpoint in SpecForge's layout with "
-                "sample_from_anchor false and the full vocabulary")
+        rep.add("dspark head", "error", str(e), "pass a DSpark checkpoint of SpecForge 0.2 or speculators 0.9")
         return
-    rank, hidden = cfg.markov_rank, dcfg.get("hidden_size")
-    want = {"markov_w1.weight": (vocab, rank), "markov_w2.weight": (vocab, rank)}
+    problem = None
+    if vocab is not None and cfg.vocab_size is not None and cfg.vocab_size != vocab:
+        problem = f"vocab_size {cfg.vocab_size} but the target has {vocab} rows"
+    elif vocab is not None:
+        problem = vocab_map_problem(ddir, vocab, cfg.draft_vocab_size or vocab)
+    if problem:
+        rep.add("dspark vocabulary", "error", problem, "pass the drafter trained for this target")
+        return
+    rank, hidden = cfg.markov_rank, backbone_config(dcfg).get("hidden_size")
+    draft = cfg.draft_vocab_size if cfg.reduced_vocab else vocab
+    # w1 is indexed by the previous token's target id, w2 gives draft-vocabulary logits
+    want = {"markov_w1.weight": (vocab, rank), "markov_w2.weight": (draft, rank)}
     if cfg.head_type == "gated" and isinstance(hidden, int):
         want["gate_proj.weight"] = (rank, hidden + rank)
     elif cfg.head_type == "rnn" and isinstance(hidden, int):
@@ -209,6 +229,8 @@ def _check_dspark(rep: DoctorReport, ddir: Path, dcfg: dict, vocab: int | None, 
                 "re-save the checkpoint with its Markov head, for this target's vocabulary")
         return
     rep.add("dspark head", "info", f"{cfg.head_type} Markov head of rank {rank} ({cfg.layout} layout)"
+            + (", the anchor slot drafts too (sample_from_anchor)" if cfg.sample_from_anchor else "")
+            + (f", a draft vocabulary of {cfg.draft_vocab_size} (d2t)" if cfg.reduced_vocab else "")
             + (", a confidence head (changes no draft)" if cfg.confidence else "")
             + "; evaluated as a chain (DDTree budgets are DFlash's)")
 

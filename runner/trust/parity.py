@@ -65,7 +65,8 @@ def reference_draft(drafter, head, ctx_features, block_ids, start: int):
     """One draft call as ``DFlashDraftModel.forward`` does it: keys/values = cat(context, block).
 
     RoPE at absolute positions 0..start+B-1, no mask on full-attention layers, causal + window on
-    sliding layers (or as ``is_causal`` says). Returns draft logits [B-1, V] for slots 1..B-1.
+    sliding layers (or as ``is_causal`` says). Returns draft logits [B-1, V] for slots 1..B-1 (slots
+    ``drafter.first_draft_slot``..B-1 and the drafter's draft vocabulary where it has them: DSpark).
     """
     import torch
     import torch.nn.functional as F
@@ -81,8 +82,11 @@ def reference_draft(drafter, head, ctx_features, block_ids, start: int):
         h = h * cfg.input_embedding_scale
     pos = torch.arange(start + B, device=dev)
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, device=dev).float() / hd))
+    scale = 1.0
+    if getattr(cfg, "rope_scaling", None) is not None:  # llama3 / yarn / linear: the drafter's own table
+        inv_freq, scale = drafter.rope.inv_freq.to(dev), drafter.rope.attention_factor
     ang = pos[:, None].float() * inv_freq
-    cos, sin = torch.cat([ang, ang], -1).cos().to(dt), torch.cat([ang, ang], -1).sin().to(dt)
+    cos, sin = (torch.cat([ang, ang], -1).cos() * scale).to(dt), (torch.cat([ang, ang], -1).sin() * scale).to(dt)
     for i, layer in enumerate(drafter.layers):
         a = layer.self_attn
         x = layer.input_layernorm(h)
@@ -108,7 +112,9 @@ def reference_draft(drafter, head, ctx_features, block_ids, start: int):
         h = h + a.o_proj(o[0].transpose(0, 1).reshape(B, -1).to(dt))
         y = layer.post_attention_layernorm(h)
         h = h + layer.mlp.down_proj(F.silu(layer.mlp.gate_proj(y)) * layer.mlp.up_proj(y))
-    logits = (drafter.norm(h[1:]) @ head.lm_head.to(dt).T).float()
+    first = getattr(drafter, "first_draft_slot", 1)  # 0: DSpark's anchor slot drafts too
+    lm = drafter.draft_lm_weight(head) if hasattr(drafter, "draft_lm_weight") else head.lm_head
+    logits = (drafter.norm(h[first:]) @ lm.to(dt).T).float()
     if cfg.output_multiplier != 1.0:
         logits = logits * cfg.output_multiplier
     if cfg.final_logit_softcapping:
@@ -321,12 +327,17 @@ def _completion(out, P: int, start: int, max_length: int, stop_ids) -> list[int]
 def _prefill(verifier: _Verifier, drafter, prompt: list[int], max_new_tokens: int):
     """The target's pass over the prompt both decoders start with: (out, P, max_length, feats),
     ``out`` the prompt, the committed prefill token, then MASK up to a last full block."""
-    B, mask_id = drafter.block_size, drafter.mask_token_id
+    B, mask_id = _verify_len(drafter), drafter.mask_token_id
     P = len(prompt)
     out = list(prompt) + [mask_id] * (max_new_tokens + B)
     rows = verifier.prefill(list(prompt))
     out[P] = int(rows.post[-1])  # prefill token: committed, not a block
     return out, P, P + max_new_tokens, rows.feats
+
+
+def _verify_len(drafter) -> int:
+    """Tokens a block's verify forward takes: the root then its drafts."""
+    return getattr(drafter, "num_drafts", drafter.block_size - 1) + 1
 
 
 def _chain_loop(model, drafter, prompt: list[int], max_new_tokens: int, stop_ids, draft, *, rebind, loop: str,
@@ -339,7 +350,7 @@ def _chain_loop(model, drafter, prompt: list[int], max_new_tokens: int, stop_ids
 
     from ..stages.drafter_eval.metrics import chain_accept
 
-    B = drafter.block_size
+    B = _verify_len(drafter)  # the root and its drafts: the block size, + 1 where slot 0 drafts
     verifier = make_verifier(loop, model, drafter.target_layer_ids, B, rebind)
     with torch.no_grad():
         out, P, max_length, ctx = _prefill(verifier, drafter, prompt, max_new_tokens)
@@ -396,9 +407,12 @@ def online_dspark(model, drafter, head, prompt: list[int], max_new_tokens: int, 
     from ..drafters.dspark import greedy_chain
 
     def draft(ctx, block, start):
-        base = reference_draft(drafter, head, ctx, torch.tensor(block), start)
-        hidden = drafter.norm.last                                   # norm(h[1:]), recorded
-        toks, _ = greedy_chain(drafter.markov, base[None].float(), torch.tensor([block[0]]), hidden[None].float())
+        # the drafter's input is [root, MASK x (B-1)] whether or not slot 0 drafts (then the block
+        # verified is one token longer: B drafts)
+        base = reference_draft(drafter, head, ctx, torch.tensor(block[:drafter.block_size]), start)
+        hidden = drafter.norm.last                                   # norm(h[first:]), recorded
+        toks, _ = greedy_chain(drafter.markov, base[None].float(), torch.tensor([block[0]]), hidden[None].float(),
+                               drafter.d2t)
         return toks[0].tolist()
 
     return _chain_loop(model, drafter, prompt, max_new_tokens, stop_ids, draft, rebind=rebind, loop=loop,
@@ -477,21 +491,7 @@ def online_eagle_tree(model, drafter, head, prompt: list[int], max_new_tokens: i
             children: dict[int, dict[int, int]] = {}
             for i, (tok, parent) in enumerate(zip(t.tokens, t.parents)):
                 children.setdefault(parent, {}).setdefault(tok, i)
-            path, node, feats = [out[start]], -1, []
-            while True:
-                rows = verifier.verify(path[-1:])
-                verifier.accept(path[-1:])
-                feats.append(rows.feats)
-                nxt = int(rows.post[-1])
-                child = children.get(node, {}).get(nxt)
-                if child is None:
-                    break
-                node = child
-                path.append(nxt)
-            acc = len(path) - 1
-            out[start:start + acc + 1] = path
-            out[start + acc + 1] = nxt
-            ctx = torch.cat([ctx] + [f.to(ctx.device) for f in feats])
+            ctx, acc = _follow_tree(verifier, out, start, ctx, -1, lambda node, tok: children.get(node, {}).get(tok))
             blocks.append((start, acc + 1))
             start += acc + 1
             if _stopped(out, P, start, stop_ids):
@@ -553,26 +553,36 @@ def online_ddtree(model, drafter, head, prompt: list[int], max_new_tokens: int, 
             logits = reference_draft(drafter, head, ctx, torch.tensor(out[start:start + B]), start)
             lp, ids = topk_log_probs(logits, budget)
             tree = build_ddtree(lp, ids, budget, vocab_size=logits.shape[-1])
-            path, node, feats = [out[start]], 0, []
-            while True:
-                rows = verifier.verify(path[-1:])
-                verifier.accept(path[-1:])
-                feats.append(rows.feats)
-                nxt = int(rows.post[-1])
-                child = tree.child_maps[node].get(nxt)
-                if child is None:
-                    break
-                node = child
-                path.append(nxt)
-            acc = len(path) - 1
-            out[start:start + acc + 1] = path
-            out[start + acc + 1] = nxt
-            ctx = torch.cat([ctx] + [f.to(ctx.device) for f in feats])
+            ctx, acc = _follow_tree(verifier, out, start, ctx, 0, lambda node, tok: tree.child_maps[node].get(tok))
             blocks.append((start, acc + 1))
             start += acc + 1
             if _stopped(out, P, start, stop_ids):
                 break
     return _completion(out, P, start, max_length, stop_ids), blocks
+
+
+def _follow_tree(verifier, out: list[int], start: int, ctx, root: int, child):
+    """Follow the target's greedy path down a drafted tree from ``out[start]``, one cached token a
+    forward (``child(node, token)``: the node reached, or None), as a serving engine's recurrent
+    kernel follows the parent pointers: the path and the target's next token go into ``out``, the
+    verified rows' features onto ``ctx``. Returns (ctx, tokens accepted)."""
+    import torch
+
+    path, node, feats = [out[start]], root, []
+    while True:
+        rows = verifier.verify(path[-1:])
+        verifier.accept(path[-1:])
+        feats.append(rows.feats)
+        nxt = int(rows.post[-1])
+        reached = child(node, nxt)
+        if reached is None:
+            break
+        node = reached
+        path.append(nxt)
+    acc = len(path) - 1
+    out[start:start + acc + 1] = path
+    out[start + acc + 1] = nxt
+    return torch.cat([ctx] + [f.to(ctx.device) for f in feats]), acc
 
 
 def parting_row_check(model, drafter, prompt: list[int], completion: list[int], blocks: list[OnlineBlock],

@@ -27,6 +27,9 @@ from dfcache.keys import compute_key
 from dfcache.samples import Partition, SampleArray, SampleSet, SegmentWriter
 from dfcache.store import open_store
 
+# `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("forked_cli")
+
 ROWS, COLS, CHUNK = 256, 32, 64  # four chunks of 64 rows, every chunk file the same size
 TORCH = {"kernel": "torch", "device": "cpu", "dtype": "float32", "attn_implementation": "sdpa"}
 

@@ -226,6 +226,35 @@ def test_sigkill_resumable_writers_mid_checkpoint_then_resume(zygote, fast_tmp, 
     assert len(resumed_rows) >= (2 * trials) // 3, "too few reruns actually resumed"
 
 
+def test_sigkill_inside_a_parallel_append_then_resume(zygote, fast_tmp):
+    """DFCACHE_WRITE_THREADS=4: a kill while four threads stage the chunk files of one append
+    (16 chunks) loses that append only; the rerun resumes at the last checkpoint exactly and
+    commits the spec's bytes."""
+    rng = random.Random(36)
+    store = fast_tmp / "store"
+    open_store(store)
+    env = {"DFCACHE_WRITE_THREADS": "4"}
+    for t in range(3):
+        spec = {"i": 20_000 + t, "rows": 2048, "cols": 64, "chunk_rows": 32, "steps": [512] * 4,
+                "dtype": "bfloat16", "codec": "none", "slow": 0.0}
+        after = rng.choice([512, 1024])
+        # a put and a rename per chunk file: operations 2..30 after the checkpoint are inside the append
+        pause = {"after": f"k {after}", "op": rng.randint(2, 30)}
+        child = zygote.spawn("children:resumable_job", store, json.dumps(spec), json.dumps(pause), env=env,
+                             name=f"par{t}")
+        assert kill_when_frozen(child)
+        child.wait(60)
+        where = f"parallel trial {t} (pause {pause}): {child.out}"
+        assert markers(child.out)[-1] == ["k", str(after)], where
+        z = child.out.splitlines()[-1]
+        assert " put x/c/" in z or z.endswith(" replace 0"), where  # frozen at a chunk file's put or rename
+        assert not open_store(store).has(key_of(spec)), where
+        rerun = zygote.run("children:resumable_job", store, json.dumps(spec), env=env, name=f"parre{t}")
+        assert rerun.code == 0, f"{where}: {rerun.err}"
+        assert next(m for m in markers(rerun.out) if m[0] == "R") == ["R", str(after), "1"], (where, rerun.out)
+        assert check_artifact(open_store(store), spec) == [], where
+
+
 def test_gc_killed_while_removing_resumable_progress(zygote, tmp_path, stress):
     """`gc --yes` SIGKILLed half-way through deleting a crashed writer's resumable progress must
     not leave progress that a later writer trusts but whose chunks are gone."""

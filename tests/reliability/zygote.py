@@ -164,6 +164,7 @@ class Zygote:
         # ``env`` is the whole environment (it may leave out variables of ours, such as CI's
         # HF_HUB_OFFLINE=1); each spawn can still add or remove variables.
         full_env = {**(dict(env) if env is not None else dict(os.environ)), "PYTHONPATH": pythonpath}
+        self.env = full_env  # what each child starts from (a spawn's env and unset change it)
         self.proc = subprocess.Popen([sys.executable, str(Path(__file__)), *preload], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=open(self.workdir / "zygote.err", "ab"),
                                      text=True, env=full_env, cwd=str(self.workdir))

@@ -5,30 +5,34 @@ Key recipe (per sample; ``KEY`` below, ``build()`` makes its nodes through it)::
     partition = compute_key('drafter_eval', 4, inputs, upstream)
     sample    = sample_key(partition, tokens sample key)
     inputs:
-        drafter           fingerprint of the checkpoint directory (config + weights)
-        target_head       fingerprint of the target (its embeddings and lm_head are used)
-        block_size        from the drafter's config
-        target_layer_ids  from the drafter's config
-        mask_token_id     from the drafter's config (only some runs have it)
-        tree_budgets      sorted unique --tree-budget values
-        max_blocks        --max-blocks, or null
-        end_rule          within (continuation is refused)
-        dtype             compute dtype of the drafter
-        device            cpu | cuda, where the eval runs (--eval-device; not the states' device)
-        family            the drafter family when not DFlash (eagle3, dspark), from its config.json
-                          (only some runs have it)
-        draft_depth       EAGLE-3: drafts per root of the chain (--eagle-steps, else the
-                          checkpoint's, else 5) (only some runs have it)
-        eagle_trees       EAGLE-3: sorted unique --eagle-tree [topk, steps, draft tokens] (only some
-                          runs have it)
+        drafter             fingerprint of the checkpoint directory (config + weights)
+        target_head         fingerprint of the target (its embeddings and lm_head are used)
+        block_size          from the drafter's config
+        target_layer_ids    from the drafter's config
+        mask_token_id       from the drafter's config (only some runs have it)
+        tree_budgets        sorted unique --tree-budget values
+        max_blocks          --max-blocks, or null
+        end_rule            within (continuation is refused)
+        dtype               compute dtype of the drafter
+        device              cpu | cuda, where the eval runs (--eval-device; not the states' device)
+        family              the drafter family when not DFlash (eagle3, dspark), from its
+                            config.json (only some runs have it)
+        draft_depth         EAGLE-3: drafts per root of the chain (--eagle-steps, else the
+                            checkpoint's, else 5) (only some runs have it)
+        eagle_trees         EAGLE-3: sorted unique --eagle-tree [topk, steps, draft tokens] (only
+                            some runs have it)
+        sample_from_anchor  DSpark: true where the anchor slot drafts too (B drafts per block;
+                            speculators' default) (only some runs have it)
     upstream:
-        sample            the tokens partition
-        hidden_states     hidden-state partitions in the drafter's target_layer_ids order
+        sample              the tokens partition
+        hidden_states       hidden-state partitions in the drafter's target_layer_ids order
 
 Families (runner/drafters/family.py): a DFlash drafter's inputs are those above without the
 EAGLE-3 ones, exactly as before families existed; an EAGLE-3 drafter has no mask_token_id and
 no DDTree budgets (it drafts its own tree: ``eagle_trees``), and ``block_size`` is its chain
-depth + 1. A DSpark drafter has DFlash's inputs (its backbone's) plus ``family``, and no DDTree
+depth + 1. A DSpark drafter has DFlash's inputs (its backbone's) plus ``family`` (and
+``sample_from_anchor`` where its anchor slot drafts too: then ``block_size`` is B + 1, drafts + 1,
+as the report counts it), and no DDTree
 budgets (``tree_budgets`` [], with a note: its Markov head drafts a chain; DDTree over its
 per-slot marginals is not the peers' decoding).
 
@@ -81,9 +85,10 @@ KEY = KeyRecipe("drafter_eval", 4, inputs={
     "family": "the drafter family when not DFlash (eagle3, dspark), from its config.json",
     "draft_depth": "EAGLE-3: drafts per root of the chain (--eagle-steps, else the checkpoint's, else 5)",
     "eagle_trees": "EAGLE-3: sorted unique --eagle-tree [topk, steps, draft tokens]",
+    "sample_from_anchor": "DSpark: true where the anchor slot drafts too (B drafts per block; speculators' default)",
 }, upstream={"sample": "the tokens partition",
              "hidden_states": "hidden-state partitions in the drafter's target_layer_ids order"},
-   optional=frozenset({"mask_token_id", "family", "draft_depth", "eagle_trees"}),
+   optional=frozenset({"mask_token_id", "family", "draft_depth", "eagle_trees", "sample_from_anchor"}),
    sample="tokens sample key")
 NAME = KEY.stage
 VERSION = KEY.version
@@ -123,7 +128,8 @@ def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
                                  "directory (config.json + *.safetensors) with --drafter.")
     if not cfg_path.is_file():
         raise BadInputError(f"drafter {path_str} has no config.json; pass a DFlash checkpoint directory.")
-    if not any(path.glob("*.safetensors")):
+    bin_only = not any(path.glob("*.safetensors"))
+    if bin_only and not (path / "pytorch_model.bin").is_file():
         raise BadInputError(f"drafter {path_str} has no *.safetensors weights; pass a complete checkpoint.")
     from ...models.resolve import check_weight_files
 
@@ -139,6 +145,9 @@ def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
     from ...drafters.family import DSpark, Eagle3, family_of
 
     family = family_of(path, cfg)
+    if bin_only and family is not Eagle3:  # pytorch_model.bin: the EAGLE repo's EAGLE-3 checkpoints only
+        raise BadInputError(f"drafter {path_str} has no *.safetensors weights (a pytorch_model.bin is read for "
+                            "EAGLE-3 checkpoints only); pass a complete checkpoint.")
     if family is Eagle3:
         info = target_info() if target_info is not None else None
         plan = Eagle3.plan(path, cfg, num_target_layers=info.num_layers if info else None,
@@ -147,10 +156,15 @@ def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
         return DrafterRef(path=path, name=path.name, fingerprint=fingerprint_path(path), block_size=plan.block_size,
                           target_layer_ids=plan.layers, mask_token_id=None, trained_on=trained_on,
                           hidden_size=None, family="eagle3", plan=plan)
+    raw = cfg
+    if family is DSpark:  # speculators' layout read as SpecForge's (its backbone is DFlash's)
+        from ...drafters.dspark_config import backbone_config
+
+        cfg = backbone_config(cfg, source=str(cfg_path))
     dcfg = cfg.get("dflash_config") or {}
     if not isinstance(dcfg, dict):
         raise BadInputError(f"{cfg_path}: dflash_config must be an object.")
-    ids = dcfg.get("target_layer_ids")
+    ids = dcfg.get("target_layer_ids", cfg.get("target_layer_ids"))  # top level: DFlashConfig's precedence
     if int_list(ids) is None:
         raise BadInputError(f"{cfg_path}: dflash_config.target_layer_ids is missing or not a list of "
                             "integers; the drafter's tap layers must come from its checkpoint (guessing "
@@ -169,8 +183,11 @@ def read_drafter(path_str: str, trained_on: str | None = None, target_info=None,
                      trained_on_declared=declared if declared in ("fla", "torch") else None,
                      hidden_size=cfg.get("hidden_size") if isinstance(cfg.get("hidden_size"), int) else None)
     if family is DSpark:  # the DFlash backbone's fields above, plus its head (checked here)
-        ref.plan = DSpark.plan(path, cfg, layers=ref.target_layer_ids, block_size=block_size)
+        info = target_info() if target_info is not None else None
+        ref.plan = DSpark.plan(path, raw, layers=ref.target_layer_ids, block_size=block_size,
+                               target_vocab=info.vocab_size if info else None)
         ref.family = "dspark"
+        ref.block_size = ref.plan.block_size  # drafts + 1: B + 1 where the anchor slot drafts too
     return ref
 
 
@@ -503,6 +520,7 @@ def read_summary(store, node: Node, docs: list[dict] | None = None) -> dict:
                     "hidden_states_backend": hs_backend, "trained_on": ref.trained_on,
                     "trained_on_declared": ref.trained_on_declared,
                     "backend_mismatch": bool(ref.trained_on and ref.trained_on != hs_backend["kernel"]),
-                    "block_size": ref.block_size, "tree_budgets": budgets, "family": ref.family,
+                    "block_size": ref.block_size, "tree_budgets": budgets,
+                    "family": getattr(ref.plan, "label", "") or ref.family,
                     "max_blocks": node.inputs["max_blocks"]})
     return summary

@@ -56,7 +56,8 @@ from dfcache.fp8 import quantize_torch, stored_width
 
 WINDOW_BATCHES = 2  # window size in units of batch_tokens
 NUM_BUFFERS = 2  # window buffers: one being filled, one being written
-WRITER_THREADS = 8  # most layers encoded and written at once (one thread each)
+WRITER_THREADS = 8  # most layers encoded and written at once (one thread each; each layer's append
+# then writes its chunk files on $DFCACHE_WRITE_THREADS threads: dfcache.store._pools.write_threads)
 
 
 @dataclass
