@@ -835,7 +835,8 @@ class DFlashDrafter(nn.Module):
         lse_i = lse_items[:, item_of].permute(1, 2, 0, 3)                          # [n, B, kvh, g]
         lse = torch.logaddexp(lse_i, lse_w)
         out = qf.new_empty((n, B, kvh, g, hd))
-        torch.mul(o_items[:, item_of].permute(1, 2, 0, 3, 4), (lse_i - lse).exp_()[..., None], out=out)
+        # gathered in out's layout ([n, B, kvh, g, hd]), so the product walks both alike
+        torch.mul(o_items.permute(1, 0, 2, 3)[item_of], (lse_i - lse).exp_()[..., None], out=out)
         out.addcmul_(o_w, (lse_w - lse).exp_()[..., None])
         return out.view(n, B, kvh * g * hd).to(q.dtype)
 
