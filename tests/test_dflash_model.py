@@ -177,6 +177,23 @@ def test_rope_written_into_a_strided_buffer_is_rope_bit_for_bit():
     assert torch.equal(out, Rope.apply(shared.expand_as(x), cos[:, :, None], sin[:, :, None]))
 
 
+def test_rmsnorm_in_inference_is_the_autograd_bits():
+    # without autograd the weight is multiplied in place into the normalised buffer: same products
+    from runner.drafters.dflash import RMSNorm
+
+    gen = torch.Generator().manual_seed(4)
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = RMSNorm(32, 1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(32, generator=gen))
+        x = (torch.randn(7, 5, 3, 32, generator=gen) * 4).to(dtype)
+        with torch.enable_grad():
+            want = norm(x)
+        with torch.inference_mode():
+            assert torch.equal(norm(x), want)
+            assert torch.equal(norm(x[:, 1:]), want[:, 1:])            # a strided view too
+
+
 def test_output_multiplier_softcap_and_embedding_scale():
     plain, head = _drafter(), _head()
     feats, toks = _inputs(plain)

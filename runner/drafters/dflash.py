@@ -364,6 +364,9 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if dtype == self.weight.dtype and not torch.is_grad_enabled():
+            # the weight multiplied in place: the same products (w * x is x * w), one buffer fewer
+            return xf.to(dtype).mul_(self.weight)
         return self.weight * xf.to(dtype)
 
 
@@ -374,13 +377,16 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def _rope_into(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``Rope.apply(x, cos, sin)`` written into ``out`` (any strides; ``x``, ``cos`` and ``sin``
-    broadcast to it), by halves: no rotated copy of ``x``, and the rows land in the layout the
-    attention call reads. The same bits: x1*c - x2*s is x1*c + (-x2)*s exactly."""
+    broadcast to it): no rotated copy of a broadcast ``x``, and the rows land in the layout the
+    attention call reads. The same bits as ``Rope.apply``: each product is rounded, then the sum
+    (x1*c - x2*s is x1*c + (-x2)*s exactly). Full-width operators, the products of the rotated
+    half in a buffer of ``out``'s layout: half-width ones walked 16-float rows of a permuted
+    output (the score_roots rope took 5.2 ms of 116, one thread, 2-core EPYC VM; 2.3x less for
+    the first layer's MASK rows in a micro-benchmark)."""
     h = x.shape[-1] // 2
-    x1, x2, o1, o2 = x[..., :h], x[..., h:], out[..., :h], out[..., h:]
-    torch.mul(x1, cos[..., :h], out=o1).sub_(x2 * sin[..., :h])
-    torch.mul(x2, cos[..., h:], out=o2).add_(x1 * sin[..., h:])
-    return out
+    t = torch.empty_like(out)
+    torch.mul(torch.cat((-x[..., h:], x[..., :h]), dim=-1), sin, out=t)
+    return torch.mul(x, cos, out=out).add_(t)
 
 
 class Rope:
@@ -772,6 +778,11 @@ class DFlashDrafter(nn.Module):
         o_items = qf.new_zeros((kvh, N, g, hd))
         lse_items = qf.new_full((kvh, N, g), _NEG_INF)                             # no context: weight 0
         cs = c_sorted.tolist()
+        # Every item's context mask (t < its context length), rows (item, query head), built at
+        # once: a group's mask is a slice of it (the same values; the flash kernel reads a view).
+        cmax = max(cs[-1], 1)
+        table = torch.zeros((N, g, cmax), dtype=torch.float32, device=dev).masked_fill_(
+            (torch.arange(cmax, device=dev)[None, :] >= c_sorted[:, None])[:, None], _NEG_INF)
         start = next((i for i, c in enumerate(cs) if c > 0), N)
         while start < N:
             # A group wastes (largest - own) context scores per row; for short contexts a call's
@@ -781,11 +792,10 @@ class DFlashDrafter(nn.Module):
             while stop < N and stop - start < 256 and cs[stop] - lo <= max(32, lo // 16):
                 stop += 1
             m, tg = stop - start, cs[stop - 1]
-            allowed = torch.arange(tg, device=dev)[None, :] < c_sorted[start:stop, None]  # [m, tg]
-            mask = None if bool(allowed.all()) else torch.zeros(
-                (m, g, tg), dtype=torch.float32, device=dev).masked_fill_(~allowed[:, None], _NEG_INF)
+            # items are sorted: every key is allowed when the smallest context is the largest
+            mask = None if lo == tg else table[start:stop, :, :tg].view(1, 1, m * g, tg)
             o, lse = flash(q_items[:, start:stop].reshape(1, kvh, m * g, hd), kc[None, :, :tg], vc[None, :, :tg],
-                           attn_mask=None if mask is None else mask.view(1, 1, m * g, tg))
+                           attn_mask=mask)
             o_items[:, start:stop] = o.view(kvh, m, g, hd)
             lse_items[:, start:stop] = lse.view(kvh, m, g)
             start = stop
@@ -805,20 +815,28 @@ class DFlashDrafter(nn.Module):
         vw[:, :, :B] = vc.index_select(1, at).view(kvh, n, B, hd).transpose(0, 1)
         kw[:, :, B:] = k_blk
         vw[:, :, B:] = v_blk
-        see_win = (offs[None, None, :] > offs[None, :, None]) & (offs[None, :, None] > 0) \
-            & (win[:, None, :] >= 0)                                               # [n, B, B]
+        see_win = (offs[None, None, :] > offs[None, :, None]) & (offs[None, :, None] > 0)   # [1, B, B]
         see_blk = torch.ones(B, B, dtype=torch.bool, device=dev)
         if layer.is_causal:
             see_blk = offs[None, :] <= offs[:, None]
-        allowed = torch.cat([see_win, see_blk.expand(n, B, B)], dim=-1)            # [n, B, 2B]
-        mask = torch.zeros((n, g, B, 2 * B), dtype=torch.float32, device=dev).masked_fill_(~allowed[:, None], _NEG_INF)
-        o_w, lse_w = flash(qf, kw, vw, attn_mask=mask.view(n, 1, g * B, 2 * B))
+        if int(roots[0]) >= B:
+            # every window position exists: one [g*B, 2B] mask for all blocks, broadcast over
+            # them by the kernel (the same values as n copies of it)
+            allowed = torch.cat([see_win[0], see_blk], dim=-1)                     # [B, 2B]
+            mask = torch.zeros((g, B, 2 * B), dtype=torch.float32, device=dev).masked_fill_(
+                ~allowed[None], _NEG_INF).view(1, 1, g * B, 2 * B)
+        else:
+            allowed = torch.cat([see_win & (win[:, None, :] >= 0), see_blk.expand(n, B, B)], dim=-1)  # [n, B, 2B]
+            mask = torch.zeros((n, g, B, 2 * B), dtype=torch.float32, device=dev).masked_fill_(
+                ~allowed[:, None], _NEG_INF).view(n, 1, g * B, 2 * B)
+        o_w, lse_w = flash(qf, kw, vw, attn_mask=mask)
         o_w = o_w.view(n, kvh, g, B, hd).permute(0, 3, 1, 2, 4)                    # [n, B, kvh, g, hd]
         lse_w = lse_w.view(n, kvh, g, B).permute(0, 3, 1, 2)                       # [n, B, kvh, g]
         lse_i = lse_items[:, item_of].permute(1, 2, 0, 3)                          # [n, B, kvh, g]
         lse = torch.logaddexp(lse_i, lse_w)
         out = qf.new_empty((n, B, kvh, g, hd))
-        torch.mul(o_items[:, item_of].permute(1, 2, 0, 3, 4), (lse_i - lse).exp_()[..., None], out=out)
+        # gathered in out's layout ([n, B, kvh, g, hd]), so the product walks both alike
+        torch.mul(o_items.permute(1, 0, 2, 3)[item_of], (lse_i - lse).exp_()[..., None], out=out)
         out.addcmul_(o_w, (lse_w - lse).exp_()[..., None])
         return out.view(n, B, kvh * g * hd).to(q.dtype)
 
@@ -867,8 +885,13 @@ class DFlashDrafter(nn.Module):
                 # (unless it drafts: first_draft_slot 0).
                 s = self.first_draft_slot
                 h, attn = h[:, s:], attn[:, s:]
-            h = h + layer.self_attn.o_proj(attn)
-            h = h + layer.mlp_forward(layer.post_attention_layernorm(h))
+            if torch.is_grad_enabled():
+                h = h + layer.self_attn.o_proj(attn)
+                h = h + layer.mlp_forward(layer.post_attention_layernorm(h))
+            else:
+                # the residual added into the fresh product (h + a is a + h): no new buffer
+                h = layer.self_attn.o_proj(attn).add_(h)
+                h = layer.mlp_forward(layer.post_attention_layernorm(h)).add_(h)
         unsorted = bool((order[1:] < order[:-1]).any()) if order.numel() > 1 else False
         hidden = h if last >= 0 else h[:, self.first_draft_slot:]
         if unsorted:
@@ -971,38 +994,53 @@ def _block_attention_split(q, k_ctx, v_ctx, k_blk, v_blk, roots, groups, *, caus
             ~allowed.repeat(g, 1), _NEG_INF)[None, None]
     o_blk, lse_blk = flash(qf, k_blk.float(), v_blk.float(), attn_mask=masks[bkey])
 
-    # Each group's two partial outputs are merged as soon as its context call returns, while they
-    # are in the cache, into the rows o_proj reads ([n, B, kvh, g, hd]): no full-size context
-    # buffer, no permuting copy at the end.
     out = qf.new_empty((n, B, kvh, g, hd))
     merged = out.permute(0, 2, 3, 1, 4)                                   # [n, kvh, g, B, hd]
     kc, vc = k_ctx.float(), v_ctx.float()
+    rl = roots.tolist()
+    # Each group's two partial outputs are merged as soon as its context call returns, while they
+    # are in the cache, into the rows o_proj reads ([n, B, kvh, g, hd]): no full-size context
+    # buffer, no permuting copy at the end. (Merging every group at once after the loop moves
+    # bits: the elementwise kernels take other vector/scalar tails when m*kvh*g*B is not a
+    # multiple of the vector width.)
+    table = None
+    if window is None:
+        # Full attention: a row's context mask is t < its root, so one [n, largest root] table
+        # serves every group of the pass and every layer (a group's mask is a slice of it, a
+        # view: the same values the flash kernel reads), and the checks are on Python ints, not
+        # a few small operators and a sync per group (a pass of 128 roots has ~25 groups).
+        # Every root of a group with context is > 0 (_ctx_groups: root 0 is a group of its
+        # own), so no row has all its keys masked.
+        if ("ctx_table",) not in masks:
+            tmax = max(rl[-1], 1)
+            masks[("ctx_table",)] = torch.zeros((n, tmax), dtype=torch.float32, device=dev).masked_fill_(
+                torch.arange(tmax, device=dev)[None, :] >= roots[:, None], _NEG_INF)
+        table = masks[("ctx_table",)]
     for start, stop in groups:
-        tg = int(roots[stop - 1])
-        m = stop - start
+        tg, m = rl[stop - 1], stop - start
         if tg == 0:  # root 0: no context at all (lse -inf, weight 0)
             _merge_into(merged[start:stop], qf.new_zeros((m, kvh, gB, hd)),
                         qf.new_full((m, kvh, gB), _NEG_INF), o_blk[start:stop], lse_blk[start:stop], g)
             continue
-        ckey = ("ctx", start, stop, window)
-        if ckey not in masks:
-            r = roots[start:stop]
-            kpos = torch.arange(tg, device=dev)
-            allowed = kpos[None, None, :] < r[:, None, None]                         # [m, 1, tg]
-            if window is not None:
-                allowed = allowed & ((r[:, None] + offs)[:, :, None] - kpos[None, None, :] < window)  # [m, B, tg]
-            if bool(allowed.all()):
-                mask, dead = None, None
-            else:
-                mask = torch.zeros(allowed.shape, dtype=torch.float32, device=dev).masked_fill_(~allowed, _NEG_INF)
-                if window is not None:
-                    mask = mask.repeat(1, g, 1)                                      # rows (head, slot)
-                mask = mask[:, None]                                                 # [m, 1, rows|1, tg]
-                dead = ~allowed.any(-1)
-                dead = dead.repeat(1, g) if window is not None else dead.expand(m, g * B)
-                dead = dead if bool(dead.any()) else None
-            masks[ckey] = (mask, dead)
-        mask, dead = masks[ckey]
+        if table is not None:
+            # ascending roots: a group of one root (or of equal roots) sees every key
+            mask, dead = (None if rl[start] == tg else table[start:stop, None, None, :tg]), None
+        else:
+            ckey = ("ctx", start, stop, window)
+            if ckey not in masks:
+                r = roots[start:stop]
+                kpos = torch.arange(tg, device=dev)
+                allowed = (kpos[None, None, :] < r[:, None, None]) \
+                    & ((r[:, None] + offs)[:, :, None] - kpos[None, None, :] < window)       # [m, B, tg]
+                if bool(allowed.all()):
+                    mask, dead = None, None
+                else:
+                    mask = torch.zeros(allowed.shape, dtype=torch.float32, device=dev).masked_fill_(~allowed, _NEG_INF)
+                    mask = mask.repeat(1, g, 1)[:, None]                             # [m, 1, rows (head, slot), tg]
+                    dead = (~allowed.any(-1)).repeat(1, g)
+                    dead = dead if bool(dead.any()) else None
+                masks[ckey] = (mask, dead)
+            mask, dead = masks[ckey]
         o, lse = flash(qf[start:stop], kc[:, :tg].expand(m, kvh, tg, hd), vc[:, :tg].expand(m, kvh, tg, hd),
                        attn_mask=mask)
         if dead is not None:
