@@ -72,3 +72,16 @@ def module_fork_server(request, env, tmp_path_factory):
         request.module._ZYGOTE = zygote
         yield zygote
     request.module._ZYGOTE = None
+
+
+@pytest.fixture(scope="module")
+def module_model_fork_server(request, env, tmp_path_factory):
+    """As ``module_fork_server``, with torch and transformers imported too (cli_util.MODEL_PRELOAD),
+    set as the module's ``_MODEL_ZYGOTE``: for the commands that load a model and whose imports a
+    test does not look at."""
+    from cli_util import FORK_PRELOAD, MODEL_PRELOAD, fork_server
+
+    with fork_server(env, tmp_path_factory.mktemp("cli-model-fork"), FORK_PRELOAD + MODEL_PRELOAD) as zygote:
+        request.module._MODEL_ZYGOTE = zygote
+        yield zygote
+    request.module._MODEL_ZYGOTE = None
