@@ -28,6 +28,29 @@ def tiny_target(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def _serve_holder():
+    holder = {}
+    yield holder
+    if holder.get("server") is not None:
+        holder["server"].stop()
+
+
+@pytest.fixture(scope="module")
+def transformers_serve(_serve_holder, tiny_target, tmp_path_factory):
+    """`transformers serve` of the tiny target, launched (not waited for: ``wait_ready()``) once for
+    the session (its start costs ~5 s of CPU): test_completions and test_runner_cli share it. Tests
+    count its requests as differences; one that stops it (test_runner_cli's replay, the last user)
+    leaves a later module a new one."""
+    from servers import TransformersServe
+
+    server = _serve_holder.get("server")
+    if server is None or server.proc.poll() is not None:
+        server = TransformersServe(tiny_target, tmp_path_factory.mktemp("serve") / "serve.log").launch()
+        _serve_holder["server"] = server
+    return server
+
+
+@pytest.fixture(scope="session")
 def _cli_fork_server(tmp_path_factory):
     import sys
     from pathlib import Path

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from cli_util import python_c
-from servers import ClosedPort, RecordingListener, ScriptedServer, SilentListener, TransformersServe
+from servers import ClosedPort, RecordingListener, ScriptedServer, SilentListener
 
 from dfcache import open_store
 from dfcache.errors import EXIT_BAD_INPUT, EXIT_NETWORK, EXIT_OFFLINE_MISSING, EXIT_USAGE
@@ -147,17 +147,13 @@ def _args(target, *extra):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def serve(request, tiny_target, tmp_path_factory):
-    """`transformers serve` for the replay test, launched before the quick tests so that its start
-    (about 15 s of CPU: torch and transformers imports) overlaps them; stopped with the module."""
+def serve(request):
+    """`transformers serve` for the replay test (conftest's, shared with test_completions), launched
+    before the quick tests where it is not running yet, so that its start overlaps them; the replay
+    test stops it."""
     if not any(item.name.startswith("test_server_completions_replay") for item in request.session.items):
-        yield None
-        return
-    server = TransformersServe(tiny_target, tmp_path_factory.mktemp("serve") / "serve.log").launch()
-    try:
-        yield server
-    finally:
-        server.stop()
+        return None
+    return request.getfixturevalue("transformers_serve")
 
 
 @pytest.fixture(scope="module")
@@ -633,14 +629,15 @@ def test_server_completions_replay_from_cache_after_the_server_is_gone(serve, ti
     args = ["run", "completions", *_args(tiny_target, "--server", serve.url), "--json"]
     serve.wait_ready()
     # serve answers with trimmed text only, whose rebuilt ids fail their check: exit 6, nothing cached.
+    before = serve.chat_requests()
     refused = cli(env, store, *args, loads_model=True)
     assert refused.code == EXIT_BAD_INPUT, refused.err
     assert "--accept-retokenized" in refused.one_error() and "Traceback" not in refused.err
-    assert serve.chat_requests() == N
+    assert serve.chat_requests() - before == N
     args.append("--accept-retokenized")
     first = cli(env, store, *args)
     assert first.code == 0, first.err + serve.log_tail()
-    assert serve.chat_requests() == 2 * N
+    assert serve.chat_requests() - before == 2 * N
     serve.stop()
     port = serve.port
     nodes = first.json()["nodes"]
