@@ -28,6 +28,19 @@ def tiny_target(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def trained_drafter(tiny_target, tmp_path_factory):
+    """The tiny target's DFlash drafter as `run eval --example` trains it (train_tiny_drafter, seed 0,
+    default steps and data, one thread), trained once for the session (~8 s of CPU): (its directory,
+    its TrainStats). test_fidelity checks it; test_suites puts it into an example directory."""
+    from runner.models.train_tiny import single_thread, train_tiny_drafter
+
+    stats: list = []
+    with single_thread():
+        path = train_tiny_drafter(tiny_target, tmp_path_factory.mktemp("trained") / "drafter", seed=0, stats=stats)
+    return path, stats[0]
+
+
+@pytest.fixture(scope="session")
 def _serve_holder():
     holder = {}
     yield holder

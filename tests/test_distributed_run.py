@@ -62,7 +62,7 @@ def env(tmp_path_factory):
 
 # What the workers' fork server imports once (tests/torchrun_fork.py): what a hidden-states worker
 # imports, less `datasets` (it reads HF_DATASETS_CACHE, which a test sets, when imported).
-PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.models.qwen3_5.modeling_qwen3_5",
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.launcher.api", "transformers", "transformers.models.qwen3_5.modeling_qwen3_5",
            "dfcache.cli", "runner.api", "runner.commands.run", "runner.core.pipeline", "runner.distributed",
            "runner.models.target", "runner.stages.completions", "runner.stages.tokens",
            "runner.stages.hidden_states.extract", "cli_util", "runpy"]
@@ -88,7 +88,10 @@ def args(tiny_target, server):
 
 
 def _torchrun(nproc: int, *cmd) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd]
+    """torchrun starting ``python CMD...`` ``nproc`` times; with CMD ``CLIENT ...``, torchrun and its
+    workers are forked from the fork server (``forks.env_for_workers``)."""
+    fork = [CLIENT] if cmd[0] == CLIENT else []
+    return [sys.executable, *fork, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd]
 
 
 def _dfcache(store, *rest) -> list[str]:

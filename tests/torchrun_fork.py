@@ -2,7 +2,8 @@
 torch and transformers once, instead of a new interpreter each.
 
 A worker that torchrun starts (``python -u tests/torchrun_fork.py -m dfcache ...`` or
-``... SCRIPT ARGS``) is this file's light client: it imports only the standard library, hands its
+``... SCRIPT ARGS``), or torchrun itself (``python tests/torchrun_fork.py -m torch.distributed.run
+...``), is this file's light client: it imports only the standard library, hands its
 stdin/stdout/stderr, environment, directory and command line to the fork server over a Unix
 socket (``DFCACHE_TEST_FORK_SOCKET``), and waits. The server forks a child that takes those file
 descriptors, that environment and directory, and runs ``python -m MODULE`` / ``python SCRIPT`` as
@@ -45,7 +46,7 @@ def _client(argv: list[str]) -> None:
     options = sys.orig_argv[1:len(sys.orig_argv) - len(sys.argv)]  # the interpreter's (torchrun's -u)
     unbuffered = "-u" in options or bool(os.environ.get("PYTHONUNBUFFERED"))
     path = os.environ.get(ENV_SOCKET)
-    env = {k: v for k, v in os.environ.items() if k != ENV_SOCKET}
+    env = dict(os.environ)  # the socket's variable too: a forked torchrun forks its workers in turn
     if path:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.connect(path)
@@ -85,7 +86,8 @@ def _differs(base: dict, env: dict, allowed: tuple[str, ...]) -> list[str]:
     """The names whose values differ and may not (``allowed``: names, or prefixes ending in ``*``)."""
     names = {k for k in (*base, *env) if base.get(k) != env.get(k)}
     prefixes = TORCHRUN_PREFIXES + tuple(a[:-1] for a in allowed if a.endswith("*"))
-    return sorted(k for k in names if k not in TORCHRUN_VARS and k not in allowed and not k.startswith(prefixes))
+    return sorted(k for k in names if k not in TORCHRUN_VARS and k not in allowed and k != ENV_SOCKET
+                  and not k.startswith(prefixes))
 
 
 def _threads() -> int:
