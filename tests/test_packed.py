@@ -22,8 +22,11 @@ def test_packed_rows_equal_one_sample_forwards(target):
     lengths = [37, 5, 64, 1, 20]
     g = torch.Generator().manual_seed(0)
     samples = [torch.randint(4, 500, (n,), generator=g) for n in lengths]
-    layers = [0, 2, 4]                                   # linear, full and linear attention layers
+    from runner.models.target import FINAL
+
+    layers = [0, 2, 4, FINAL]                # linear, full and linear attention layers, the post-norm state
     packed = forward_layers_packed(target, torch.cat(samples)[None], lengths, layers)
+    assert set(packed) == set(layers)
     start = 0
     for ids, n in zip(samples, lengths):
         one = target.forward_layers(ids[None], layers)

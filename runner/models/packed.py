@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from .target import LayerCapture
+from .target import FINAL, LayerCapture
 
 ATTN_NAME = "dfcache_varlen"
 MODES = ("segments", "varlen")
@@ -198,7 +198,8 @@ def forward_layers_packed(target, input_ids, lengths: Sequence[int], layers, *, 
     one-sample call once per sample) or ``varlen`` (one call over the packed row: FlashAttention-2
     varlen on CUDA; fla's ``cu_seqlens``, fla kernels only). The short convolution runs per
     sample (``conv="segments"``) or once over the row with zeros between samples (``"padded"``).
-    Positions restart at 0 in each sample.
+    Positions restart at 0 in each sample. ``FINAL`` among ``layers``: every layer and the final
+    norm run, and its entry is the base model's ``last_hidden_state`` (as ``forward_layers``).
     """
     import torch
 
@@ -216,8 +217,9 @@ def forward_layers_packed(target, input_ids, lengths: Sequence[int], layers, *, 
     pos = torch.cat([torch.arange(int(n), device=dev) for n in lengths])[None]
     module = target.modeling_module
     cfg = target.base.config
-    want = sorted(set(int(k) for k in layers))
-    capture = LayerCapture(target.layers, want)
+    final = FINAL in layers
+    want = sorted(set(int(k) for k in layers if k != FINAL))
+    capture = LayerCapture(target.layers, want, stop=not final)
     with capture as out:
         target.rebind()
         old_attn = cfg._attn_implementation
@@ -237,9 +239,11 @@ def forward_layers_packed(target, input_ids, lengths: Sequence[int], layers, *, 
         try:
             cfg._attn_implementation = ATTN_NAME
             with torch.no_grad():
-                target.base(input_ids=input_ids, position_ids=pos, use_cache=False,
-                            attention_mask={"full_attention": None, "linear_attention": None},
-                            cu_seq_lens_q=cu, _dfcache_bounds=bounds)
+                res = target.base(input_ids=input_ids, position_ids=pos, use_cache=False,
+                                  attention_mask={"full_attention": None, "linear_attention": None},
+                                  cu_seq_lens_q=cu, _dfcache_bounds=bounds)
+            if final:
+                out[FINAL] = res.last_hidden_state if hasattr(res, "last_hidden_state") else res[0]
         finally:
             cfg._attn_implementation = old_attn
             for name, fn in patched.items():
