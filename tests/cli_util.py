@@ -85,11 +85,18 @@ def fork_server(env: dict, workdir, preload: list[str] | None = None):
         z.close()
 
 
+# One intra-op thread for torch in a command's process (unless the environment says otherwise), as
+# the reliability suite's children (rel_helpers.clean_env) and the torchrun workers have: the
+# models are tiny, and on the 2-core CI box the second thread spins. The `run eval` commands of
+# test_dspark_family and test_eagle3_eval (-k side_by_side) took 41 s of CPU with two, 28 s with one.
+_ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
 def dfcache(*args, store=None, env=None, timeout=600, cwd=None) -> Result:
     cmd = [sys.executable, "-m", "dfcache"]
     if store is not None:
         cmd += ["--store", str(store)]
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**_ONE_THREAD, **os.environ, **(env or {})}
     if _FORK is not None and fork_is_faithful(full_env, _FORK.session_env):  # the same command line,
         # environment and directory, in a forked child
         return forked(_FORK, "cli_util:run_dfcache_module", *cmd[3:], *map(str, args), env=full_env,
