@@ -59,15 +59,25 @@ def python_c(zygote, code: str, *args, env: dict, cwd, timeout: float) -> subpro
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(cwd))
 
 
+# What a command that loads the tiny target imports besides FORK_PRELOAD (for a fork server whose
+# children may load a model; tests/reliability/conftest.py's HEAVY): torch and transformers, and
+# what transformers imports at the first from_pretrained. A `run tokens --completions local` child
+# cost 6.8 s of CPU forked from the light server, ~2 s from this one.
+MODEL_PRELOAD = ["torch", "transformers", "runner.models.target", "transformers.models.qwen3_5.modeling_qwen3_5",
+                 "transformers.models.auto.modeling_auto", "transformers.tokenization_utils_fast", "safetensors.torch",
+                 "runner.stages.completions.sources", "runner.stages.hidden_states",
+                 "runner.stages.hidden_states.extract", "runner.stages.drafter_eval", "runner.drafters.dflash"]
+
+
 @contextmanager
-def fork_server(env: dict, workdir):
-    """A fork server (tests/reliability/zygote.py) started with ``env`` that imported FORK_PRELOAD,
-    for :func:`python_c`: neither torch nor transformers, so a child still shows whether a command
-    imported them."""
+def fork_server(env: dict, workdir, preload: list[str] | None = None):
+    """A fork server (tests/reliability/zygote.py) started with ``env`` that imported ``preload``
+    (FORK_PRELOAD by default), for :func:`python_c`: the default imports neither torch nor
+    transformers, so a child still shows whether a command imported them."""
     sys.path.insert(0, str(Path(__file__).resolve().parent / "reliability"))
     from zygote import Zygote
 
-    z = Zygote(FORK_PRELOAD, workdir, env=env)
+    z = Zygote(preload or FORK_PRELOAD, workdir, env=env)
     z.session_env = env
     try:
         yield z
@@ -75,11 +85,18 @@ def fork_server(env: dict, workdir):
         z.close()
 
 
+# One intra-op thread for torch in a command's process (unless the environment says otherwise), as
+# the reliability suite's children (rel_helpers.clean_env) and the torchrun workers have: the
+# models are tiny, and on the 2-core CI box the second thread spins. The `run eval` commands of
+# test_dspark_family and test_eagle3_eval (-k side_by_side) took 41 s of CPU with two, 28 s with one.
+_ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+
+
 def dfcache(*args, store=None, env=None, timeout=600, cwd=None) -> Result:
     cmd = [sys.executable, "-m", "dfcache"]
     if store is not None:
         cmd += ["--store", str(store)]
-    full_env = {**os.environ, **(env or {})}
+    full_env = {**_ONE_THREAD, **os.environ, **(env or {})}
     if _FORK is not None and fork_is_faithful(full_env, _FORK.session_env):  # the same command line,
         # environment and directory, in a forked child
         return forked(_FORK, "cli_util:run_dfcache_module", *cmd[3:], *map(str, args), env=full_env,

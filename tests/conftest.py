@@ -28,6 +28,42 @@ def tiny_target(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def trained_drafter(tiny_target, tmp_path_factory):
+    """The tiny target's DFlash drafter as `run eval --example` trains it (train_tiny_drafter, seed 0,
+    default steps and data, one thread), trained once for the session (~8 s of CPU): (its directory,
+    its TrainStats). test_fidelity checks it; test_suites puts it into an example directory."""
+    from runner.models.train_tiny import single_thread, train_tiny_drafter
+
+    stats: list = []
+    with single_thread():
+        path = train_tiny_drafter(tiny_target, tmp_path_factory.mktemp("trained") / "drafter", seed=0, stats=stats)
+    return path, stats[0]
+
+
+@pytest.fixture(scope="session")
+def _serve_holder():
+    holder = {}
+    yield holder
+    if holder.get("server") is not None:
+        holder["server"].stop()
+
+
+@pytest.fixture(scope="module")
+def transformers_serve(_serve_holder, tiny_target, tmp_path_factory):
+    """`transformers serve` of the tiny target, launched (not waited for: ``wait_ready()``) once for
+    the session (its start costs ~5 s of CPU): test_completions and test_runner_cli share it. Tests
+    count its requests as differences; one that stops it (test_runner_cli's replay, the last user)
+    leaves a later module a new one."""
+    from servers import TransformersServe
+
+    server = _serve_holder.get("server")
+    if server is None or server.proc.poll() is not None:
+        server = TransformersServe(tiny_target, tmp_path_factory.mktemp("serve") / "serve.log").launch()
+        _serve_holder["server"] = server
+    return server
+
+
+@pytest.fixture(scope="session")
 def _cli_fork_server(tmp_path_factory):
     import sys
     from pathlib import Path
@@ -72,3 +108,16 @@ def module_fork_server(request, env, tmp_path_factory):
         request.module._ZYGOTE = zygote
         yield zygote
     request.module._ZYGOTE = None
+
+
+@pytest.fixture(scope="module")
+def module_model_fork_server(request, env, tmp_path_factory):
+    """As ``module_fork_server``, with torch and transformers imported too (cli_util.MODEL_PRELOAD),
+    set as the module's ``_MODEL_ZYGOTE``: for the commands that load a model and whose imports a
+    test does not look at."""
+    from cli_util import FORK_PRELOAD, MODEL_PRELOAD, fork_server
+
+    with fork_server(env, tmp_path_factory.mktemp("cli-model-fork"), FORK_PRELOAD + MODEL_PRELOAD) as zygote:
+        request.module._MODEL_ZYGOTE = zygote
+        yield zygote
+    request.module._MODEL_ZYGOTE = None

@@ -29,18 +29,16 @@ def _online(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_target, tmp_path_factory):
-    """Two transformers serve processes, launched together to share the startup time: one that
-    lives for the module, one that a test kills."""
-    logs = tmp_path_factory.mktemp("serve")
-    live = TransformersServe(tiny_target, logs / "live.log").launch()
-    dying = TransformersServe(tiny_target, logs / "dying.log").launch()
+def servers(transformers_serve, tiny_target, tmp_path_factory):
+    """Two transformers serve processes, starting together: the session's (conftest; it counts
+    requests as differences), and one that a test kills."""
+    live = transformers_serve
+    dying = TransformersServe(tiny_target, tmp_path_factory.mktemp("serve") / "dying.log").launch()
     try:
         live.wait_ready()
         dying.wait_ready()
         yield live, dying
     finally:
-        live.stop()
         dying.stop()
 
 

@@ -6,6 +6,11 @@ a local directory and the moto S3 server as the shared store. Every store a dist
 must hold the same samples, byte for byte, as one process's run; a rank SIGKILLed mid-run
 (tests/dist_child.py: right after its first committed segment) loses only uncommitted work, and a
 rerun at another world size makes exactly what is missing.
+
+One torchrun job starts its ranks as new interpreters, as a user's does; the others' workers (and
+the --shard processes) are real processes forked from a server that imported torch and
+transformers once (tests/torchrun_fork.py): a worker's start-up cost ~5.5 s of CPU, of which the
+imports were ~3.5 s; the file went from 106 s to 49 s of CPU on the 2-core CI VM.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ sys.path.insert(0, str(HERE))
 
 from s3server import s3_in_env  # noqa: E402
 from servers import ScriptedServer  # noqa: E402
+from torchrun_fork import CLIENT, ForkServer  # noqa: E402
 
 N = 6  # prompts: 3 a rank of 2, 2 a rank of 3
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="torchrun workers need fork/exec and gloo on TCP")
@@ -54,6 +60,27 @@ def env(tmp_path_factory):
     return e
 
 
+# What the workers' fork server imports once (tests/torchrun_fork.py): what a hidden-states worker
+# imports, less `datasets` (it reads HF_DATASETS_CACHE, which a test sets, when imported).
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.launcher.api", "transformers", "transformers.models.qwen3_5.modeling_qwen3_5",
+           "dfcache.cli", "runner.api", "runner.commands.run", "runner.core.pipeline", "runner.distributed",
+           "runner.models.target", "runner.stages.completions", "runner.stages.tokens",
+           "runner.stages.hidden_states.extract", "cli_util", "runpy"]
+
+
+@pytest.fixture(scope="module")
+def forks(env, tmp_path_factory):
+    """The fork server of every worker here but test_torchrun_two_ranks_fill_the_store_like_one_process's
+    (which starts new interpreters, as a user's torchrun does): ``forks.env_for_workers`` is
+    ``env`` with its socket; a command runs ``[CLIENT, ...]`` where it would run ``python ...``.
+    The variables the tests add to ``env`` are read at run time, not when torch or dfcache import."""
+    server = ForkServer(env, tmp_path_factory.mktemp("dist-fork"), PRELOAD,
+                        allowed=("DIST_CHILD_KILL_RANK", "AWS_*", "HF_DATASETS_CACHE"))
+    assert server.hello["threads"] == 1 and not server.hello["datasets"], server.hello
+    yield server
+    server.close()
+
+
 @pytest.fixture(scope="module")
 def args(tiny_target, server):
     return ["--target", str(tiny_target), "--server", server.url, "--num-prompts", str(N), "--max-new-tokens", "8",
@@ -61,7 +88,10 @@ def args(tiny_target, server):
 
 
 def _torchrun(nproc: int, *cmd) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd]
+    """torchrun starting ``python CMD...`` ``nproc`` times; with CMD ``CLIENT ...``, torchrun and its
+    workers are forked from the fork server (``forks.env_for_workers``)."""
+    fork = [CLIENT] if cmd[0] == CLIENT else []
+    return [sys.executable, *fork, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *cmd]
 
 
 def _dfcache(store, *rest) -> list[str]:
@@ -154,8 +184,8 @@ def test_torchrun_two_ranks_fill_the_store_like_one_process(tmp_path, env, args,
 def _killed_then_rerun(store, env, args, rerun_cmd, s3=None):
     """Rank 1 of 2 dies after its first committed segment; the rerun (``rerun_cmd``) makes the rest."""
     extra = {"DIST_CHILD_KILL_RANK": "1", **({"AWS_ENDPOINT_URL": s3.endpoint, **s3.env} if s3 else {})}
-    killed = _run(_torchrun(2, str(HERE / "dist_child.py"), "--store", str(store), "run", "hidden-states", *args),
-                  env, extra)
+    killed = _run(_torchrun(2, CLIENT, str(HERE / "dist_child.py"), "--store", str(store), "run", "hidden-states",
+                            *args), env, extra)
     assert killed.returncode != 0, "torchrun reports the lost rank"
     kept = _states(_open(store, s3))
     committed = sum(len(v) for v in kept.values())
@@ -173,22 +203,24 @@ def _killed_then_rerun(store, env, args, rerun_cmd, s3=None):
     return after
 
 
-def test_killed_rank_then_three_ranks_finish_exactly_the_missing(tmp_path, env, args, reference):
+def test_killed_rank_then_three_ranks_finish_exactly_the_missing(tmp_path, forks, args, reference):
     store = tmp_path / "store"
-    after = _killed_then_rerun(store, env, args, _torchrun(3, *_dfcache(store, *args)))
+    after = _killed_then_rerun(store, forks.env_for_workers, args, _torchrun(3, CLIENT, *_dfcache(store, *args)))
     assert after == reference
 
 
-def test_killed_rank_into_s3_then_one_process_finishes(s3, env, args, reference):
+def test_killed_rank_into_s3_then_one_process_finishes(s3, forks, args, reference):
     store = f"s3://{s3.create_bucket()}/dfcache"
-    after = _killed_then_rerun(store, env, args, [sys.executable, *_dfcache(store, *args)], s3=s3)
+    after = _killed_then_rerun(store, forks.env_for_workers, args, [sys.executable, CLIENT, *_dfcache(store, *args)],
+                               s3=s3)
     assert after == reference
 
 
-def test_shards_as_plain_processes_fill_the_store(tmp_path, env, args, reference):
+def test_shards_as_plain_processes_fill_the_store(tmp_path, forks, args, reference):
     store = tmp_path / "store"
-    procs = [subprocess.Popen([sys.executable, *_dfcache(store, *args, "--shard", f"{i}/2")], env=env, cwd=REPO,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    env = forks.env_for_workers
+    procs = [subprocess.Popen([sys.executable, CLIENT, *_dfcache(store, *args, "--shard", f"{i}/2")], env=env,
+                              cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [e for _, e in outs]
     docs = [json.loads(o) for o, _ in outs]
@@ -198,7 +230,7 @@ def test_shards_as_plain_processes_fill_the_store(tmp_path, env, args, reference
     assert sum(_hs_row(o)["computed"] for o, _ in outs) == N  # every sample made once, by its owner
     assert _states(_open(store)) == reference
     # A rerun of one shard (say its task was retried) finds its share stored and makes nothing.
-    again = _run([sys.executable, *_dfcache(store, *args, "--shard", "1/2")], env)
+    again = _run([sys.executable, CLIENT, *_dfcache(store, *args, "--shard", "1/2")], env)
     assert again.returncode == 0, again.stderr
     assert _hs_row(again.stdout)["computed"] == 0
 
@@ -221,13 +253,13 @@ print("RESULT " + json.dumps({"worker": r.worker, "complete": r.complete, "nodes
 """
 
 
-def test_python_api_run_under_torchrun_is_one_worker_like_the_cli(tmp_path, env, server, tiny_target, reference):
+def test_python_api_run_under_torchrun_is_one_worker_like_the_cli(tmp_path, forks, server, tiny_target, reference):
     """runner.api.run in a script that torchrun starts twice makes each rank's share, as `dfcache
     run` would; rank 0's result speaks for the job, rank 1's says only who it was."""
     store = tmp_path / "store"
     script = tmp_path / "api_child.py"
     script.write_text(_API_CHILD)
-    r = _run(_torchrun(2, str(script), str(store), str(tiny_target), server.url, str(N)), env)
+    r = _run(_torchrun(2, CLIENT, str(script), str(store), str(tiny_target), server.url, str(N)), forks.env_for_workers)
     assert r.returncode == 0, r.stderr
     out = sorted((json.loads(line[len("RESULT "):]) for line in r.stdout.splitlines() if line.startswith("RESULT ")),
                  key=lambda d: d["worker"]["rank"])
@@ -267,7 +299,7 @@ def test_python_api_run_with_shard_makes_only_its_share(tmp_path, server, tiny_t
         api.run("hidden-states", shard="2/2", **opts)
 
 
-def test_torchrun_ranks_share_mt_bench_second_turns(tmp_path, env, tiny_target):
+def test_torchrun_ranks_share_mt_bench_second_turns(tmp_path, forks, tiny_target):
     """A multi-turn set under torchrun: the ranks share the first turns, meet, and share the
     second turns too (made from the stored answers), rather than rank 0 making them alone; the
     job's summary counts every turn's completion once."""
@@ -279,7 +311,7 @@ def test_torchrun_ranks_share_mt_bench_second_turns(tmp_path, env, tiny_target):
     cmd = ["-m", "dfcache", "--store", str(store), "run", "completions", "--target", str(tiny_target),
            "--completions", "local", "--prompts", "suite:mt-bench", "--max-new-tokens", "4", "--device", "cpu",
            "--dtype", "float32", "--no-progress", "--json"]
-    r = _run(_torchrun(2, *cmd), env, {"HF_DATASETS_CACHE": str(cache)})
+    r = _run(_torchrun(2, CLIENT, *cmd), forks.env_for_workers, {"HF_DATASETS_CACHE": str(cache)})
     assert r.returncode == 0, r.stderr
     (summary,) = [line for line in r.stdout.splitlines() if line.startswith("{")]
     out = json.loads(summary)

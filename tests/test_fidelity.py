@@ -29,7 +29,7 @@ from runner.stages.drafter_eval import metrics
 from runner.drafters.dflash import DFlashDrafter, load_target_head, score_roots
 from runner.trust.parity import greedy_continuation, online_dflash
 from runner.models.train_tiny import (HELDOUT_PROMPT_IDS, TrainStats, capture_features, greedy_complete,
-                                      load_prompts, make_untrained_drafter, single_thread, train_tiny_drafter)
+                                      load_prompts, make_untrained_drafter, single_thread)
 
 MAX_NEW_TOKENS = 64
 NUM_PROMPTS = 6
@@ -37,7 +37,7 @@ TREE_BUDGETS = [1, 4, 16]
 
 
 @pytest.fixture(scope="module")
-def tiny(tiny_target, tmp_path_factory):
+def tiny(tiny_target, trained_drafter, tmp_path_factory):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # One intra-op thread: these ops are tiny, and two threads on a busy 2-core box stall each other.
@@ -46,8 +46,9 @@ def tiny(tiny_target, tmp_path_factory):
         c0 = time.process_time()
         target_dir = tiny_target  # the session's (the same default build; this module wrote a second one)
         c1 = time.process_time()
-        stats: list[TrainStats] = []
-        drafter_dir = train_tiny_drafter(target_dir, root / "drafter", seed=0, stats=stats)
+        # train_tiny_drafter(target_dir, ..., seed=0) on one thread, trained once for the session (conftest)
+        drafter_dir, train_stats = trained_drafter
+        stats: list[TrainStats] = [train_stats]
         c2 = time.process_time()
         model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(str(target_dir))

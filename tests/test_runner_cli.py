@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from cli_util import python_c
-from servers import ClosedPort, RecordingListener, ScriptedServer, SilentListener, TransformersServe
+from servers import ClosedPort, RecordingListener, ScriptedServer, SilentListener
 
 from dfcache import open_store
 from dfcache.errors import EXIT_BAD_INPUT, EXIT_NETWORK, EXIT_OFFLINE_MISSING, EXIT_USAGE
@@ -87,6 +87,10 @@ def env(tmp_path_factory):
 # and zarr, cost ~1 s of CPU a command; cli_util.python_c). It imports neither torch nor
 # transformers (HEAVY), so what a command imports is still seen.
 _ZYGOTE = None
+# A second one with torch and transformers imported (conftest: module_model_fork_server), for the
+# commands that load the target (cli(..., loads_model=True)): a local-completions run cost 6.8 s
+# of CPU forked from the first, an eval run 6.2 s. Their Run.heavy is None (not seen).
+_MODEL_ZYGOTE = None
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -94,11 +98,18 @@ def _fork_server(module_fork_server):  # conftest: sets _ZYGOTE
     yield
 
 
-def cli(env: dict, store, *args, extra_env: dict | None = None, timeout: float = 180, cwd=None) -> Run:
-    """``dfcache --store STORE ARGS...`` in a subprocess (through ``dfcache.cli.main``)."""
+def cli(env: dict, store, *args, extra_env: dict | None = None, timeout: float = 180, cwd=None,
+        loads_model: bool = False) -> Run:
+    """``dfcache --store STORE ARGS...`` in a subprocess (through ``dfcache.cli.main``);
+    ``loads_model``: in a child of the fork server that imported torch and transformers (only
+    DFCACHE_* variables may be added: those libraries read others when imported)."""
     store_args = ["--store", str(store)] if store is not None else []
+    zygote = _ZYGOTE
+    if loads_model:
+        assert all(k.startswith("DFCACHE_") for k in (extra_env or {})), extra_env
+        zygote = _MODEL_ZYGOTE
     t0 = time.perf_counter()
-    p = python_c(_ZYGOTE, _WRAPPER, *store_args, *args, env={**env, **(extra_env or {})},
+    p = python_c(zygote, _WRAPPER, *store_args, *args, env={**env, **(extra_env or {})},
                  cwd=str(cwd or (store.parent if store else REPO)), timeout=timeout)
     wall = time.perf_counter() - t0
     err, marker, tail = p.stderr.rpartition("@@dfcache-test ")
@@ -108,7 +119,7 @@ def cli(env: dict, store, *args, extra_env: dict | None = None, timeout: float =
         err, info = p.stderr, {"rc": None, "seconds": wall, "heavy": None}
     assert info["rc"] in (None, p.returncode)
     return Run(p.returncode, p.stdout, err.rstrip("\n") + ("\n" if err.strip() else ""), wall,
-               info["seconds"], info["heavy"])
+               info["seconds"], None if loads_model else info["heavy"])
 
 
 def committed(store) -> set[str]:
@@ -136,24 +147,20 @@ def _args(target, *extra):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def serve(request, tiny_target, tmp_path_factory):
-    """`transformers serve` for the replay test, launched before the quick tests so that its start
-    (about 15 s of CPU: torch and transformers imports) overlaps them; stopped with the module."""
+def serve(request):
+    """`transformers serve` for the replay test (conftest's, shared with test_completions), launched
+    before the quick tests where it is not running yet, so that its start overlaps them; the replay
+    test stops it."""
     if not any(item.name.startswith("test_server_completions_replay") for item in request.session.items):
-        yield None
-        return
-    server = TransformersServe(tiny_target, tmp_path_factory.mktemp("serve") / "serve.log").launch()
-    try:
-        yield server
-    finally:
-        server.stop()
+        return None
+    return request.getfixturevalue("transformers_serve")
 
 
 @pytest.fixture(scope="module")
-def local_run(tiny_target, env, tmp_path_factory):
+def local_run(tiny_target, env, tmp_path_factory, module_model_fork_server):
     """`dfcache run tokens --completions local` once through the CLI (the one run that loads a model)."""
     store = tmp_path_factory.mktemp("local") / "store"
-    r = cli(env, store, "run", "tokens", *_args(tiny_target, "--completions", "local"), "--json")
+    r = cli(env, store, "run", "tokens", *_args(tiny_target, "--completions", "local"), "--json", loads_model=True)
     assert r.code == 0, r.err
     return store, r
 
@@ -384,14 +391,16 @@ def test_server_failures_exit_4_and_cache_no_completions(mode, extra, words, pro
     assert chat_requests <= N and "waiting for server" not in r.err  # no retries, no waiting
 
 
-def test_long_stages_print_progress_lines_when_stderr_is_not_a_terminal(tiny_target, env, tmp_path):
+def test_long_stages_print_progress_lines_when_stderr_is_not_a_terminal(tiny_target, env, tmp_path,
+                                                                        module_model_fork_server):
     """No terminal (a log file, a batch job): bars are off and a long stage prints a line every
     DFCACHE_PROGRESS_INTERVAL seconds instead (0: at every step), as pip and DVC do; eight minutes
     of server generation showed nothing before. --no-progress silences them."""
     with ScriptedServer(chat="ok") as server:
         base = ["run", "completions", *_args(tiny_target, "--server", server.url)]
-        r = cli(env, tmp_path / "a", *base, extra_env={"DFCACHE_PROGRESS_INTERVAL": "0"})
-        quiet = cli(env, tmp_path / "b", *base, "--no-progress", extra_env={"DFCACHE_PROGRESS_INTERVAL": "0"})
+        r = cli(env, tmp_path / "a", *base, extra_env={"DFCACHE_PROGRESS_INTERVAL": "0"}, loads_model=True)
+        quiet = cli(env, tmp_path / "b", *base, "--no-progress", extra_env={"DFCACHE_PROGRESS_INTERVAL": "0"},
+                    loads_model=True)
     assert r.code == 0 and quiet.code == 0, r.err + quiet.err
     lines = [ln for ln in r.err.splitlines() if ln.startswith("completions: ")]
     assert [ln.split(",")[0] for ln in lines] == [f"completions: {i}/{N} req ({100 * i // N}%)" for i in range(1, N + 1)]
@@ -453,7 +462,8 @@ _NO_EVAL = pytest.mark.skipif(not (REPO / "runner" / "stages" / "drafter_eval" /
 
 
 @_NO_EVAL
-def test_fully_cached_eval_does_no_work_and_imports_no_torch(local_run, tiny_target, env, tmp_path_factory):
+def test_fully_cached_eval_does_no_work_and_imports_no_torch(local_run, tiny_target, env, tmp_path_factory,
+                                                            module_model_fork_server):
     """`run eval` twice on the store of the tokens run: the first adds hidden states, the drafter
     eval and the report; the second computes nothing and imports no torch."""
     from runner.models.train_tiny import make_untrained_drafter
@@ -462,7 +472,7 @@ def test_fully_cached_eval_does_no_work_and_imports_no_torch(local_run, tiny_tar
     drafter = make_untrained_drafter(tiny_target, tmp_path_factory.mktemp("drafter") / "d", seed=1)
     args = ["run", "eval", *_args(tiny_target, "--completions", "local", "--drafter", drafter), "--json"]
     before = committed(store)
-    first = cli(env, store, *args)
+    first = cli(env, store, *args, loads_model=True)
     assert first.code == 0, first.err
     computed = first.json()["computed"]
     assert computed and not set(computed) & set(tokens_run.json()["computed"]), "the tokens run's samples are reused"
@@ -613,19 +623,21 @@ def test_fully_cached_example_eval_does_no_work_and_imports_no_torch(env, tmp_pa
 # ----------------------------------------------------------------------------- 5. real server
 
 
-def test_server_completions_replay_from_cache_after_the_server_is_gone(serve, tiny_target, env, tmp_path):
+def test_server_completions_replay_from_cache_after_the_server_is_gone(serve, tiny_target, env, tmp_path,
+                                                                       module_model_fork_server):
     store = tmp_path / "store"
     args = ["run", "completions", *_args(tiny_target, "--server", serve.url), "--json"]
     serve.wait_ready()
     # serve answers with trimmed text only, whose rebuilt ids fail their check: exit 6, nothing cached.
-    refused = cli(env, store, *args)
+    before = serve.chat_requests()
+    refused = cli(env, store, *args, loads_model=True)
     assert refused.code == EXIT_BAD_INPUT, refused.err
     assert "--accept-retokenized" in refused.one_error() and "Traceback" not in refused.err
-    assert serve.chat_requests() == N
+    assert serve.chat_requests() - before == N
     args.append("--accept-retokenized")
     first = cli(env, store, *args)
     assert first.code == 0, first.err + serve.log_tail()
-    assert serve.chat_requests() == 2 * N
+    assert serve.chat_requests() - before == 2 * N
     serve.stop()
     port = serve.port
     nodes = first.json()["nodes"]
