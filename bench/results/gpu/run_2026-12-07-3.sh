@@ -1,18 +1,16 @@
 # device call 3, 2026-12-07: segment commits overlapped with the next segment's rows (new) vs one after
-# the other in the writer thread (old: bench/out/old/hs_init.py, the stage before the change), 1.25 B,
-# 256 equal-length samples, bf16 and fp8-e4m3; same machine, one after the other
+# the other in the writer thread (old: bench/out/old/hs_init.py, the stage before that change; both with
+# the byte-pooled pinned buffers and the nearest-power-of-two chunks), 1.25 B, 192 equal-length samples,
+# bf16 and fp8-e4m3; same machine, one after the other
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 run() {
-  timeout 200 python3 bench/gpu_extract.py --out $OUT/gpu_extract_1p25b_$1.json --skip-torch --skip-naive --skip-packed \
-    --samples 256 --mixed 0 --budget-s 180 --label "1.25 B" --fp8 --write-threads "" --disk-gb 1 \
+  timeout $2 python3 bench/gpu_extract.py --out $OUT/gpu_extract_1p25b_$1.json --skip-torch --skip-naive --skip-packed \
+    --samples 192 --mixed 0 --budget-s $(( $2 - 20 )) --label "1.25 B" --fp8 --write-threads "" --disk-gb 1 \
     > $OUT/gpu_extract_1p25b_$1.log 2>&1; echo "$1 rc=$?"
   grep -E "bare forward to|dfcache extract|store path only|disk:" $OUT/gpu_extract_1p25b_$1.log | cut -c1-200
 }
-run new
-cp runner/stages/hidden_states/__init__.py /tmp/new_init.py
+run new 170
 cp bench/out/old/hs_init.py runner/stages/hidden_states/__init__.py
-run old
-cp /tmp/new_init.py runner/stages/hidden_states/__init__.py
-run new2
+run old 110
