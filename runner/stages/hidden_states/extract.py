@@ -386,8 +386,8 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
 
     ``boundaries`` (ascending token offsets, repeats allowed) with ``on_boundary(i, token)``: the
     writer thread calls ``on_boundary`` for boundary i once every sink holds exactly the rows
-    before it, and before any later row is appended (the hidden-states stage commits a segment
-    there, so one pipeline runs across segments). Boundaries past the rows computed here (and
+    before it, and before any later row is appended (the hidden-states stage starts a segment's
+    commits there, so one pipeline runs across segments). Boundaries past the rows computed here (and
     all of them when there is nothing to compute) are the caller's to handle.
 
     Memory (:mod:`runner.models.memory`): on CUDA the batch cap and the CUDA graphs are sized from the GPU
