@@ -1,7 +1,8 @@
 # device call 3, 2026-12-07: segment commits overlapped with the next segment's rows (new) vs one after
 # the other in the writer thread (old: bench/out/old/hs_init.py, the stage before that change; both with
 # the byte-pooled pinned buffers and the nearest-power-of-two chunks), 1.25 B, 192 equal-length samples,
-# bf16 and fp8-e4m3; same machine, one after the other
+# bf16 and fp8-e4m3; same machine, one after the other. Make the old file first (git-ignored, carried):
+#   mkdir -p bench/out/old && git show 456ac2d^:runner/stages/hidden_states/__init__.py > bench/out/old/hs_init.py
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
