@@ -13,7 +13,7 @@ Environment:
     DFCACHE_WRITE_THREADS
                        chunk files of one array a store writer writes at once (default 1: one
                        after the other on the appending thread; more measured no gain on a GPU host);
-                       a local store fsyncs 4 x that many staged files at once (at least 8).
+                       a local store fsyncs 4 x that many staged files at once (at least 32).
     DFCACHE_PROGRESS_INTERVAL
                        seconds between the progress lines of long stages when stderr is not a
                        terminal (default 10; 0: a line at every step; ``--no-progress``: none).

@@ -20,3 +20,16 @@ def fill_speculators_model(model, vocab: int, draft_vocab: int, scale: float) ->
         for name, p in model.named_parameters():
             p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
     return ids
+
+
+def fill_with_target_heads(model, vocab: int, hidden: int, draft_vocab: int, scale: float):
+    """:func:`fill_speculators_model`, then a random target embedding and lm_head ([vocab, hidden],
+    drawn first) copied into the draft model's embedding and, at the draft ids, its two heads
+    (DFlash/DSpark layouts). Returns (embed, lm)."""
+    embed, lm = torch.randn(vocab, hidden), torch.randn(vocab, hidden)
+    ids = fill_speculators_model(model, vocab, draft_vocab, scale)
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embed)
+        model.lm_head.weight.copy_(lm[ids])
+        model.verifier_lm_head.weight.copy_(lm[ids])
+    return embed, lm

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dfcache.errors import BadInputError
-from speculators_util import fill_speculators_model
+from speculators_util import fill_with_target_heads
 
 # `dfcache` commands as forks of one interpreter with its light modules imported (tests/conftest.py).
 pytestmark = pytest.mark.usefixtures("forked_cli")
@@ -43,12 +43,7 @@ def _build(out, *, anchor: bool | None, draft_vocab: int, head_type="rnn", seed=
             verifier=VerifierConfig(name_or_path=None, architectures=["Qwen3ForCausalLM"])))
     torch.manual_seed(seed)
     model = DSparkDraftModel(cfg)
-    embed, lm = torch.randn(V, H), torch.randn(V, H)
-    ids = fill_speculators_model(model, V, draft_vocab, 0.5)
-    with torch.no_grad():
-        model.embed_tokens.weight.copy_(embed)
-        model.lm_head.weight.copy_(lm[ids])
-        model.verifier_lm_head.weight.copy_(lm[ids])
+    embed, lm = fill_with_target_heads(model, V, H, draft_vocab, 0.5)
     model.save_pretrained(str(out))
     return model.eval(), embed, lm
 

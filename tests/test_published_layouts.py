@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dfcache.errors import BadInputError
-from speculators_util import fill_speculators_model
+from speculators_util import fill_speculators_model, fill_with_target_heads
 
 H, V, DV, T, STEPS = 32, 80, 48, 16, 3
 
@@ -272,12 +272,7 @@ def test_speculators_dflash_drafts_as_speculators(tmp_path, draft_vocab):
     with single_thread():
         torch.manual_seed(0)
         model = DFlashDraftModel(cfg)
-        embed, lm = torch.randn(SV, SH), torch.randn(SV, SH)
-        ids = fill_speculators_model(model, SV, draft_vocab, 0.5)
-        with torch.no_grad():
-            model.embed_tokens.weight.copy_(embed)
-            model.lm_head.weight.copy_(lm[ids])
-            model.verifier_lm_head.weight.copy_(lm[ids])
+        embed, lm = fill_with_target_heads(model, SV, SH, draft_vocab, 0.5)
         path = tmp_path / "ckpt"
         model.save_pretrained(str(path))
         raw = json.loads((path / "config.json").read_text())

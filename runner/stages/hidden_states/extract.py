@@ -317,7 +317,7 @@ def _take_buffers(cuda: bool, n: int, capacity: int, H: int, dtype, n_layers: in
     by dtype: 1.25 B on an H100, 2026-12-07)."""
     import torch
 
-    nbytes = capacity * H * torch.empty((), dtype=dtype).element_size()
+    nbytes = capacity * H * dtype.itemsize
     kept = [b for b in _PINNED if b.numel() >= nbytes] if cuda else []
     _PINNED.clear()
     need = n * n_layers
