@@ -633,23 +633,35 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         def forward_layers(self, ids, want):
             return {k: self.t[: ids.shape[0], : ids.shape[1]] for k in want}
 
+    class NoCheckpoint:
+        """The sink's writer as the stage's (``_SegmentRows``): the pipeline's per-window checkpoint
+        does nothing, the artifact is committed whole. Before 2026-12-07 this bench used resumable
+        writers that checkpointed (drained, flushed, wrote progress) after every window, which
+        the stage does not do since its segments (so the store-path phase measured another path)."""
+
+        def checkpoint(self, state=None) -> None:
+            pass
+
     def direct_extract(model, offsets, ids, tag: str, stage: str = "bench_direct", keep: bool = False):
-        """runner.stages.hidden_states.extract.extract into fresh artifacts of ``layers`` (deleted after, unless ``keep``)."""
+        """runner.stages.hidden_states.extract.extract into fresh artifacts of ``layers`` (deleted after, unless
+        ``keep``), written as the stage writes a segment: no checkpoints, the layers' commits side by side."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from runner.stages.hidden_states.extract import LayerSink, extract
         from dfcache import compute_key
 
         writers, sinks = [], []
         for k in layers:
             key = compute_key(stage, 1, {"layer": k, "tag": tag, "run": time.time()})
-            w = store.writer(key, stage=stage, stage_version=1, inputs={"layer": k, "tag": tag}, resumable=True)
+            w = store.writer(key, stage=stage, stage_version=1, inputs={"layer": k, "tag": tag})
             writers.append(w)
-            sinks.append(LayerSink(layer=k, writer=w, array=w.create_array("hidden", (int(offsets[-1]), args.hidden),
-                                                                            "bfloat16")))
+            sinks.append(LayerSink(layer=k, writer=NoCheckpoint(), array=w.create_array(
+                "hidden", (int(offsets[-1]), args.hidden), "bfloat16")))
         sync()
         t = time.perf_counter()
         st = extract(model, ids, offsets, sinks, batch_tokens=args.batch_tokens)
-        for w in writers:
-            w.commit()
+        with ThreadPoolExecutor(len(writers)) as pool:
+            list(pool.map(lambda w: w.commit(), writers))
         dt = time.perf_counter() - t
         if not keep:
             for w in writers:
