@@ -19,4 +19,4 @@ run new 170 192 --fp8
 cp bench/out/old/hs_init.py $HS
 run old 120 192 --fp8
 cp /tmp/hs_new.py $HS
-run new256 130 256 ""
+[ "${WITH256:-1}" = 1 ] && run new256 130 256 ""  # WITH256=0: the A/B alone
