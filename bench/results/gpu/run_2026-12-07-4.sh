@@ -16,6 +16,7 @@ run() {  # name, timeout, samples, extra options
 HS=runner/stages/hidden_states/__init__.py
 cp $HS /tmp/hs_new.py
 run new 170 192 --fp8
+[ "${ONLY_NEW:-0}" = 1 ] && exit 0  # ONLY_NEW=1: the new stage alone
 cp bench/out/old/hs_init.py $HS
 run old 120 192 --fp8
 cp /tmp/hs_new.py $HS
