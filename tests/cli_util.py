@@ -15,6 +15,16 @@ class Result:
     err: str
 
 
+def hub_offline_env(home: Path) -> dict:
+    """os.environ for CLI children of tests that never reach the Hub: no offline flag, store, debug
+    or config file of this machine, ``home`` as DFCACHE_HOME, HF_HUB_OFFLINE=1, the repo importable."""
+    e = {k: v for k, v in os.environ.items()
+         if k not in ("DFCACHE_OFFLINE", "DFCACHE_STORE", "DFCACHE_DEBUG", "DFCACHE_CONFIG")}
+    e.update(DFCACHE_HOME=str(home), DFCACHE_CONFIG=str(home / "absent.toml"), HF_HUB_OFFLINE="1",
+             HF_HUB_DISABLE_UPDATE_CHECK="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    return e
+
+
 # Set (for one test) by the ``forked_cli`` fixture (tests/conftest.py): a fork server whose children
 # run ``python -m dfcache`` as the interpreter would, without its start-up (see FORK_PRELOAD).
 _FORK = None

@@ -27,6 +27,20 @@ def tiny_target(tmp_path_factory):
     return build_tiny_target(tmp_path_factory.mktemp("tiny") / "target")
 
 
+@pytest.fixture(scope="module")
+def cpu_target(tiny_target):
+    """The tiny target loaded as the torch backend runs it on the CPU (float32, sdpa), at one torch
+    thread while the module runs: a module's extraction tests share it."""
+    import torch
+
+    from runner.models.target import load_target, resolve_kernel
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield load_target(tiny_target, resolve_kernel("torch", "cpu", "float32", "sdpa"))
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def trained_drafter(tiny_target, tmp_path_factory):
     """The tiny target's DFlash drafter as `run eval --example` trains it (train_tiny_drafter, seed 0,

@@ -20,15 +20,8 @@ LAYERS = [1, 3]
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target):
-    import torch
-
-    from runner.models.target import load_target, resolve_kernel
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield load_target(tiny_target, resolve_kernel("torch", "cpu", "float32", "sdpa"))
-    torch.set_num_threads(before)
+def target(cpu_target):
+    return cpu_target
 
 
 def _extract(store, target, tag, free=None):

@@ -17,17 +17,15 @@ server is contacted, since nothing under a stored tokens sample is needed.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from cli_util import python_c
+from cli_util import hub_offline_env, python_c
 
 from dfcache.errors import EXIT_BAD_INPUT, EXIT_USAGE
 
-REPO = Path(__file__).resolve().parents[1]
 FLAGS = ["--num-prompts", "4", "--max-new-tokens", "16", "--dtype", "float32", "--device", "cpu", "--backend", "torch",
          "--tree-budget", "4"]
 COMMON = dict(num_prompts=4, max_new_tokens=16, dtype="float32", device="cpu", backend="torch", tree_budgets=[4],
@@ -60,12 +58,7 @@ class Run:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    home = tmp_path_factory.mktemp("reports-home")
-    e = {k: v for k, v in os.environ.items()
-         if k not in ("DFCACHE_OFFLINE", "DFCACHE_STORE", "DFCACHE_DEBUG", "DFCACHE_CONFIG")}
-    e.update(DFCACHE_HOME=str(home), DFCACHE_CONFIG=str(home / "absent.toml"), HF_HUB_OFFLINE="1",
-             HF_HUB_DISABLE_UPDATE_CHECK="1", PYTHONPATH=str(REPO))
-    return e
+    return hub_offline_env(tmp_path_factory.mktemp("reports-home"))
 
 
 # cli() runs _EXE in children of a fork server started with the module's `env` (cli_util.python_c):

@@ -20,13 +20,12 @@ import time
 from pathlib import Path
 
 import pytest
-from cli_util import python_c
+from cli_util import hub_offline_env, python_c
 
 from runner.drafters.checkpoints import (expand_drafter_arg, glob_checkpoints, incomplete_reason, step_from_name,
                                          training_checkpoints)
 from runner.commands.watch import Readiness
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = (2, 6, 12)
 EVAL = ["--num-prompts", "2", "--max-new-tokens", "16", "--tree-budget", "4", "--dtype", "float32",
         "--device", "cpu", "--backend", "torch", "--no-progress"]
@@ -43,12 +42,7 @@ sys.exit(rc)
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
-    home = tmp_path_factory.mktemp("watch-home")
-    e = {k: v for k, v in os.environ.items()
-         if k not in ("DFCACHE_OFFLINE", "DFCACHE_STORE", "DFCACHE_DEBUG", "DFCACHE_CONFIG")}
-    e.update(DFCACHE_HOME=str(home), DFCACHE_CONFIG=str(home / "absent.toml"), HF_HUB_OFFLINE="1",
-             HF_HUB_DISABLE_UPDATE_CHECK="1", PYTHONPATH=str(REPO))
-    return e
+    return hub_offline_env(tmp_path_factory.mktemp("watch-home"))
 
 
 # cli() runs _WRAPPER in children of a fork server started with the module's `env`
