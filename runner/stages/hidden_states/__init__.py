@@ -213,12 +213,10 @@ class _SegmentRows:
 
 
 def _commit_or_abort(writer) -> None:
-    """Commit a segment writer; if its commit fails, remove what it staged."""
-    try:
-        writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
+    """Commit a segment writer; if its commit fails, remove what it staged (the writer's own
+    ``CommitOnExit``)."""
+    with writer:
+        pass
 
 
 def produce(ctx: RunContext, nodes: list[Node]) -> None:
