@@ -19,6 +19,10 @@ random samples in turn, CPU time (``time.thread_time``) of:
   ``hs_torch``    - hs-connectors' expression in torch (its float8 -> bf16 cast is scalar code)
   ``memcpy_out``  - one copy of a bf16 sample's bytes (2 B per value): what any one pass writing
                     the output costs, the floor of a dequantization that numpy/ATen calls make
+  ``c_kernel``    - one fused pass in C (``_C_KERNEL``: the code's value built from its bits,
+                    times the bf16 scale in float32, rounded to bf16 to nearest even), compiled
+                    here with ``gcc -O3 -march=native`` and called through ctypes; skipped without
+                    gcc. Not shipped: it measures what a native kernel would give
 * the reads: ``raw`` (``read_raw`` of the packed rows, warm), ``read`` (``ArrayReader.read``: raw +
   the shipped dequantization), ``read_fused`` / ``read_fused128`` (the read sharing the pass:
   ``read_raw`` of 256 / 128 rows at a time into one cache-sized buffer, dequantized from there),
@@ -50,7 +54,49 @@ def _tables(scales):
     return (allc[None, :] * st.reshape(-1, 1)).view(torch.int16)
 
 
-def variants(codes: np.ndarray, scales: np.ndarray, out: np.ndarray) -> dict:
+# Finite scales under 2^128 / 448 and no NaN codes (the sample's check below holds it to the casts).
+_C_KERNEL = r"""
+#include <stdint.h>
+#include <string.h>
+void deq(const uint8_t *restrict codes, const float *restrict scales, long n, long w, uint16_t *restrict out) {
+  for (long r = 0; r < n; r++) {
+    const uint8_t *restrict c = codes + r * w;
+    uint16_t *restrict o = out + r * w;
+    const float s = scales[r];
+    for (long i = 0; i < w; i++) {
+      uint32_t x = c[i], em = x & 0x7Fu, sub, norm = (em << 20) + (120u << 23), u, m;
+      float f = (float)(int)(em & 7u) * 0x1p-9f, v;
+      memcpy(&sub, &f, 4);
+      m = 0u - (uint32_t)(em < 8u);  /* exponent 0: subnormal, m x 2^-9 */
+      u = ((x & 0x80u) << 24) | (sub & m) | (norm & ~m);
+      memcpy(&v, &u, 4);
+      v *= s;  /* exact: 4 x 8 significant bits */
+      memcpy(&u, &v, 4);
+      o[i] = (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+    }
+  }
+}
+"""
+
+
+def _c_kernel(workdir):
+    """``_C_KERNEL`` compiled into ``workdir`` and bound with ctypes, or None without gcc."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    if shutil.which("gcc") is None:
+        return None
+    src, lib = workdir / "deq.c", workdir / "deq.so"
+    src.write_text(_C_KERNEL)
+    subprocess.run(["gcc", "-O3", "-march=native", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    fn = ctypes.CDLL(str(lib)).deq
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_long, ctypes.c_long, ctypes.c_void_p]
+    return fn
+
+
+def variants(codes: np.ndarray, scales: np.ndarray, out: np.ndarray, c_kernel=None) -> dict:
+    import ml_dtypes
     import torch
 
     from dfcache import fp8
@@ -95,7 +141,13 @@ def variants(codes: np.ndarray, scales: np.ndarray, out: np.ndarray) -> dict:
         r = t.to(torch.bfloat16) * torch.from_numpy(scales).to(torch.bfloat16)[:, None]
         return r.view(torch.int16).numpy().view(np.uint16)
 
+    s_bf16 = np.ascontiguousarray(scales.reshape(-1), np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+    c_codes = np.ascontiguousarray(codes)
+    c_fns = {} if c_kernel is None else {
+        "c_kernel": lambda: (c_kernel(c_codes.ctypes.data, s_bf16.ctypes.data, n, w, out.ctypes.data), out)[1]}
+
     return {
+        **c_fns,
         "numpy": lambda: fp8._dequantize_numpy(codes, s2, out),
         "torch": torch_blocks(fp8._TORCH_BLOCK_VALUES),
         "torch_256k": torch_blocks(1 << 18),
@@ -177,6 +229,7 @@ def main(argv=None) -> int:
         time.sleep(_reader.RACY_NS / 1e9 + 0.2)
         arr = store.open(key).array("hidden")
         arr.read_raw()  # every chunk checked once: later reads read the rows alone
+        c_kernel = _c_kernel(root)
         off = h.offsets
         rng = np.random.default_rng(7)
         picks = [int(i) for i in rng.integers(0, len(h.lengths), args.picks)]
@@ -188,7 +241,7 @@ def main(argv=None) -> int:
             codes = codes.view(np.uint8)
             out = np.empty((b - a, codes.shape[1]), np.uint16)
             ref = fp8._dequantize_casts(codes, scales.reshape(-1, 1))
-            fns = variants(codes, scales, out)
+            fns = variants(codes, scales, out, c_kernel)
             fns["raw"] = lambda: arr.read_raw(a, b)
             fns["read"] = lambda: arr.read(a, b)
             fns["read_fused"] = lambda: _fused(arr, a, b, out)
@@ -214,6 +267,9 @@ def main(argv=None) -> int:
         print(f"  raw + torch   {(r + t) * 1e3:7.2f} ms   {base / (r + t):5.2f}x   (read_raw, then the torch dequantization)")
         print(f"  raw + memcpy  {(r + med(cpu['memcpy_out'])) * 1e3:7.2f} ms   "
               f"{base / (r + med(cpu['memcpy_out'])):5.2f}x   (bound: read_raw, then one pass writing the output)")
+        if "c_kernel" in cpu:
+            k = med(cpu["c_kernel"])
+            print(f"  raw + c_kernel {(r + k) * 1e3:6.2f} ms   {base / (r + k):5.2f}x   (read_raw, then the fused C pass)")
     finally:
         rmtree(root)
     return 0
