@@ -1,0 +1,106 @@
+"""Experiment (issue 36 item 2, not a bench row): is torch.compile's forward faster than the eager
+one the exact extraction runs, and does it keep the stored rows' bits?
+
+The 8B-shaped Qwen3.5 text target of the GPU benches (runner.models.tiny.qwen35_shape_config:
+hidden 4096, three gated-DeltaNet layers to one full-attention layer), ``--layers`` of them
+(per-layer cost; 8 by default), random bf16 weights built on the GPU, fla's kernels as installed.
+One sample of ``--seq-len`` tokens per forward, as the exact extraction runs at hidden 4096.
+Eager against ``torch.compile(model.model)`` (default mode, static shapes): CUDA-event time of a
+forward (median of ``--reps``), and every layer's output hidden states compared bitwise.
+
+    python3 bench/results/gpu/compile_probe.py [--layers 8] [--seq-len 2048] [--reps 20] [--out F]
+"""
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+ap = argparse.ArgumentParser()
+ap.add_argument("--layers", type=int, default=8)
+ap.add_argument("--hidden", type=int, default=4096)
+ap.add_argument("--seq-len", type=int, default=2048)
+ap.add_argument("--vocab", type=int, default=32000)
+ap.add_argument("--reps", type=int, default=20)
+ap.add_argument("--out", default=None)
+ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (torch kernels)")
+args = ap.parse_args()
+sys.path.insert(0, ".")
+from runner.models.tiny import qwen35_shape_config  # noqa: E402
+from transformers.models.qwen3_5 import Qwen3_5ForCausalLM  # noqa: E402
+
+cfg = qwen35_shape_config(args.layers, args.hidden, args.vocab, args.seq_len)
+cfg._attn_implementation = "sdpa"
+torch.manual_seed(0)
+torch.set_default_dtype(torch.bfloat16)
+with torch.device(args.device):
+    model = Qwen3_5ForCausalLM(cfg).eval()
+torch.set_default_dtype(torch.float32)
+# Bound as the stage binds it (fla's kernels for the gated-DeltaNet layers; load_target's checks).
+from runner.models.target import _check_fla_importable, bind_target, read_model_info, resolve_kernel  # noqa: E402
+
+model_dir = tempfile.mkdtemp(prefix="compile-probe-")
+model.config.save_pretrained(model_dir)
+KERNEL = "fla" if args.device == "cuda" else "torch"
+if KERNEL == "fla":
+    _check_fla_importable()
+bound = bind_target(model, read_model_info(model_dir), resolve_kernel(KERNEL, args.device, "bfloat16", "sdpa")).bound
+print("bound:", bound, flush=True)
+ids = torch.randint(3, args.vocab, (1, args.seq_len), device=args.device,
+                    generator=torch.Generator(args.device).manual_seed(1))
+res = {"args": vars(args), "card": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "torch": torch.__version__,
+       "layer_types": cfg.layer_types, "bound": bound}
+
+
+def states(fn):
+    with torch.inference_mode():
+        out = fn(input_ids=ids, output_hidden_states=True, use_cache=False)
+    return [h.clone() for h in out.hidden_states]
+
+
+def timed(fn, reps):
+    ms = []
+    with torch.inference_mode():
+        for _ in range(3):
+            fn(input_ids=ids, use_cache=False)
+        for _ in range(reps):
+            if args.device != "cuda":
+                t0 = time.perf_counter()
+                fn(input_ids=ids, use_cache=False)
+                ms.append((time.perf_counter() - t0) * 1e3)
+                continue
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(input_ids=ids, use_cache=False)
+            b.record()
+            torch.cuda.synchronize()
+            ms.append(a.elapsed_time(b))
+    return statistics.median(ms)
+
+
+eager = model.model
+ref = states(eager)
+res["eager_ms"] = timed(eager, args.reps)
+print(f"eager: {res['eager_ms']:.2f} ms a forward of {args.seq_len} tokens ({args.layers} layers)", flush=True)
+t = time.perf_counter()
+compiled = torch.compile(model.model, dynamic=False)
+try:
+    got = states(compiled)
+    res["compile_s"] = time.perf_counter() - t
+    res["compiled_ms"] = timed(compiled, args.reps)
+    res["speedup"] = res["eager_ms"] / res["compiled_ms"]
+    res["layers"] = [{"layer": i, "bitwise_equal_share": (g == r).float().mean().item(),
+                      "max_abs_diff": (g.float() - r.float()).abs().max().item()} for i, (g, r) in enumerate(zip(got, ref))]
+    print(f"compiled: {res['compiled_ms']:.2f} ms ({res['speedup']:.3f}x), compile {res['compile_s']:.0f} s", flush=True)
+    for row in res["layers"]:
+        print(f"  hidden_states[{row['layer']}]: bitwise equal {row['bitwise_equal_share'] * 100:.2f} %, "
+              f"max |diff| {row['max_abs_diff']:.3g}")
+except Exception as e:  # a compile failure is a result too
+    res["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
+    print("compile failed:", res["error"][:500])
+if args.out:
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
