@@ -51,15 +51,15 @@ def main(argv=None) -> int:
     gemms: dict[tuple, int] = collections.Counter()
 
     class Timed(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def __torch_dispatch__(self, func, types, call_args=(), kwargs=None):
             t = time.perf_counter()
-            out = func(*args, **(kwargs or {}))
+            out = func(*call_args, **(kwargs or {}))
             s = by_op[str(func)]
             s[0] += 1
             s[1] += time.perf_counter() - t
             if func in (torch.ops.aten.linear.default, torch.ops.aten.matmul.out, torch.ops.aten.matmul.default,
                         torch.ops.aten.mm.default):
-                a, b = args[0], args[1]
+                a, b = call_args[0], call_args[1]
                 m, k = a.reshape(-1, a.shape[-1]).shape
                 n = b.shape[0] if func is torch.ops.aten.linear.default else b.shape[-1]
                 gemms[(m, k, n)] += 1

@@ -20,11 +20,6 @@ LENGTHS = [16, 16, 9, 16, 24, 16, 24, 24, 16, 16, 16, 16]
 LAYERS = [1, 3]
 
 
-@pytest.fixture(scope="module")
-def target(cpu_target):
-    return cpu_target
-
-
 class BatchVariant:
     """The real target, but batches of >= 3 rows (>= 2 at length 24) come back one ulp off, like
     another GEMM kernel."""
@@ -71,11 +66,11 @@ def _one_sample(target, ids, offsets, i):
 
 
 @pytest.mark.parametrize("variant", [False, True])
-def test_stored_rows_are_one_sample_bits_whatever_batching_does(target, tmp_path, variant):
-    model = BatchVariant(target) if variant else target
+def test_stored_rows_are_one_sample_bits_whatever_batching_does(cpu_target, tmp_path, variant):
+    model = BatchVariant(cpu_target) if variant else cpu_target
     stats, stored, ids, offsets = _extract(open_store(tmp_path / "store"), model, f"v{variant}")
     for i in range(len(LENGTHS)):
-        one = _one_sample(target, ids, offsets, i)
+        one = _one_sample(cpu_target, ids, offsets, i)
         for k in LAYERS:
             assert np.array_equal(stored[k][offsets[i]:offsets[i + 1]].view(np.uint32), one[k].view(np.uint32)), (k, i)
     if variant:
@@ -91,8 +86,8 @@ def test_stored_rows_are_one_sample_bits_whatever_batching_does(target, tmp_path
         assert stats.checks == 3
 
 
-def test_verdicts_are_kept_for_the_next_extraction(target, tmp_path):
-    model = BatchVariant(target)
+def test_verdicts_are_kept_for_the_next_extraction(cpu_target, tmp_path):
+    model = BatchVariant(cpu_target)
     store = open_store(tmp_path / "store")
     first, *_ = _extract(store, model, "a")
     again, *_ = _extract(store, model, "b")

@@ -19,11 +19,6 @@ LENGTHS = [16, 16, 9, 16, 24, 16, 24, 24, 16, 16, 16, 16]
 LAYERS = [1, 3]
 
 
-@pytest.fixture(scope="module")
-def target(cpu_target):
-    return cpu_target
-
-
 def _extract(store, target, tag, free=None):
     from runner.stages.hidden_states.extract import LayerSink, extract
 
@@ -49,15 +44,15 @@ def _extract(store, target, tag, free=None):
     return stats, stored, logged
 
 
-def test_little_free_memory_shrinks_batches_and_keeps_the_rows(target, tmp_path):
+def test_little_free_memory_shrinks_batches_and_keeps_the_rows(cpu_target, tmp_path):
     from runner.models import memory
 
     store = open_store(tmp_path / "store")
-    per_token = memory.per_token_bytes(target.model.config, len(LAYERS), 4)
-    _, full_rows, _ = _extract(store, target, "roomy")
+    per_token = memory.per_token_bytes(cpu_target.model.config, len(LAYERS), 4)
+    _, full_rows, _ = _extract(store, cpu_target, "roomy")
     # room for 48 tokens a forward (two 24-token samples), not the 64 asked for
     free = memory.RESERVE_BYTES + 48 * per_token
-    stats, rows, logged = _extract(store, target, "tight", free)
+    stats, rows, logged = _extract(store, cpu_target, "tight", free)
     chosen = stats.extra["memory_plan"]
     assert chosen["batch_tokens"] == 48 and chosen["requested_batch_tokens"] == 64
     assert chosen["cuda_graphs"] is False  # never on the CPU
@@ -68,19 +63,19 @@ def test_little_free_memory_shrinks_batches_and_keeps_the_rows(target, tmp_path)
         assert np.array_equal(rows[k], full_rows[k])
 
 
-def test_a_sample_that_cannot_fit_is_refused_before_any_forward(target, tmp_path):
+def test_a_sample_that_cannot_fit_is_refused_before_any_forward(cpu_target, tmp_path):
     from runner.models import memory
 
     store = open_store(tmp_path / "store")
-    per_token = memory.per_token_bytes(target.model.config, len(LAYERS), 4)
-    before = target.layers_executed
+    per_token = memory.per_token_bytes(cpu_target.model.config, len(LAYERS), 4)
+    before = cpu_target.layers_executed
     with pytest.raises(BadInputError) as e:
-        _extract(store, target, "too-small", memory.RESERVE_BYTES + 23 * per_token)  # the longest is 24
+        _extract(store, cpu_target, "too-small", memory.RESERVE_BYTES + 23 * per_token)  # the longest is 24
     assert e.value.exit_code == 6
     msg = str(e.value)
     assert "longest sample (24 tokens)" in msg and "GiB is free once the model is loaded" in msg
     assert msg.rstrip().endswith("(--max-new-tokens, a shorter prompt set).")
-    assert target.layers_executed == before
+    assert cpu_target.layers_executed == before
     assert store.keys() == []
 
 
