@@ -471,6 +471,7 @@ class TargetModel:
         self.provenance = provenance
         self.layers_executed = 0
         self.tokens_forwarded = 0
+        self.overrides: dict[str, Callable] = {}  # exact faster functions bound over the binding's (bind_target)
         import torch
 
         self.torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[backend.dtype]
@@ -488,6 +489,8 @@ class TargetModel:
         """Re-apply this target's kernel binding (module globals are shared by the process)."""
         if self.modeling_module is not None:
             apply_binding(self.modeling_module, self.backend.kernel)
+            for name, fn in self.overrides.items():
+                setattr(self.modeling_module, name, fn)
 
     def forward_layers(self, input_ids, layers) -> dict:
         """Outputs of decoder layers ``layers`` for ``input_ids`` [B, T] (no padding: every row is
@@ -689,12 +692,41 @@ def bind_target(model, info: ModelInfo, backend: KernelSpec) -> TargetModel:
     elif backend.kernel == "fla":
         raise BadInputError(f"--backend fla: {type(model).__name__} has no fla-accelerated functions; use "
                             "--backend torch.")
+    overrides, override_note = {}, None
+    if modeling is not None and backend.kernel == "fla" and backend.device == "cuda":
+        overrides, override_note = exact_overrides(modeling, got_device)
+        for name, fn in overrides.items():
+            setattr(modeling, name, fn)
+        bound = bound_kernels(modeling)
     prov = {"versions": library_versions(), "bound": bound, "model_class": type(model).__name__,
             "modeling_module": getattr(modeling, "__name__", None), "attn_implementation": attn,
             "torch_cuda": getattr(torch.version, "cuda", None), "device": str(got_device)}
     if backend.device == "cuda":
         prov["gpu"] = torch.cuda.get_device_name(got_device)
-    return TargetModel(model, base, layers, info, backend, modeling, bound, prov)
+    if override_note:
+        prov["exact_overrides_skipped"] = override_note
+    target = TargetModel(model, base, layers, info, backend, modeling, bound, prov)
+    target.overrides = overrides
+    return target
+
+
+def exact_overrides(modeling, device) -> tuple[dict[str, Callable], str | None]:
+    """Faster functions with the same bits, for the fla kernel class on CUDA: the gated-DeltaNet
+    causal conv + SiLU in one Triton pass (``causal_conv``), where transformers would run its
+    PyTorch fallback and the fused kernel gives the fallback's bits on this device (checked once;
+    a difference keeps the fallback and is said in the provenance). Names -> functions, and why
+    none where one was possible but refused."""
+    key = (modeling.__name__, "causal_conv1d_fn")
+    wrapper = getattr(modeling, "causal_conv1d_fn", None)
+    reference = _TORCH_FUNCTIONS.get(key)
+    if wrapper is None or reference is None or implementation_of(wrapper) is not reference:
+        return {}, None  # not this layer family, or an installed causal_conv1d kernel runs: left as is
+    from .causal_conv import exact_conv_fn, self_check
+
+    variant, why = self_check(reference, device)
+    if variant is None:
+        return {}, why
+    return {"causal_conv1d_fn": exact_conv_fn(reference, variant)}, None
 
 
 def family_of_module(qualname: str) -> str:

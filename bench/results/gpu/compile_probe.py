@@ -27,6 +27,14 @@ ap.add_argument("--vocab", type=int, default=32000)
 ap.add_argument("--reps", type=int, default=20)
 ap.add_argument("--out", default=None)
 ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (torch kernels)")
+ap.add_argument("--profile", action="store_true", help="print the eager forward's top ops by device time")
+ap.add_argument("--skip-compile", action="store_true")
+ap.add_argument("--reference-conv", action="store_true",
+                help="also time eager with transformers' PyTorch causal conv (what the binding ran before "
+                     "the fused one) and compare its bits with the fused binding's")
+ap.add_argument("--no-hooks", action="store_true",
+                help="drop the binding's module hooks (its layer counter) before compiling: the counter's "
+                     "int guard recompiled every call and hit dynamo's cache limit on an H100 (2026-12-07)")
 args = ap.parse_args()
 sys.path.insert(0, ".")
 from runner.models.tiny import qwen35_shape_config  # noqa: E402
@@ -47,12 +55,22 @@ model.config.save_pretrained(model_dir)
 KERNEL = "fla" if args.device == "cuda" else "torch"
 if KERNEL == "fla":
     _check_fla_importable()
-bound = bind_target(model, read_model_info(model_dir), resolve_kernel(KERNEL, args.device, "bfloat16", "sdpa")).bound
+target = bind_target(model, read_model_info(model_dir), resolve_kernel(KERNEL, args.device, "bfloat16", "sdpa"))
+bound = target.bound
 print("bound:", bound, flush=True)
+if args.reference_conv or target.overrides:  # the binding without its exact overrides (the fused causal conv)
+    import importlib
+    modeling = importlib.import_module(type(model.model).__module__)
+    from runner.models.target import apply_binding  # noqa: E402
+    fused_fns = dict(target.overrides)
 ids = torch.randint(3, args.vocab, (1, args.seq_len), device=args.device,
                     generator=torch.Generator(args.device).manual_seed(1))
 res = {"args": vars(args), "card": torch.cuda.get_device_name(0) if args.device == "cuda" else "cpu", "torch": torch.__version__,
        "layer_types": cfg.layer_types, "bound": bound}
+from runner.models.causal_conv import _CHECKED  # noqa: E402
+
+res["fused_conv_check"] = {" / ".join(k): list(v) for k, v in _CHECKED.items()}
+print("fused conv check:", res["fused_conv_check"], target.provenance.get("exact_overrides_skipped"), flush=True)
 
 
 def states(fn):
@@ -85,6 +103,40 @@ eager = model.model
 ref = states(eager)
 res["eager_ms"] = timed(eager, args.reps)
 print(f"eager: {res['eager_ms']:.2f} ms a forward of {args.seq_len} tokens ({args.layers} layers)", flush=True)
+if args.reference_conv and target.overrides:
+    apply_binding(modeling, KERNEL)
+    ref0 = states(eager)
+    res["eager_reference_conv_ms"] = timed(eager, args.reps)
+    res["fused_conv_speedup"] = res["eager_reference_conv_ms"] / res["eager_ms"]
+    res["fused_conv_bitwise_equal"] = [bool(torch.equal(a.view(torch.int16), b.view(torch.int16))) for a, b in zip(ref, ref0)]
+    print(f"eager, transformers' PyTorch causal conv: {res['eager_reference_conv_ms']:.2f} ms; fused conv "
+          f"{res['fused_conv_speedup']:.3f}x faster; every layer's bits equal: {all(res['fused_conv_bitwise_equal'])}",
+          flush=True)
+    for name, fn in fused_fns.items():
+        setattr(modeling, name, fn)
+if args.profile:
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with torch.inference_mode(), profile(activities=acts) as prof:
+        for _ in range(3):
+            eager(input_ids=ids, use_cache=False)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+    key = "cuda_time_total" if args.device == "cuda" else "cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70)
+    print(table, flush=True)
+    res["profile"] = table
+if args.skip_compile:
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    sys.exit(0)
+if args.no_hooks:
+    # Only the binding's own (runner.*); transformers collects output_hidden_states through hooks.
+    for mod in model.modules():
+        for hooks in (mod._forward_hooks, mod._forward_pre_hooks):
+            for k in [k for k, h in hooks.items() if getattr(h, "__module__", "").startswith("runner.")]:
+                del hooks[k]
 t = time.perf_counter()
 compiled = torch.compile(model.model, dynamic=False)
 try:
