@@ -705,6 +705,12 @@ def bind_target(model, info: ModelInfo, backend: KernelSpec) -> TargetModel:
         prov["gpu"] = torch.cuda.get_device_name(got_device)
     if override_note:
         prov["exact_overrides_skipped"] = override_note
+    if modeling is not None and backend.kernel == "fla" and backend.device == "cuda" and backend.dtype == "bfloat16":
+        from .fused_layers import install
+
+        prov["fused_layers"], skipped = install(model, got_device)
+        if skipped:
+            prov["fused_layers_skipped"] = skipped
     target = TargetModel(model, base, layers, info, backend, modeling, bound, prov)
     target.overrides = overrides
     return target

@@ -30,8 +30,9 @@ ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the scrip
 ap.add_argument("--profile", action="store_true", help="print the eager forward's top ops by device time")
 ap.add_argument("--skip-compile", action="store_true")
 ap.add_argument("--reference-conv", action="store_true",
-                help="also time eager with transformers' PyTorch causal conv (what the binding ran before "
-                     "the fused one) and compare its bits with the fused binding's")
+                help="also time eager without the binding's fused Qwen3.5 layers (runner/models/fused_layers.py), "
+                     "then also without its fused causal conv (transformers' PyTorch conv), and compare each "
+                     "one's bits with the binding's")
 ap.add_argument("--no-hooks", action="store_true",
                 help="drop the binding's module hooks (its layer counter) before compiling: the counter's "
                      "int guard recompiled every call and hit dynamo's cache limit on an H100 (2026-12-07)")
@@ -103,17 +104,29 @@ eager = model.model
 ref = states(eager)
 res["eager_ms"] = timed(eager, args.reps)
 print(f"eager: {res['eager_ms']:.2f} ms a forward of {args.seq_len} tokens ({args.layers} layers)", flush=True)
-if args.reference_conv and target.overrides:
-    apply_binding(modeling, KERNEL)
-    ref0 = states(eager)
-    res["eager_reference_conv_ms"] = timed(eager, args.reps)
-    res["fused_conv_speedup"] = res["eager_reference_conv_ms"] / res["eager_ms"]
-    res["fused_conv_bitwise_equal"] = [bool(torch.equal(a.view(torch.int16), b.view(torch.int16))) for a, b in zip(ref, ref0)]
-    print(f"eager, transformers' PyTorch causal conv: {res['eager_reference_conv_ms']:.2f} ms; fused conv "
-          f"{res['fused_conv_speedup']:.3f}x faster; every layer's bits equal: {all(res['fused_conv_bitwise_equal'])}",
-          flush=True)
-    for name, fn in fused_fns.items():
+if args.reference_conv:
+    from runner.models.fused_layers import install, uninstall  # noqa: E402
+
+    res["fused_layers"] = target.provenance.get("fused_layers")
+    res["fused_layers_skipped"] = target.provenance.get("fused_layers_skipped")
+    print("fused layers:", res["fused_layers"], res["fused_layers_skipped"], flush=True)
+    steps = [("without the fused layers", lambda: uninstall(model))]
+    if target.overrides:
+        steps.append(("and transformers' PyTorch causal conv", lambda: apply_binding(modeling, KERNEL)))
+    res["ab"] = []
+    for what, undo in steps:
+        undo()
+        other = states(eager)
+        ms = timed(eager, args.reps)
+        equal = [bool(torch.equal(a.view(torch.int16), b.view(torch.int16))) for a, b in zip(ref, other)]
+        res["ab"].append({"what": what, "ms": ms, "binding_speedup": ms / res["eager_ms"], "bitwise_equal": equal})
+        print(f"eager {what}: {ms:.2f} ms (the binding {ms / res['eager_ms']:.3f}x faster); every layer's bits "
+              f"equal to the binding's: {all(equal)}", flush=True)
+    for name, fn in fused_fns.items():  # back to the binding as it was
         setattr(modeling, name, fn)
+    if args.device == "cuda":
+        install(model, model.device)
+
 if args.profile:
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
