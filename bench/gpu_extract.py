@@ -453,7 +453,11 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
                     built["model"], read_model_info(model_dir), backend)
             targets[kernel] = hs.get_target(ctx, str(model_dir), backend)
             b.res["env"].setdefault("bound", {})[kernel] = targets[kernel].bound
-            log(f"{kernel}: loaded in {time.perf_counter() - t:.1f} s; bound {targets[kernel].bound}")
+            # the binding's exact fused layers (runner/models/fused_layers.py) and why any were left out
+            fused = {k: targets[kernel].provenance.get(k) for k in ("fused_layers", "fused_layers_skipped",
+                                                                     "exact_overrides_skipped")}
+            b.res["env"].setdefault("fused", {})[kernel] = fused
+            log(f"{kernel}: loaded in {time.perf_counter() - t:.1f} s; bound {targets[kernel].bound}; fused {fused}")
             # Warm-up on every batch shape: fla compiles and autotunes its Triton kernels here.
             t = time.perf_counter()
             seen = set()
