@@ -101,7 +101,7 @@ def _grid(n: int) -> tuple[int]:
 def _bf16_contiguous(*ts) -> bool:
     import torch
 
-    return all(t.is_cuda and t.dtype == torch.bfloat16 and t.is_contiguous() for t in ts)
+    return all(t.is_cuda and t.dtype == torch.bfloat16 and t.is_contiguous() and t.numel() > 0 for t in ts)
 
 
 def _rstd(x, eps: float):
