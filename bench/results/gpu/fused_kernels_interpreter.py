@@ -2,7 +2,7 @@
 against transformers' PyTorch expressions, on the CPU, in Triton's interpreter: the check that the
 fused Qwen3.5 layers got before any GPU ran them (2026-12-07), and a quick one for later changes.
 Not a test (CI has no triton) and not the bits' proof: the GPU's kernels are compiled, the
-interpreter runs numpy. Two interpreter gaps are patched here: its float32 -> bf16 cast truncates
+interpreter runs numpy. Two interpreter gaps are patched (triton_interpreter.py): its float32 -> bf16 cast truncates
 (and its RTNE mode is wrong), where the GPU rounds to nearest even; and it has no libdevice, so
 ``exp`` is numpy's (the SiLU then may differ from torch's CPU one by an ulp; on the GPU the
 kernels' SiLU matched ATen's on every finite bf16 value).
@@ -12,34 +12,25 @@ kernels' SiLU matched ATen's on every finite bf16 value).
 
 2026-12-07 (triton 3.9.0, torch 2.13.0+cpu): every line "(0, n)": no value differs.
 """
-import os, sys
-os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, ".")
-import torch
-import torch.nn.functional as F
-from runner.models import fused_layers as fl, causal_conv as cc
+import sys
+
+sys.path.insert(0, "bench/results/gpu")
+import triton_interpreter  # noqa: E402  (first: it sets TRITON_INTERPRET and patches the interpreter)
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from runner.models import causal_conv as cc, fused_layers as fl  # noqa: E402
+
+triton_interpreter.patch(cc, fl)
+
 
 def bits_eq(a, b):
     a = a.contiguous().view(torch.int16); b = b.contiguous().view(torch.int16)
     return (a != b).sum().item(), a.numel()
 
+
 torch.manual_seed(0)
-import triton.language as tl
-import triton.runtime.interpreter as I
-from triton.language.extra import libdevice
-_orig = I._convert_float
-import numpy as np
-def _rtne(input, it, ot, rm):  # the interpreter truncates f32 -> bf16 (its RTNE is wrong too); the GPU rounds to nearest even
-    if it == tl.float32 and ot == tl.bfloat16:
-        u = np.ascontiguousarray(input, dtype=np.float32).view(np.uint32).astype(np.uint64)
-        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return _orig(input, it, ot, rm)
-I._convert_float = _rtne
-import types as _t, triton
-@triton.jit
-def _exp(x):
-    return tl.exp(x)
-_ld = _t.SimpleNamespace(exp=_exp); fl.libdevice = _ld; cc.libdevice = _ld  # the interpreter has no libdevice: numpy exp (so SiLU may differ from torch CPU by an ulp)
 K = fl._kernels()
 # RMSNorm (zero-centred)
 H = 256; x = (torch.randn(7, 5, H) * 3).bfloat16(); w = (torch.randn(H) * 0.5).bfloat16(); eps = 1e-6

@@ -2,7 +2,7 @@
 4-layer Qwen3.5 model at hidden 256 (each class's self-check, then the instance forwards), the
 model's hidden states with the fused forwards against without, and ``uninstall``. The CUDA-only
 guards are patched to take CPU tensors, and the interpreter's two gaps as in
-fused_kernels_interpreter.py (its bf16 cast; no libdevice, so ``exp`` is numpy's).
+triton_interpreter.py (its bf16 cast; no libdevice, so ``exp`` is numpy's).
 
     /tmp/tvenv/bin/pip install transformers==5.25.0   # the venv of fused_kernels_interpreter.py
     /tmp/tvenv/bin/python bench/results/gpu/fused_layers_glue_interpreter.py   # from the repository root
@@ -16,25 +16,16 @@ fused_kernels_interpreter.py (its bf16 cast; no libdevice, so ``exp`` is numpy's
   So the self-check does refuse a SiLU one ulp off. On the GPU the kernels use libdevice's
   ``exp``, which matched ATen's on every finite bf16 value in causal_conv.
 """
-import os, sys
-os.environ["TRITON_INTERPRET"] = "1"
-sys.path.insert(0, ".")
-import numpy as np, torch, types as _t
-import triton, triton.language as tl
-import triton.runtime.interpreter as I
-from triton.language.extra import libdevice
-_orig = I._convert_float
-def _rtne(input, it, ot, rm):
-    if it == tl.float32 and ot == tl.bfloat16:
-        u = np.ascontiguousarray(input, dtype=np.float32).view(np.uint32).astype(np.uint64)
-        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-    return _orig(input, it, ot, rm)
-I._convert_float = _rtne
-@triton.jit
-def _exp(x):
-    return tl.exp(x)
-from runner.models import fused_layers as fl
-fl.libdevice = _t.SimpleNamespace(exp=_exp)
+import sys
+
+sys.path.insert(0, "bench/results/gpu")
+import triton_interpreter  # noqa: E402  (first: it sets TRITON_INTERPRET and patches the interpreter)
+
+import torch  # noqa: E402
+
+from runner.models import fused_layers as fl  # noqa: E402
+
+triton_interpreter.patch(fl)
 torch.cuda.get_device_name = lambda d=None: "cpu-interpreter"
 _bf = fl._bf16_contiguous
 fl._bf16_contiguous = lambda *ts: all(t.dtype == torch.bfloat16 and t.is_contiguous() and t.numel() > 0 for t in ts)
