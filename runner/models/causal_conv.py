@@ -20,8 +20,8 @@ it with the fallback on the device before the first use (every finite bf16 value
 SiLU, random convolutions with edges and a batch) and the binding keeps the fallback if a single
 bit differs. Only bf16 inputs and weights, K <= 8, no bias (the Qwen3.5/3.6 layers have none),
 SiLU or no activation, at least K positions; anything else goes to the fallback. (On an H100 a
-convolution with a bias over one position differed from the fallback in 19 of 64 values: for that
-shape ATen adds the bias after rounding; 2026-12-07.)
+convolution with a bias over one position differed from the fallback in 19 of 64 values, which
+fits ATen adding the bias after rounding for that shape; not traced further, 2026-12-07.)
 """
 
 from __future__ import annotations
