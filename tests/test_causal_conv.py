@@ -53,7 +53,7 @@ def test_the_fused_kernel_gives_the_fallback_bits():
     x = torch.randn(2, 515, 8192, generator=g, device="cuda").to(torch.bfloat16).transpose(1, 2)
     w = torch.randn(8192, 4, generator=g, device="cuda").to(torch.bfloat16)
     want = ref(x, w, None, activation="silu")
-    got = fused(x, w, None, "silu", variant)
+    got = fused(x, w, "silu", variant)
     assert torch.equal(want.view(torch.int16), got.contiguous().view(torch.int16))
     assert got.transpose(1, 2).is_contiguous()  # the layer's transpose back costs no copy
 

@@ -192,6 +192,8 @@ def self_check(cls, like, device) -> str | None:
     finite bf16 value), else what differed. Once per device and class."""
     import torch
 
+    from .causal_conv import finite_bf16
+
     name = torch.cuda.get_device_name(device)
     memo = (name, f"{cls.__module__}.{cls.__qualname__}")
     if memo in _CHECKED:
@@ -201,8 +203,7 @@ def self_check(cls, like, device) -> str | None:
     try:
         m = _probe_module(cls, like, device)
         g = torch.Generator(device).manual_seed(2)
-        bits = torch.arange(-32768, 32768, dtype=torch.int32, device=device).to(torch.int16).view(torch.bfloat16)
-        allv = bits[torch.isfinite(bits.float())]
+        allv = finite_bf16(device)
         width = (m.weight.shape[0] if hasattr(m, "weight") else m.gate_proj.in_features)
         for rows in (1, 7, 333, 2048):
             x = torch.randn(rows, width, generator=g, device=device).mul_(3).to(torch.bfloat16)

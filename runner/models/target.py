@@ -458,7 +458,7 @@ class TargetModel:
     """
 
     def __init__(self, model, base, layers, info: ModelInfo, backend: KernelSpec, modeling_module,
-                 bound: dict[str, str], provenance: dict) -> None:
+                 bound: dict[str, str], provenance: dict, overrides: dict[str, Callable] | None = None) -> None:
         self.model = model
         self.base = base
         self.layers = layers
@@ -471,7 +471,7 @@ class TargetModel:
         self.provenance = provenance
         self.layers_executed = 0
         self.tokens_forwarded = 0
-        self.overrides: dict[str, Callable] = {}  # exact faster functions bound over the binding's (bind_target)
+        self.overrides = overrides or {}  # exact faster functions bound over the binding's (bind_target)
         import torch
 
         self.torch_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[backend.dtype]
@@ -711,9 +711,7 @@ def bind_target(model, info: ModelInfo, backend: KernelSpec) -> TargetModel:
         prov["fused_layers"], skipped = install(model, got_device)
         if skipped:
             prov["fused_layers_skipped"] = skipped
-    target = TargetModel(model, base, layers, info, backend, modeling, bound, prov)
-    target.overrides = overrides
-    return target
+    return TargetModel(model, base, layers, info, backend, modeling, bound, prov, overrides)
 
 
 def exact_overrides(modeling, device) -> tuple[dict[str, Callable], str | None]:
