@@ -248,8 +248,11 @@ r = api.run("hidden-states", store=sys.argv[1], target=sys.argv[2], server=sys.a
             num_prompts=int(sys.argv[4]), max_new_tokens=8, layers=[1], backend="torch", device="cpu",
             dtype="float32")
 hs = [n.samples for n in r.nodes if n.stage == "hidden_states"]
-print("RESULT " + json.dumps({"worker": r.worker, "complete": r.complete, "nodes": len(r.nodes),
-                              "computed": hs[0]["produced"] if hs else None}), flush=True)
+# One write of the whole line: print() writes the text and its newline apart, and two ranks on
+# one pipe then interleaved ("RESULT {rank 0}RESULT {rank 1}", seen in CI with two busy loops).
+sys.stdout.write("RESULT " + json.dumps({"worker": r.worker, "complete": r.complete, "nodes": len(r.nodes),
+                                         "computed": hs[0]["produced"] if hs else None}) + "\\n")
+sys.stdout.flush()
 """
 
 
