@@ -18,11 +18,9 @@ SiLU as x / (1 + exp(-x)) with an accurate ``exp`` and IEEE division, which ``ca
 matched to ATen on every finite bf16 value). That this holds is checked on the device, not
 assumed: :func:`self_check` runs each fused forward against the class's own forward (the
 installed transformers' code, on a module of that class) and the binding installs none that
-differs in one bit. bf16 only; anything else goes to the original forward. Not yet run on a GPU
-(written 2026-12-07 after the device time was spent): the kernels' arithmetic was checked in
-Triton's interpreter on the CPU against transformers' forwards (equal bits, with the
-interpreter's float32 -> bf16 cast replaced by round-to-nearest-even, which is what the GPU's
-cast does and the interpreter does not), and the device check decides before any use.
+differs in one bit. bf16 only; anything else goes to the original forward. On an H100
+(2026-12-07) every class passed its check, the 8B-shaped four-layer forward's states stayed
+bitwise equal, and it ran 1.09x faster (``compile_probe_4l_fusedlayers_h100_2026-12-07.json``).
 """
 
 from __future__ import annotations

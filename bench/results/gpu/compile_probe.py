@@ -28,6 +28,8 @@ ap.add_argument("--reps", type=int, default=20)
 ap.add_argument("--out", default=None)
 ap.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (torch kernels)")
 ap.add_argument("--profile", action="store_true", help="print the eager forward's top ops by device time")
+ap.add_argument("--copy-sites", action="store_true",
+                help="with --profile: also the call sites (Python stacks) of the copies and casts, by device time")
 ap.add_argument("--skip-compile", action="store_true")
 ap.add_argument("--reference-conv", action="store_true",
                 help="also time eager without the binding's fused Qwen3.5 layers (runner/models/fused_layers.py), "
@@ -139,6 +141,36 @@ if args.profile:
     table = prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=70)
     print(table, flush=True)
     res["profile"] = table
+    if args.copy_sites:
+        with torch.inference_mode(), profile(activities=acts, with_stack=True) as prof:
+            eager(input_ids=ids, use_cache=False)
+            if args.device == "cuda":
+                torch.cuda.synchronize()
+        # torch 2.13 records Python frames as events in the tree (FunctionEvent.stack stays empty):
+        # each copy kernel's op is attributed to its nearest frames in runner/, transformers/ or fla/.
+        agg = {}
+        for ev in prof.events():
+            if ev.name != "aten::copy_":
+                continue
+            chain, p = [], ev.cpu_parent
+            while p is not None:
+                if ".py(" in p.name and any(k in p.name for k in ("runner/", "transformers/", "fla/")):
+                    chain.append(p.name.split("site-packages/")[-1])
+                elif p.name.startswith("aten::") and not chain:
+                    chain.append(p.name)
+                p = p.cpu_parent
+            # torch 2.11 (the device image) keeps the frames in FunctionEvent.stack instead
+            frames = [f.split("site-packages/")[-1] for f in (getattr(ev, "stack", None) or [])
+                      if any(k in f for k in ("runner/", "transformers/", "fla/"))]
+            key = " <- ".join((chain[:1] + frames[:3]) if frames and len(chain) < 2 else chain[:4])
+            t = ev.self_device_time_total if args.device == "cuda" else ev.self_cpu_time_total
+            n, t0 = agg.get(key, (0, 0.0))
+            agg[key] = (n + 1, t0 + t)
+        sites = sorted(((t, n, k) for k, (n, t) in agg.items()), key=lambda r: -r[0])
+        print("copy sites (aten::copy_ self time us, calls, ops and frames):", flush=True)
+        for t, n, k in sites[:20]:
+            print(f"  {t:9.1f} {n:4d} {k}")
+        res["copy_sites"] = [{"self_us": t, "calls": n, "site": k} for t, n, k in sites]
 if args.skip_compile:
     if args.out:
         with open(args.out, "w") as f:

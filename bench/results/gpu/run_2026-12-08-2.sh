@@ -15,8 +15,9 @@ export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 nvidia-smi --query-gpu=name --format=csv,noheader
 timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_fused_layers.py tests/test_causal_conv.py > $OUT/test_fused.log 2>&1
 echo "tests rc=$?"; grep -E "passed|failed|Error|assert" $OUT/test_fused.log | tail -12 | cut -c1-400
-timeout 150 python3 bench/results/gpu/compile_probe.py --layers 4 --reps 30 --reference-conv --profile --skip-compile \
+timeout 150 python3 bench/results/gpu/compile_probe.py --layers 4 --reps 30 --reference-conv --profile --copy-sites --skip-compile \
   --out $OUT/compile_probe_fused_layers.json > $OUT/compile_probe_fused_layers.log 2>&1
 echo "probe rc=$?"; grep -E "^eager|fused conv|fused layers" $OUT/compile_probe_fused_layers.log | cut -c1-400
 grep -E "Name|aten::mm |aten::copy_|aten::mul |aten::mean|square|norm_apply|gated_apply|silu_mul|conv_silu|Self CUDA time" \
   $OUT/compile_probe_fused_layers.log | cut -c1-200 | head -14
+grep -A 16 "^copy sites" $OUT/compile_probe_fused_layers.log | cut -c1-330
