@@ -409,7 +409,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
             clocks.mark(name)
             b.res["clocks"] = clocks.summary()
 
-    def bare_forward(target, batches, full: bool = False, mark: str | None = None) -> tuple[int, float]:
+    def bare_forward(target, batches, full: bool = False, mark: str | None = None, fwd=None) -> tuple[int, float]:
         sync()
         marked(mark)
         t = time.perf_counter()
@@ -421,7 +421,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
                     target.rebind()
                     target.model(input_ids=x, use_cache=False)
                 else:
-                    target.forward_layers(x, layers)
+                    (fwd or target.forward_layers)(x, layers)
                 n += x.numel()
         sync()
         dt = time.perf_counter() - t
@@ -510,11 +510,11 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
             n, dt = bare_forward(target, eb)  # a second pass, so clocks and caches are warm
             n, dt = bare_forward(target, eb, mark="bare forward (equal)")
             bare = row(f"bare forward to layer {max(layers)} (equal)", kernel, n, dt)["tok_per_s"]
+            one = [(bt, x[i:i + 1]) for bt, x in eb for i in range(x.shape[0])]
             if any(x.shape[0] > 1 for _, x in eb):
                 # The same samples one per forward: what the exact extraction runs wherever a batch
                 # changes bits (every batch size at hidden 4096), so the judged ceiling's batching
                 # gain and the pipeline's own cost can be told apart.
-                one = [(bt, x[i:i + 1]) for bt, x in eb for i in range(x.shape[0])]
                 n, dt = bare_forward(target, one, mark="bare forward (equal), one sample per forward")
                 row(ONE_SAMPLE_BARE.format(layer=max(layers)), kernel, n, dt, bare)
             if DEV == "cuda" and kernel == "fla":
@@ -534,6 +534,17 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
                 b.res["first_extraction"] = {"tok_per_s": r["tok_per_s"], "wall_s": dt, "shape_checks": st.checks,
                                              **{k: v for k, v in st.extra.items() if k != "forward_gpu_ms"}}
                 log(f"first extraction: {b.res['first_extraction']}")
+                # The one-sample forwards as the extraction replays them (its CUDA graphs, captured
+                # by the first extraction), nothing beside them: the exact forward's own speed.
+                import runner.stages.hidden_states.extract as rx
+
+                g = rx._graphs_for(target)
+                if g is not None:
+                    r0 = g.replays
+                    n, dt = bare_forward(target, one, mark="one-sample CUDA-graph replays", fwd=g)
+                    if g.replays - r0 == len(one):
+                        row(f"bare forward to layer {max(layers)} (equal), one sample per forward, CUDA-graph "
+                            f"replays", kernel, n, dt, bare)
             extraction(kernel, equal, "equal", bare)
             # The bare forward again right after: did the card itself slow down over the runs?
             n, dt = bare_forward(target, eb, mark="bare forward (equal), after the extraction")
