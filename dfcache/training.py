@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["HiddenStateDataset", "LengthBucketSampler", "Sample", "SampleSource", "pad_collate", "to_torch"]
+__all__ = ["HiddenStateDataset", "LengthBucketSampler", "Sample", "SampleSource", "copy_rows", "pad_collate",
+           "to_torch"]
 
 
 @dataclass
@@ -99,6 +100,27 @@ def recycled_alloc(shape: tuple, dtype) -> tuple[np.ndarray, torch.Tensor]:
 
     arr = recycled_empty(tuple(shape), dtype)
     return arr, torch.from_numpy(arr.view(np.int16) if arr.dtype == np.uint16 else arr)
+
+
+_INT_OF_SIZE = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+
+def copy_rows(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[...] = src`` (one dtype and shape) by torch's copy, the ``copy`` a per-layer read
+    into an item's columns uses (``ArrayReader.read_raw``): numpy copies rows into the columns of
+    a wider array element by element, torch with vector moves (issue 36, per-layer layout; the
+    2-core AMD EPYC VM, one thread, 4 layers x 4096 rows of 1024 bf16 into [4096, 4096]: 7.0 GB/s
+    numpy, 12.4 GB/s torch). ``src`` may be a read-only memory map (torch's one-time warning
+    about that is silenced: nothing writes to it)."""
+    as_int = _INT_OF_SIZE.get(dst.dtype.itemsize)
+    if as_int is None or dst.dtype != src.dtype or dst.shape != src.shape:
+        dst[...] = src
+        return
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        torch.from_numpy(dst.view(as_int)).copy_(torch.from_numpy(src.view(as_int)))
 
 
 def _in_worker() -> bool:

@@ -840,6 +840,46 @@ def test_read_raw_into_a_reused_buffer(cached):
         arr.read_raw(0, n // 2, out=buf[: n // 4])  # too few rows
 
 
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.float32, np.int64])
+def test_copy_rows_keeps_every_bit_into_the_columns_of_a_wider_array_from_a_read_only_map(tmp_path, dtype):
+    import mmap
+    import warnings
+
+    from dfcache.training import copy_rows
+
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, size=37 * 24 * np.dtype(dtype).itemsize, dtype=np.uint8)  # NaN payloads too
+    path = tmp_path / "rows.bin"
+    path.write_bytes(raw.tobytes())
+    with open(path, "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    src = np.frombuffer(mm, dtype=dtype).reshape(37, 24)  # read-only, as a mapped chunk
+    wide = np.zeros((37, 3 * 24), dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's warning about a read-only array must not reach the user
+        copy_rows(wide[:, 24:48], src)
+    assert wide[:, 24:48].tobytes() == src.tobytes()
+    assert not wide[:, :24].any() and not wide[:, 48:].any()  # nothing written beside the columns
+    del src
+    mm.close()
+
+
+def test_mapped_reads_copy_through_the_callers_copy(cached):
+    ds = api.hidden_state_dataset(store=cached["store"], layers=[1], **cached["sel"])
+    arr = open_store(cached["store"]).open(_layer_segment(ds.source)).array("hidden")
+    n = arr.shape[0]
+    calls = []
+
+    def copy(dst, src):
+        calls.append(len(src))
+        dst[...] = src
+
+    out = np.zeros((n, 2) + arr.shape[1:], dtype=np.uint16)[:, 1]  # strided rows, as an item's columns
+    got = arr.read_raw(0, n, out=out, mapped=True, copy=copy)
+    assert sum(calls) == n  # every row went through it, chunk by chunk
+    assert np.array_equal(got, arr.read_raw(0, n))
+
+
 def _layer_segment(source) -> str:
     """The key of the segment that holds the selection's first sample of its first layer."""
     return source._open()["layers"][0].segment(0)[0].key

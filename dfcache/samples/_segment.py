@@ -181,10 +181,11 @@ class Segment:
         off = self.offsets[name]
         return off[pos], off[pos + 1]
 
-    def read_raw(self, pos: int, name: str, *, out: np.ndarray | None = None, mapped: bool = False) -> np.ndarray:
-        """One sample's rows in the storage dtype; ``out`` and ``mapped`` as ArrayReader.read_raw."""
+    def read_raw(self, pos: int, name: str, *, out: np.ndarray | None = None, mapped: bool = False,
+                 copy=None) -> np.ndarray:
+        """One sample's rows in the storage dtype; ``out``, ``mapped`` and ``copy`` as ArrayReader.read_raw."""
         a, b = self.rows(pos, name)
-        return self.reader(name).read_raw(a, b, out=out, mapped=mapped)
+        return self.reader(name).read_raw(a, b, out=out, mapped=mapped, copy=copy)
 
     def read(self, pos: int, name: str) -> np.ndarray:
         a, b = self.rows(pos, name)
@@ -255,11 +256,11 @@ def segment_problems(store, key: str) -> list[str]:
 
 
 def read_side_by_side(parts: list[tuple[Segment, int]], name: str, out: np.ndarray, *,
-                      mapped: bool = False) -> np.ndarray:
+                      mapped: bool = False, copy=None) -> np.ndarray:
     """Each ``(segment, position)``'s rows of array ``name`` into consecutive columns of ``out``
     (the layers of one sample laid side by side, as a training item concatenates them; ``out``
     is rows x the parts' widths summed, in the storage dtype; ``mapped`` as
-    ``ArrayReader.read_raw``). Returns ``out``.
+    ``ArrayReader.read_raw``, and ``copy`` with it). Returns ``out``.
 
     One part after the other on the caller's thread: splitting the parts across reader threads
     was measured (bench ``training``, 2026-12-04) and was no faster on 2 cores at 0 workers,
@@ -270,6 +271,6 @@ def read_side_by_side(parts: list[tuple[Segment, int]], name: str, out: np.ndarr
                          f"not {out.shape}.")
     col = 0
     for (seg, pos), w in zip(parts, widths):
-        seg.read_raw(pos, name, out=out[:, col:col + w], mapped=mapped)
+        seg.read_raw(pos, name, out=out[:, col:col + w], mapped=mapped, copy=copy)
         col += w
     return out
