@@ -105,22 +105,33 @@ def recycled_alloc(shape: tuple, dtype) -> tuple[np.ndarray, torch.Tensor]:
 _INT_OF_SIZE = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
+class _AsSource:
+    """A read-only array's memory described as writable, only to be the *source* of a torch copy:
+    ``torch.from_numpy`` warns about a read-only array (and then never again in the process, for
+    the user's own calls too); a filter or ``catch_warnings`` around it would change the global
+    warning state, not thread-safely. Nothing writes through it."""
+
+    def __init__(self, a: np.ndarray) -> None:
+        self.keep = a  # the array (and the memory map under it) live as long as this view
+        face = dict(a.__array_interface__)
+        face["data"] = (face["data"][0], False)
+        self.__array_interface__ = face
+
+
 def copy_rows(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` (one dtype and shape) by torch's copy, the ``copy`` a per-layer read
     into an item's columns uses (``ArrayReader.read_raw``): numpy copies rows into the columns of
     a wider array element by element, torch with vector moves (issue 36, per-layer layout; the
     2-core AMD EPYC VM, one thread, 4 layers x 4096 rows of 1024 bf16 into [4096, 4096]: 7.0 GB/s
-    numpy, 12.4 GB/s torch). ``src`` may be a read-only memory map (torch's one-time warning
-    about that is silenced: nothing writes to it)."""
+    numpy, 12.4 GB/s torch). ``src`` may be a read-only memory map."""
     as_int = _INT_OF_SIZE.get(dst.dtype.itemsize)
     if as_int is None or dst.dtype != src.dtype or dst.shape != src.shape:
         dst[...] = src
         return
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        torch.from_numpy(dst.view(as_int)).copy_(torch.from_numpy(src.view(as_int)))
+    src = src.view(as_int)
+    if not src.flags.writeable:
+        src = np.asarray(_AsSource(src))
+    torch.from_numpy(dst.view(as_int)).copy_(torch.from_numpy(src))
 
 
 def _in_worker() -> bool:
