@@ -370,6 +370,31 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
+def attention_projections(in_dim: int, hidden: int, heads: int, kv_heads: int, head_dim: int, bias: bool,
+                          qk_norm: bool, eps: float) -> nn.Module:
+    """A drafter layer's ``self_attn``: q/k/v over ``in_dim`` features, o back to ``hidden``, and
+    Qwen3's per-head q/k RMSNorms when ``qk_norm``. The names and order are the checkpoints' own
+    (z-lab and SpecForge DFlash, EAGLE-3), shared by every family here."""
+    m = nn.Module()
+    m.q_proj = nn.Linear(in_dim, heads * head_dim, bias=bias)
+    m.k_proj = nn.Linear(in_dim, kv_heads * head_dim, bias=bias)
+    m.v_proj = nn.Linear(in_dim, kv_heads * head_dim, bias=bias)
+    m.o_proj = nn.Linear(heads * head_dim, hidden, bias=bias)
+    if qk_norm:
+        m.q_norm = RMSNorm(head_dim, eps)
+        m.k_norm = RMSNorm(head_dim, eps)
+    return m
+
+
+def gated_mlp(hidden: int, inner: int, bias: bool) -> nn.Module:
+    """A drafter layer's ``mlp``: gate, up and down projections (SwiGLU), the checkpoints' names."""
+    m = nn.Module()
+    m.gate_proj = nn.Linear(hidden, inner, bias=bias)
+    m.up_proj = nn.Linear(hidden, inner, bias=bias)
+    m.down_proj = nn.Linear(inner, hidden, bias=bias)
+    return m
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -471,17 +496,8 @@ class DFlashLayer(nn.Module):
     def __init__(self, cfg: DFlashConfig, idx: int):
         super().__init__()
         h, nh, kvh, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.self_attn = nn.Module()
-        self.self_attn.q_proj = nn.Linear(h, nh * hd, bias=cfg.attention_bias)
-        self.self_attn.k_proj = nn.Linear(h, kvh * hd, bias=cfg.attention_bias)
-        self.self_attn.v_proj = nn.Linear(h, kvh * hd, bias=cfg.attention_bias)
-        self.self_attn.o_proj = nn.Linear(nh * hd, h, bias=cfg.attention_bias)
-        self.self_attn.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.self_attn.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        self.mlp = nn.Module()
-        self.mlp.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.mlp.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
-        self.mlp.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.self_attn = attention_projections(h, h, nh, kvh, hd, cfg.attention_bias, True, cfg.rms_norm_eps)
+        self.mlp = gated_mlp(h, cfg.intermediate_size, False)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.num_heads, self.num_kv_heads, self.head_dim = nh, kvh, hd

@@ -37,7 +37,8 @@ from torch import nn
 
 from dfcache.errors import BadInputError
 
-from .dflash import RMSNorm, Rope, TargetHead, _read_config, _read_tensors, _safetensors_files
+from .dflash import (RMSNorm, Rope, TargetHead, _read_config, _read_tensors, _safetensors_files,
+                     attention_projections, gated_mlp)
 from .dflash import init_drafter_weights as init_eagle3_weights  # one deterministic init for every family
 from .eagle3_config import Eagle3Config, default_layer_ids, is_eagle3_config
 
@@ -100,18 +101,11 @@ class Eagle3Drafter(nn.Module):
         m.hidden_norm = RMSNorm(H, cfg.rms_norm_eps)
         m.input_layernorm = RMSNorm(H, cfg.rms_norm_eps)
         m.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps)
-        m.self_attn = nn.Module()
-        m.self_attn.q_proj = nn.Linear(2 * H, cfg.num_attention_heads * hd, bias=ab)
-        m.self_attn.k_proj = nn.Linear(2 * H, cfg.num_key_value_heads * hd, bias=ab)
-        m.self_attn.v_proj = nn.Linear(2 * H, cfg.num_key_value_heads * hd, bias=ab)
-        m.self_attn.o_proj = nn.Linear(cfg.num_attention_heads * hd, H, bias=ab)
-        if cfg.qk_norm:  # Qwen3's attention: RMSNorm over each head's q and k before RoPE
-            m.self_attn.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            m.self_attn.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
-        m.mlp = nn.Module()
-        m.mlp.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=mb)
-        m.mlp.up_proj = nn.Linear(H, cfg.intermediate_size, bias=mb)
-        m.mlp.down_proj = nn.Linear(cfg.intermediate_size, H, bias=mb)
+        # q/k/v read the embedding and the fused features side by side (2 x hidden); Qwen3's
+        # attention adds per-head q/k RMSNorms before RoPE (cfg.qk_norm)
+        m.self_attn = attention_projections(2 * H, H, cfg.num_attention_heads, cfg.num_key_value_heads, hd, ab,
+                                            cfg.qk_norm, cfg.rms_norm_eps)
+        m.mlp = gated_mlp(H, cfg.intermediate_size, mb)
         self.norm = RMSNorm(H, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
