@@ -120,10 +120,11 @@ class _AsSource:
 
 def copy_rows(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[...] = src`` (one dtype and shape) by torch's copy, the ``copy`` a per-layer read
-    into an item's columns uses (``ArrayReader.read_raw``): numpy copies rows into the columns of
-    a wider array element by element, torch with vector moves (issue 36, per-layer layout; the
-    2-core AMD EPYC VM, one thread, 4 layers x 4096 rows of 1024 bf16 into [4096, 4096]: 7.0 GB/s
-    numpy, 12.4 GB/s torch). ``src`` may be a read-only memory map."""
+    into an item's columns uses (``ArrayReader.read_raw``): into the columns of a wider array
+    numpy's assignment is the slower one (issue 36, per-layer layout; ``python -m
+    bench.copy_variants`` on the 2-core AMD EPYC VM, one thread, 4 layers of 1024 bf16: 11.6 GB/s
+    numpy against 15.0 GB/s torch at 1024 rows, 5.6 against 9.2 at 4096). ``src`` may be a
+    read-only memory map."""
     as_int = _INT_OF_SIZE.get(dst.dtype.itemsize)
     if as_int is None or dst.dtype != src.dtype or dst.shape != src.shape:
         dst[...] = src

@@ -180,8 +180,8 @@ class ArrayReader:
         its check is mapped and checked again (``verify`` still checks everything).
 
         ``copy(dst, src)`` (with ``mapped``): what copies mapped rows into ``out``, in place of
-        numpy's assignment; a caller that has torch passes its copy, about twice as fast into the
-        columns of a wider ``out`` (``dfcache.training.copy_rows``)."""
+        numpy's assignment; a caller that has torch passes its copy, faster into the columns of a
+        wider ``out`` (``dfcache.training.copy_rows``)."""
         n = self.shape[0]
         stop = n if stop is None else min(stop, n)
         start = max(0, start)

@@ -145,9 +145,16 @@ def mlp_forward(self, x):
     g, u = self.gate_proj(x), self.up_proj(x)
     if not _bf16_contiguous(g, u):
         return self.down_proj(self.act_fn(g) * u)
+    return self.down_proj(_silu_mul(g, u))
+
+
+def _silu_mul(g, u):
+    """``silu(g) * u`` for contiguous bf16 ``g`` and ``u`` of one shape, in one kernel."""
+    import torch
+
     y = torch.empty_like(g)
     _kernels()["silu_mul"][_grid(g.numel())](g, u, y, g.numel(), BLOCK=BLOCK)
-    return self.down_proj(y)
+    return y
 
 
 # (modeling module, class name) -> fused forward. Only classes whose forward the fused one
@@ -225,8 +232,7 @@ def self_check(cls, like, device) -> str | None:
             gt = allv.view(-1, 1).expand(-1, 2).contiguous()
             up = torch.randn(gt.shape, generator=g, device=device).to(torch.bfloat16)
             want = m.act_fn(gt) * up
-            got = torch.empty_like(gt)
-            _kernels()["silu_mul"][_grid(gt.numel())](gt, up, got, gt.numel(), BLOCK=BLOCK)
+            got = _silu_mul(gt, up)
             if not torch.equal(want.view(torch.int16), got.view(torch.int16)):
                 why = f"{cls.__name__}: SiLU x up over every bf16 value: {(want != got).sum().item()} differ"
     except Exception as e:  # a kernel that cannot run here is a reason to keep the original

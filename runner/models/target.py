@@ -693,7 +693,8 @@ def bind_target(model, info: ModelInfo, backend: KernelSpec) -> TargetModel:
         raise BadInputError(f"--backend fla: {type(model).__name__} has no fla-accelerated functions; use "
                             "--backend torch.")
     overrides, override_note = {}, None
-    if modeling is not None and backend.kernel == "fla" and backend.device == "cuda":
+    fla_cuda = modeling is not None and backend.kernel == "fla" and backend.device == "cuda"
+    if fla_cuda:
         overrides, override_note = exact_overrides(modeling, got_device)
         for name, fn in overrides.items():
             setattr(modeling, name, fn)
@@ -705,7 +706,7 @@ def bind_target(model, info: ModelInfo, backend: KernelSpec) -> TargetModel:
         prov["gpu"] = torch.cuda.get_device_name(got_device)
     if override_note:
         prov["exact_overrides_skipped"] = override_note
-    if modeling is not None and backend.kernel == "fla" and backend.device == "cuda" and backend.dtype == "bfloat16":
+    if fla_cuda and backend.dtype == "bfloat16":
         from .fused_layers import install
 
         prov["fused_layers"], skipped = install(model, got_device)
