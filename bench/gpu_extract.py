@@ -182,6 +182,8 @@ def main() -> int:
     ap.add_argument("--write-threads", default="1,2,4,8",
                     help="DFCACHE_WRITE_THREADS values the store path alone is measured at ('' skips)")
     ap.add_argument("--write-threads-reps", type=int, default=3, help="runs of each --write-threads value")
+    ap.add_argument("--lanes-reps", type=int, default=2,
+                    help="extractions of the equal set with DFCACHE_CUDA_LANES=1 and =2 each, in turns (CUDA; 0: skip)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="check this script on a CPU machine: tiny sizes, torch backend only, no GPU figures")
     ap.add_argument("--rows-from", default=None, metavar="JSON",
@@ -430,6 +432,71 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
 
     keys: dict[str, dict[int, str]] = {}
 
+    def lanes_bare(target, g, one, bare) -> None:
+        """The same one-sample forwards replayed on two lanes side by side (runner.models.lanes),
+        nothing else running: the ceiling of the extraction's lanes. The lanes' graphs and their
+        pair check come from the first extraction (skipped where it left them unchecked)."""
+        from runner.models.lanes import Lanes
+
+        lanes = Lanes(target, g, 2, 1 << 62)
+        shape = tuple(one[0][1].shape)
+        if lanes.verdict(shape, layers) is not True:
+            log(f"lanes: shape {shape} not checked side by side by the first extraction; no lanes row "
+                f"({lanes.stats()})")
+            return
+        host = [x.numpy() for _, x in one]
+
+        def launch(fwd, rows):
+            return fwd(torch.from_numpy(rows).to(DEV, non_blocking=True), layers)
+
+        sync()
+        marked("one-sample CUDA-graph replays, 2 lanes")
+        t = time.perf_counter()
+        with torch.no_grad():
+            for rows in host:
+                lanes.forward(launch, rows, layers)
+        sync()
+        dt = time.perf_counter() - t
+        marked(None)
+        row(f"bare forward to layer {max(layers)} (equal), one sample per forward, CUDA-graph replays, 2 lanes",
+            "fla" if "fla" in targets else "torch", sum(r.size for r in host), dt, bare)
+        b.res["lanes_bare"] = lanes.stats()
+
+    def lanes_ab(target, bare) -> None:
+        """The extraction (runner.stages.hidden_states.extract, the stage's pipeline) of the equal set
+        with $DFCACHE_CUDA_LANES=1 and =2, in turns (order rotating), in this process: what the
+        second lane gives, and its pair check's verdicts."""
+        import statistics
+
+        offsets, ids = equal.spec.offsets, equal.spec.ids
+        old = os.environ.get("DFCACHE_CUDA_LANES")
+        runs: dict[str, list[float]] = {"1": [], "2": []}
+        extra = {}
+        try:
+            for r in range(args.lanes_reps):
+                for n in (("1", "2") if r % 2 == 0 else ("2", "1")):
+                    os.environ["DFCACHE_CUDA_LANES"] = n
+                    marked(f"dfcache extract (equal), {n} lane(s), run {r + 1}")
+                    st, dt, _ = direct_extract(target, offsets, ids, f"lanes-{n}-{r}")
+                    marked(None)
+                    runs[n].append(st.tokens / dt)
+                    extra[n] = {k: v for k, v in st.extra.items() if k != "forward_gpu_ms"}
+                    log(f"lanes {n}, run {r + 1}: {st.tokens / dt:,.0f} tok/s ({st.tokens / dt / bare:.3f}x bare); "
+                        f"{extra[n].get('lanes')}")
+        finally:
+            if old is None:
+                os.environ.pop("DFCACHE_CUDA_LANES", None)
+            else:
+                os.environ["DFCACHE_CUDA_LANES"] = old
+        med = {n: statistics.median(v) for n, v in runs.items()}
+        b.res["lanes_ab"] = {"tok_per_s": {n: [round(x, 1) for x in v] for n, v in runs.items()},
+                             "median": {n: round(v, 1) for n, v in med.items()},
+                             "vs_bare": {n: round(v / bare, 3) for n, v in med.items()}, "stats": extra}
+        for n in ("1", "2"):
+            row(f"dfcache extract (equal), {n} lane{'s' if n == '2' else ''}, median of {args.lanes_reps}",
+                "fla" if "fla" in targets else "torch", int(offsets[-1]),
+                int(offsets[-1]) / med[n], bare)
+
     def extraction(kernel: str, tok: Node, label: str, bare_rate: float | None, compression: str = "none") -> None:
         ctx = ctx_for(kernel, compression)
         nodes = hs.build(ctx, tok, layers)
@@ -545,7 +612,10 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
                     if g.replays - r0 == len(one):
                         row(f"bare forward to layer {max(layers)} (equal), one sample per forward, CUDA-graph "
                             f"replays", kernel, n, dt, bare)
+                    lanes_bare(target, g, one, bare)
             extraction(kernel, equal, "equal", bare)
+            if DEV == "cuda" and args.lanes_reps:
+                b.phase("lanes_ab", lambda: lanes_ab(target, bare), optional=True)
             # The bare forward again right after: did the card itself slow down over the runs?
             n, dt = bare_forward(target, eb, mark="bare forward (equal), after the extraction")
             row(f"bare forward to layer {max(layers)} (equal), after the extraction", kernel, n, dt, bare)
@@ -1134,6 +1204,9 @@ def suite_rows(b: Bench) -> list[dict]:
                  + (f"; CUDA graphs {st['cuda_graphs'].get('captured')}, {st['cuda_graphs'].get('replays')} replays"
                     + (f", refused {st['cuda_graphs'].get('refused')}" if st['cuda_graphs'].get('refused') else "")
                     if st.get("cuda_graphs") else "")
+                 + (f"; {st['lanes']['lanes']} lanes, {st['lanes']['side_by_side']} forwards side by side, pair checks "
+                    f"{st['lanes']['checked'] or 'from the first extraction'}" if st.get("lanes") else
+                    "; one lane" if st.get("batch_shapes") is not None else "")
                  + (f"; SM clock median {clk['bare forward (equal)']['sm_mhz_median']} MHz bare, "
                     f"{clk['dfcache extract (equal)']['sm_mhz_median']} MHz extracting"
                     if all(k in clk for k in ("bare forward (equal)", "dfcache extract (equal)")) else "")
@@ -1172,7 +1245,9 @@ def suite_rows(b: Bench) -> list[dict]:
                  + (f"{plan.get('free_bytes', 0) / 2**30:.1f} GiB free after the load, "
                     f"{plan.get('per_token_bytes', 0) / 1024:.0f} KiB/token, batches of <= {plan.get('batch_tokens')} "
                     f"tokens (asked {plan.get('requested_batch_tokens')}), CUDA graphs "
-                    f"{'on' if plan.get('cuda_graphs') else 'off'}" if plan else "not recorded"))
+                    f"{'on' if plan.get('cuda_graphs') else 'off'}"
+                    + (f", {plan['lanes']} lanes for forwards of <= {plan['lane_tokens']} tokens"
+                       if plan.get("lanes", 1) > 1 else "") if plan else "not recorded"))
     ext8 = tp.get(("dfcache extract (equal, fp8-e4m3)", "fla"))
     if bare and ext8 and disk.get("ceiling_gbps"):
         fp8_bpt = len(res["model"].get("extracted_layers") or []) * (res["model"].get("hidden", 0) + 4)

@@ -161,6 +161,26 @@ def cuda_graphs() -> bool:
     return os.environ.get("DFCACHE_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
+def cuda_lanes() -> int:
+    """CUDA streams the hidden-state extraction runs its forwards on side by side ($DFCACHE_CUDA_LANES:
+    1, the default, one forward at a time; or 2). Each lane replays its own CUDA graphs, and a shape
+    runs side by side only after a check of the pair that it keeps every bit
+    (``runner.models.lanes``), so stored rows are the same either way. Off by default until its
+    speed is measured on a GPU (written 2026-12-07 when no device could be started; the run is
+    ``bench/results/gpu/run_2026-12-07-lanes.sh``)."""
+    raw = os.environ.get("DFCACHE_CUDA_LANES", "").strip()
+    if not raw:
+        return 1
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value not in (1, 2):
+        raise UsageError(f"DFCACHE_CUDA_LANES={raw!r}: give 2 (forwards side by side) or 1 (one forward at a "
+                         "time, the default).")
+    return value
+
+
 def segment_bytes() -> int:
     """Bytes of one per-sample segment of a layer before it is committed ($DFCACHE_SEGMENT_BYTES,
     default 256 MiB): what an interrupted extraction can lose at most, per layer."""

@@ -55,13 +55,15 @@ def test_replays_with_the_final_state_give_the_eager_bits(target):
     assert st["captured"] == ["2x24 L1,final"] or st["refused"], st
 
 
-def test_extraction_with_graphs_stores_eager_bits(target, tmp_path):
+def _extract_and_check(target, tmp_path, n: int, batch_tokens: int, seed: int):
+    """Extract n samples of 24 tokens into a fresh store, check every stored row against a
+    one-sample eager forward bit for bit, and return the extraction's statistics."""
     from dfcache import compute_key, open_store
     from runner.stages.hidden_states.extract import LayerSink, extract
 
     store = open_store(tmp_path / "store")
-    lengths = [24] * 6
-    rng = np.random.default_rng(1)
+    lengths = [24] * n
+    rng = np.random.default_rng(seed)
     ids = rng.integers(3, 500, sum(lengths)).astype(np.int32)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     writers, sinks = [], []
@@ -70,13 +72,39 @@ def test_extraction_with_graphs_stores_eager_bits(target, tmp_path):
                          inputs={"layer": k}, resumable=True)
         writers.append(w)
         sinks.append(LayerSink(layer=k, writer=w, array=w.create_array("hidden", (int(offsets[-1]), 128), "float32")))
-    stats = extract(target, ids, offsets, sinks, batch_tokens=24)
+    stats = extract(target, ids, offsets, sinks, batch_tokens=batch_tokens)
     for w in writers:
         w.commit()
-    assert stats.extra["cuda_graphs"]["replays"] >= 1 or stats.extra["cuda_graphs"]["refused"]
     for k, w in zip(LAYERS, writers):
         stored = store.open(w.key).array("hidden").read()
         for i in range(len(lengths)):
             x = torch.from_numpy(ids[offsets[i]:offsets[i + 1]].astype(np.int64))[None].cuda()
             one = target.forward_layers(x, LAYERS)[k][0].cpu().numpy()
             assert np.array_equal(stored[offsets[i]:offsets[i + 1]].view(np.uint32), one.view(np.uint32)), (k, i)
+    return stats
+
+
+def test_extraction_with_graphs_stores_eager_bits(target, tmp_path):
+    stats = _extract_and_check(target, tmp_path, 6, 24, seed=1)
+    assert stats.extra["cuda_graphs"]["replays"] >= 1 or stats.extra["cuda_graphs"]["refused"]
+
+
+@pytest.mark.parametrize("lanes", ["2", "1"])
+def test_extraction_on_lanes_stores_eager_bits(target, tmp_path, monkeypatch, lanes):
+    """Forwards side by side on two CUDA streams (runner/models/lanes.py) store the bits of
+    one-sample eager forwards; a shape runs side by side only after its pair check passed."""
+    from runner.stages.hidden_states.extract import _verdicts
+
+    monkeypatch.setenv("DFCACHE_CUDA_LANES", lanes)
+    # as at hidden 4096: a pair of 24-token samples is taken to change bits, so one sample a forward
+    _verdicts(target)[(2, 24)] = False
+    stats = _extract_and_check(target, tmp_path, 16, 96, seed=7)
+    assert stats.extra["batch_shapes"] == {"1x24": 16}
+    if lanes == "2":
+        st = stats.extra["lanes"]
+        assert st["lanes"] == 2 and stats.extra["memory_plan"]["lanes"] == 2
+        if all(st["captured"]):  # both lanes captured the shape: the pair was checked
+            assert st["checked"] == {"1x24 L1,3": True}, st
+            assert st["side_by_side"] >= 8, st
+    else:
+        assert "lanes" not in stats.extra and stats.extra["memory_plan"]["lanes"] == 1

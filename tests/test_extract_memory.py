@@ -94,8 +94,21 @@ def test_27b_shaped_plan_on_an_80gb_card():
     assert 200 << 10 < per_token < 1 << 20  # hundreds of KiB a token
     roomy = memory.plan(25 << 30, per_token, 2048, 16384)
     assert roomy.batch_tokens == 16384 and roomy.cuda_graphs
+    assert roomy.lanes == 1 and roomy.lane_tokens == 0  # one lane unless asked
     tight = memory.plan(5 << 29, per_token, 2048, 16384)
     assert tight.cuda_graphs is False and 2048 <= tight.batch_tokens < 16384
+    # A second lane (runner/models/lanes.py) gets what the first leaves, and never shrinks its batches.
+    two = memory.plan(25 << 30, per_token, 2048, 16384, lanes=2)
+    assert two.lanes == 2 and two.batch_tokens == 16384
+    usable = (25 << 30) - memory.RESERVE_BYTES
+    assert 2048 <= two.lane_tokens and 2 * 16384 * per_token + 2 * two.lane_tokens * per_token <= usable
+    assert "2 lanes for forwards of at most" in two.describe()
+    # room for the first lane's graphs but not for another sample's eager set and pool: one lane
+    snug = memory.plan(memory.RESERVE_BYTES + (2 * 16384 + 2 * 2048 - 1) * per_token, per_token, 2048, 16384, lanes=2)
+    assert snug.cuda_graphs and snug.batch_tokens == 16384 and snug.lanes == 1 and snug.lane_tokens == 0
+    fits = memory.plan(memory.RESERVE_BYTES + (2 * 16384 + 2 * 2048) * per_token, per_token, 2048, 16384, lanes=2)
+    assert fits.lanes == 2 and fits.lane_tokens == 2048
+    assert memory.plan(5 << 29, per_token, 2048, 16384, lanes=2).lanes == 1  # no graphs, no lanes
     with pytest.raises(BadInputError):
         memory.plan(1 << 30, per_token, 2048, 16384)
 
@@ -117,3 +130,20 @@ def test_a_model_built_in_memory_is_bound_with_load_targets_checks(tiny_target):
     assert all(torch.equal(a[k], b[k]) for k in (1, 3))
     with pytest.raises(BadInputError, match="loaded as torch.float32, not bfloat16"):
         bind_target(model, read_model_info(tiny_target), resolve_kernel("torch", "cpu", "bfloat16", "sdpa"))
+
+
+def test_cuda_lanes_setting(monkeypatch):
+    """$DFCACHE_CUDA_LANES: 1 (the default) or 2, anything else is a usage error naming the fix (more
+    lanes are not offered: the pair check covers two)."""
+    from dfcache.config import cuda_lanes
+    from dfcache.errors import UsageError
+
+    monkeypatch.delenv("DFCACHE_CUDA_LANES", raising=False)
+    assert cuda_lanes() == 1
+    monkeypatch.setenv("DFCACHE_CUDA_LANES", " 2 ")
+    assert cuda_lanes() == 2
+    for bad in ("0", "two", "-3", "3"):
+        monkeypatch.setenv("DFCACHE_CUDA_LANES", bad)
+        with pytest.raises(UsageError) as e:
+            cuda_lanes()
+        assert f"DFCACHE_CUDA_LANES={bad!r}" in str(e.value) and str(e.value).endswith("or 1 (one forward at a time, the default).")

@@ -17,9 +17,10 @@ the reason is recorded. Stored rows are therefore an eager forward's bits and gr
 material.
 
 When: a shape is captured at its second forward, so a length seen once (mixed-length sets) never
-pays for a capture; at most :data:`MAX_GRAPHS` shapes per target, sharing one memory pool (replays
+pays for a capture; at most :data:`MAX_GRAPHS` shapes per instance, sharing one memory pool (replays
 run one after another on one stream and their outputs are cloned at once, so a graph may reuse
-another's scratch memory). ``DFCACHE_CUDA_GRAPHS=0`` turns them off in the extraction.
+another's scratch memory). Forwards side by side (:mod:`runner.models.lanes`) use one instance per
+lane: a pool and a capture stream each. ``DFCACHE_CUDA_GRAPHS=0`` turns them off in the extraction.
 """
 
 from __future__ import annotations

@@ -14,9 +14,12 @@ layers fla's per-chunk recurrent states (float32, one [heads, key dim, value dim
 64-token chunk). The sum is multiplied by :data:`SAFETY` for what the estimate does not name
 (kernel workspaces, fragmentation). CUDA graphs keep their own pool beside the eager forwards
 (the first forward of a shape and the batch-shape checks run eagerly), so with graphs a batch
-needs the working memory twice. Nothing here touches torch: the free figure is passed in
-(``torch.cuda.mem_get_info`` plus what torch's allocator holds unused, on CUDA), so the choice
-is testable on any machine.
+needs the working memory twice. Lanes (:mod:`runner.models.lanes`: forwards side by side on more
+CUDA streams, each with its own graphs) get what the first lane leaves: each further lane holds
+an eager working set and a graph pool of its own, so it runs only forwards of at most
+``lane_tokens`` tokens, and lanes are on only where every sample fits one. Nothing here touches
+torch: the free figure is passed in (``torch.cuda.mem_get_info`` plus what torch's allocator
+holds unused, on CUDA), so the choice is testable on any machine.
 """
 
 from __future__ import annotations
@@ -41,9 +44,13 @@ class MemoryPlan:
     requested_batch_tokens: int
     batch_tokens: int  # the cap actually used for batches of equal-length samples
     cuda_graphs: bool  # whether graphs may be captured (they need a second pool)
+    lanes: int = 1  # CUDA streams running forwards side by side (1: one at a time)
+    lane_tokens: int = 0  # the largest forward (tokens) the further lanes may run; 0 when lanes are off
 
     def describe(self) -> str:
         graphs = "on" if self.cuda_graphs else "off (no room for their pool)"
+        if self.lanes > 1:
+            graphs += f", {self.lanes} lanes for forwards of at most {self.lane_tokens} tokens"
         shrunk = "" if self.batch_tokens == self.requested_batch_tokens else \
             f" (asked {self.requested_batch_tokens}, shrunk to fit)"
         return (f"GPU memory: {self.free_bytes / GIB:.1f} GiB free after the model loaded, about "
@@ -79,9 +86,9 @@ def per_token_bytes(config, n_layers: int, dtype_bytes: int) -> int:
 
 
 def plan(free_bytes: int, per_token: int, longest_sample: int, batch_tokens: int, *,
-         cuda_graphs: bool = True) -> MemoryPlan:
-    """The batch cap and whether CUDA graphs fit; :class:`BadInputError` (exit 6) with the figures
-    when the longest sample cannot run even alone and eagerly."""
+         cuda_graphs: bool = True, lanes: int = 1) -> MemoryPlan:
+    """The batch cap, whether CUDA graphs fit and how many of ``lanes`` do; :class:`BadInputError`
+    (exit 6) with the figures when the longest sample cannot run even alone and eagerly."""
     usable = max(0, int(free_bytes) - RESERVE_BYTES)
     eager_tokens = usable // max(1, per_token)
     if longest_sample > eager_tokens:
@@ -93,9 +100,13 @@ def plan(free_bytes: int, per_token: int, longest_sample: int, batch_tokens: int
             "memory (or free the other processes on this one), or make the samples shorter (--max-new-tokens, a shorter prompt set).")
     graphs = cuda_graphs and longest_sample <= eager_tokens // 2
     cap = eager_tokens // 2 if graphs else eager_tokens
+    cap = int(max(1, min(batch_tokens, cap)))
+    # further lanes: an eager working set and a graph pool each, from what the first lane leaves
+    lane_tokens = (eager_tokens - 2 * cap) // (2 * (lanes - 1)) if graphs and lanes > 1 else 0
+    n = lanes if lane_tokens >= longest_sample else 1
     return MemoryPlan(free_bytes=int(free_bytes), per_token_bytes=int(per_token), longest_sample=int(longest_sample),
-                      requested_batch_tokens=int(batch_tokens), batch_tokens=int(max(1, min(batch_tokens, cap))),
-                      cuda_graphs=graphs)
+                      requested_batch_tokens=int(batch_tokens), batch_tokens=cap, cuda_graphs=graphs,
+                      lanes=n, lane_tokens=int(lane_tokens) if n > 1 else 0)
 
 
 def free_gpu_bytes(device) -> int:

@@ -21,6 +21,9 @@ really used are reported (``ExtractStats.extra["batch_shapes"]``).
 On CUDA the forwards go through :class:`runner.models.graphs.ForwardGraphs`: a shape seen twice
 is captured as a CUDA graph, checked bit for bit against the eager forward, and replayed (one
 launch per forward instead of a thousand from a thread that shares the GIL with the writers).
+With ``DFCACHE_CUDA_LANES=2`` and room in the memory plan, they run on two CUDA streams side by
+side (:mod:`runner.models.lanes`), each lane with its own graphs, a shape only once a pair run
+side by side gave the bits of the same pair run one after the other.
 
 Overlap, per window:
 
@@ -43,6 +46,7 @@ the rows that layer already holds, so nothing checkpointed is computed twice.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -396,6 +400,10 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
     cannot run is refused before any forward (BadInputError, exit 6). The choice is logged and
     kept in ``stats.extra["memory_plan"]``.
 
+    On CUDA with room for more than one lane (``$DFCACHE_CUDA_LANES``, the plan's ``lanes``),
+    forwards run side by side (:mod:`runner.models.lanes`; ``stats.extra["lanes"]``), and
+    ``forward_gpu_s`` sums spans that may overlap.
+
     ``quantize``: the sinks take FP8 packed rows (``dfcache.fp8``: codes and a per-token scale,
     ``H + 4`` bytes a row): each forward's output is quantized where it was computed (on the GPU
     for a CUDA target, one kernel chain per layer and batch), so only the packed rows, about half
@@ -423,8 +431,11 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
 
         free = memory.free_gpu_bytes(target.device) if gpu_free_bytes is None else gpu_free_bytes
         longest = int(np.diff(offsets[start_sample:]).max())
+        from dfcache.config import cuda_graphs, cuda_lanes
+
+        graphs_on = cuda and cuda_graphs()
         mem = memory.plan(free, memory.per_token_bytes(config, len(layers), target.torch_dtype.itemsize),
-                          longest, batch_tokens, cuda_graphs=cuda)
+                          longest, batch_tokens, cuda_graphs=graphs_on, lanes=cuda_lanes() if graphs_on else 1)
         batch_tokens = mem.batch_tokens
         stats.extra["memory_plan"] = mem.to_dict()
         if log is not None:
@@ -464,12 +475,30 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
     graphs = _graphs_for(target) if cuda and (mem is None or mem.cuda_graphs) else None
     run_forward = graphs if graphs is not None else target.forward_layers
     replays0 = graphs.replays if graphs is not None else 0
+    lanes = None
+    if graphs is not None and mem is not None and mem.lanes > 1:
+        from ...models.lanes import Lanes
 
-    def forward(rows: np.ndarray) -> dict:
+        lanes = Lanes(target, graphs, mem.lanes, mem.lane_tokens)
+        replays0 = sum(g.replays for g in lanes.graphs)
+
+    def launch(fwd, rows: np.ndarray) -> dict:
         ids = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.int64))
         if cuda:
             ids = ids.pin_memory().to(target.device, non_blocking=True)
-        return timed(lambda: run_forward(ids, layers))
+        return timed(lambda: fwd(ids, layers))
+
+    def forward(rows: np.ndarray) -> tuple:
+        """(the layers' outputs, the CUDA stream they were computed on: None for the current one)"""
+        if lanes is not None:
+            return lanes.forward(launch, rows, layers)
+        return launch(run_forward, rows), None
+
+    def joined() -> None:
+        """The current stream waits for every lane (before it reads their outputs)."""
+        if lanes is not None:
+            for s in lanes.streams:
+                torch.cuda.current_stream(target.device).wait_stream(s)
 
     def _copied():
         """An event after every copy issued so far (None on the CPU, where copies are done)."""
@@ -516,48 +545,65 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
                     for a, n in zip(starts, b.lengths):
                         pieces.append((0, at, a, n))
                         at += n
-                    runs.append((outs, pieces))
+                    runs.append((outs, pieces, None))
                 else:
                     L = b.length
 
-                    def run(chunk: list[int], outs=None) -> None:
-                        c_starts = [int(offsets[s]) for s in chunk]
-                        if outs is None:
-                            outs = forward(np.stack([token_ids[a:a + L] for a in c_starts]))
+                    def rows_of(chunk: list[int]) -> np.ndarray:
+                        return np.stack([token_ids[int(offsets[s]):int(offsets[s]) + L] for s in chunk])
+
+                    def run(chunk: list[int], done=None) -> None:
+                        outs, stream = forward(rows_of(chunk)) if done is None else done
                         shape = (len(chunk), L)
                         used[shape] = used.get(shape, 0) + 1
-                        runs.append((outs, [(row, 0, a, L) for row, a in enumerate(c_starts)]))
+                        runs.append((outs, [(row, 0, int(offsets[s]), L) for row, s in enumerate(chunk)], stream))
 
                     rest = list(b.samples)
                     size = _check_size(len(rest), L, verdicts)
                     if size is not None:
                         # first use of this shape: does it give the first sample's one-sample bits?
                         chunk, rest = rest[:size], rest[size:]
-                        one = forward(token_ids[int(offsets[chunk[0]]):int(offsets[chunk[0]]) + L][None])
-                        outs = forward(np.stack([token_ids[int(offsets[s]):int(offsets[s]) + L] for s in chunk]))
+                        one = forward(rows_of(chunk[:1]))
+                        outs = forward(rows_of(chunk))
                         stats.checks += 1
-                        verdicts[(size, L)] = all(_same_bits(outs[k][0], one[k][0]) for k in outs)
+                        joined()
+                        verdicts[(size, L)] = all(_same_bits(outs[0][k][0], one[0][k][0]) for k in outs[0])
                         if verdicts[(size, L)]:
                             run(chunk, outs)
                         else:  # the check's forward is the first sample's result; the others go on
                             run(chunk[:1], one)
                             rest = chunk[1:] + rest
                         one = outs = None
-                    for chunk in _known_chunks(rest, L, verdicts):
-                        run(chunk)
-                for outs, pieces in runs:
+                    chunks = _known_chunks(rest, L, verdicts)
+                    i = 0
+                    while i < len(chunks):
+                        pair = chunks[i:i + 2]
+                        if (lanes is not None and len(pair) == 2 and len(pair[0]) == len(pair[1])
+                                and lanes.ready_to_check((len(pair[0]), L), layers)):
+                            for chunk, done in zip(pair, lanes.check_pair(launch, rows_of(pair[0]),
+                                                                          rows_of(pair[1]), layers)):
+                                run(chunk, done)
+                            if lanes.verdict((len(pair[0]), L), layers) is False and log is not None:
+                                log(f"hidden states: forwards of {len(pair[0])}x{L} tokens changed bits side by side; "
+                                    "they run one at a time")
+                            i += 2
+                            continue
+                        run(chunks[i])
+                        i += 1
+                for outs, pieces, stream in runs:
                     stats.batches += 1
                     for k, t in outs.items():
                         if t.dtype != target.torch_dtype or t.shape[-1] != H:
                             # copy_ would convert silently; the store must hold what the layer gave
                             raise RuntimeError(f"layer {k} gave {t.dtype} rows of width {t.shape[-1]}, not the "
                                                f"model's {target.torch_dtype} x {H}; dfcache cannot store it exactly.")
-                    if quantize:  # on the device that computed them, before any copy
-                        outs = {k: quantize_torch(t.reshape(-1, H)).reshape(*t.shape[:-1], width)
-                                for k, t in outs.items()}
+                    if quantize:  # on the device (and the lane's stream) that computed them, before any copy
+                        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                            outs = {k: quantize_torch(t.reshape(-1, H)).reshape(*t.shape[:-1], width)
+                                    for k, t in outs.items()}
                     if cuda:
                         # The copy stream starts after this forward; the next forward does not wait.
-                        copy_stream.wait_stream(torch.cuda.current_stream(target.device))
+                        copy_stream.wait_stream(stream or torch.cuda.current_stream(target.device))
                         with torch.cuda.stream(copy_stream):
                             for k, t in outs.items():
                                 for row, at, a, n in pieces:
@@ -596,12 +642,16 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
     if writer.error is not None:
         raise writer.error
     if gpu_spans:
-        gpu_spans[-1][1].synchronize()
+        torch.cuda.synchronize(target.device)  # with lanes the last span recorded need not end last
         spans = [a.elapsed_time(b) for a, b in gpu_spans]
         stats.forward_gpu_s = sum(spans) / 1e3
         stats.extra["forward_gpu_ms"] = [round(x, 1) for x in spans[:512]]
     stats.extra["batch_shapes"] = {f"{n}x{length}": count for (n, length), count in sorted(used.items())}
-    if graphs is not None:
+    if lanes is not None:
+        st = lanes.stats()
+        stats.extra["lanes"] = {k: v for k, v in st.items() if k != "replays"}
+        stats.extra["cuda_graphs"] = {**graphs.stats(), "replays": st["replays"] - replays0}
+    elif graphs is not None:
         stats.extra["cuda_graphs"] = {**graphs.stats(), "replays": graphs.replays - replays0}
     stats.extra["shapes_changing_bits"] = sorted(f"{n}x{length}" for (n, length), ok in verdicts.items() if not ok)
     stats.wall_s = time.perf_counter() - t0
