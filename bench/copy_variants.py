@@ -18,7 +18,7 @@ import sys
 
 import numpy as np
 
-from ._common import clock, med
+from ._common import alternate, clock, med
 
 
 def main(argv=None) -> int:
@@ -57,12 +57,9 @@ def main(argv=None) -> int:
 
     variants = {"numpy": numpy_cols, "torch": torch_cols, "contiguous numpy": numpy_flat,
                 "contiguous torch": torch_flat}
-    times: dict[str, list[float]] = {k: [] for k in variants}
     for fn in variants.values():
         fn()  # pages touched once before timing
-    for _ in range(args.reps):
-        for name, fn in variants.items():
-            times[name].append(clock(fn))
+    times = alternate({name: (lambda fn=fn: clock(fn)) for name, fn in variants.items()}, args.reps)
     torch_cols()
     assert all(np.array_equal(wide[:, k * h:(k + 1) * h], src[k]) for k in range(L))
     mb = wide.nbytes / 1e6
