@@ -14,7 +14,7 @@ nvidia-smi --query-gpu=name --format=csv,noheader
 reps=2; sel=tests/test_cuda_graphs.py; n27=128; n8=256
 [ "$2" = lean ] && { reps=1; sel="tests/test_cuda_graphs.py -k lanes"; n8=192; }
 # "min" (the last few minutes of device time): no tests, 64 samples, one A/B run each way.
-disk=2; [ "$2" = min ] && { reps=1; n27=64; n8=128; disk=0.5; }
+disk=2; budget=400; [ "$2" = min ] && { reps=1; n27=64; n8=128; disk=0.5; budget=280; }
 # "testonly": the GPU tests of lanes alone (about a minute).
 if [ "$2" = testonly ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_extract_memory.py > $OUT/test_lanes.log 2>&1
@@ -27,12 +27,12 @@ fi
 if [ "$1" = 27b ]; then
   name=gpu_extract_27b_${n27}_lanes
   timeout 470 python3 bench/gpu_extract.py --preset qwen3.6-27b --out $OUT/$name.json --samples $n27 \
-    --mixed 0 --skip-packed --disk-gb $disk --write-threads "" --lanes-reps $reps --budget-s 400 > $OUT/$name.log 2>&1
+    --mixed 0 --skip-packed --disk-gb $disk --write-threads "" --lanes-reps $reps --budget-s $budget > $OUT/$name.log 2>&1
 else
   name=gpu_extract_8b_${n8}_lanes
   timeout 470 python3 bench/gpu_extract.py --out $OUT/$name.json --skip-torch --skip-naive --skip-packed \
     --hidden 4096 --num-layers 36 --layers 1,9,17,25,33 --vocab 151936 --samples $n8 --mixed 0 \
-    --disk-gb $disk --write-threads "" --lanes-reps $reps --budget-s 400 --label "8B-shaped, $n8 samples" > $OUT/$name.log 2>&1
+    --disk-gb $disk --write-threads "" --lanes-reps $reps --budget-s $budget --label "8B-shaped, $n8 samples" > $OUT/$name.log 2>&1
 fi
 echo "$1 rc=$?"
 grep -E "bare forward to|dfcache extract|lanes|store path only|exactness|Traceback|Error" $OUT/$name.log | cut -c1-500 | tail -30
