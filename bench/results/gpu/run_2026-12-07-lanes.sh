@@ -15,22 +15,24 @@ reps=2; sel=tests/test_cuda_graphs.py; n27=128; n8=256
 [ "$2" = lean ] && { reps=1; sel="tests/test_cuda_graphs.py -k lanes"; n8=192; }
 # "min" (the last few minutes of device time): no tests, 64 samples, one A/B run each way.
 disk=2; budget=400; [ "$2" = min ] && { reps=1; n27=64; n8=128; disk=0.5; budget=280; }
+# "probe" (under 5 minutes left): 32 samples, no tests; the pair check and the two-lane replay row come before the budget.
+bt=470; [ "$2" = probe ] && { reps=1; n27=32; n8=64; disk=0.5; budget=120; bt=240; }
 # "testonly": the GPU tests of lanes alone (about a minute).
 if [ "$2" = testonly ]; then
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_cuda_graphs.py tests/test_extract_memory.py > $OUT/test_lanes.log 2>&1
   echo "tests rc=$?"; grep -E "passed|failed|Error|assert" $OUT/test_lanes.log | tail -12 | cut -c1-400; exit 0
 fi
-if [ "$2" != notest ] && [ "$2" != min ]; then
+if [ "$2" != notest ] && [ "$2" != min ] && [ "$2" != probe ]; then
   timeout 120 python3 -m pytest -q -p no:cacheprovider $sel > $OUT/test_lanes.log 2>&1
   echo "tests rc=$?"; grep -E "passed|failed|Error|assert" $OUT/test_lanes.log | tail -12 | cut -c1-400
 fi
 if [ "$1" = 27b ]; then
   name=gpu_extract_27b_${n27}_lanes
-  timeout 470 python3 bench/gpu_extract.py --preset qwen3.6-27b --out $OUT/$name.json --samples $n27 \
+  timeout $bt python3 bench/gpu_extract.py --preset qwen3.6-27b --out $OUT/$name.json --samples $n27 \
     --mixed 0 --skip-packed --disk-gb $disk --write-threads "" --lanes-reps $reps --budget-s $budget > $OUT/$name.log 2>&1
 else
   name=gpu_extract_8b_${n8}_lanes
-  timeout 470 python3 bench/gpu_extract.py --out $OUT/$name.json --skip-torch --skip-naive --skip-packed \
+  timeout $bt python3 bench/gpu_extract.py --out $OUT/$name.json --skip-torch --skip-naive --skip-packed \
     --hidden 4096 --num-layers 36 --layers 1,9,17,25,33 --vocab 151936 --samples $n8 --mixed 0 \
     --disk-gb $disk --write-threads "" --lanes-reps $reps --budget-s $budget --label "8B-shaped, $n8 samples" > $OUT/$name.log 2>&1
 fi
