@@ -58,6 +58,21 @@ def _env_true(name: str) -> bool:
     return os.environ.get(name, "").strip().lower() in _TRUE
 
 
+def _env_number(name: str, parse, ok, fix: str):
+    """$name parsed by ``parse`` (None when unset or blank); a value that does not parse or fails
+    ``ok`` is a UsageError naming the variable, its value and ``fix``."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = parse(raw)
+    except (ValueError, OverflowError):  # OverflowError: int(float("inf"))
+        value = None
+    if value is None or not ok(value):
+        raise UsageError(f"{name}={raw!r}: {fix}")
+    return value
+
+
 def offline_from_env() -> bool:
     """True if ``DFCACHE_OFFLINE`` is set to a true value (``HF_HUB_OFFLINE`` is not dfcache's switch)."""
     return _env_true("DFCACHE_OFFLINE")
@@ -168,49 +183,24 @@ def cuda_lanes() -> int:
     (``runner.models.lanes``), so stored rows are the same either way. Off by default until its
     speed is measured on a GPU (written 2026-12-07 when no device could be started; the run is
     ``bench/results/gpu/run_2026-12-07-lanes.sh``)."""
-    raw = os.environ.get("DFCACHE_CUDA_LANES", "").strip()
-    if not raw:
-        return 1
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value not in (1, 2):
-        raise UsageError(f"DFCACHE_CUDA_LANES={raw!r}: give 2 (forwards side by side) or 1 (one forward at a "
-                         "time, the default).")
-    return value
+    value = _env_number("DFCACHE_CUDA_LANES", int, lambda v: v in (1, 2),
+                        "give 2 (forwards side by side) or 1 (one forward at a time, the default).")
+    return 1 if value is None else value
 
 
 def segment_bytes() -> int:
     """Bytes of one per-sample segment of a layer before it is committed ($DFCACHE_SEGMENT_BYTES,
     default 256 MiB): what an interrupted extraction can lose at most, per layer."""
-    raw = os.environ.get("DFCACHE_SEGMENT_BYTES", "").strip()
-    if raw:
-        try:
-            value = int(float(raw))
-        except ValueError:
-            value = 0
-        if value < 1:
-            from .errors import UsageError
-
-            raise UsageError(f"DFCACHE_SEGMENT_BYTES={raw!r}: give a positive number of bytes (e.g. 268435456).")
-        return value
-    return 256 << 20
+    value = _env_number("DFCACHE_SEGMENT_BYTES", lambda raw: int(float(raw)), lambda v: v >= 1,
+                        "give a positive number of bytes (e.g. 268435456).")
+    return 256 << 20 if value is None else value
 
 
 def write_threads() -> int | None:
     """Chunk files of one array written at once ($DFCACHE_WRITE_THREADS, a positive integer), or
     None when unset (the store then writes one after the other: ``dfcache.store._pools.write_threads``)."""
-    raw = os.environ.get("DFCACHE_WRITE_THREADS", "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise UsageError(f"DFCACHE_WRITE_THREADS={raw!r}: give a positive number of threads (1: no parallel writes).")
-    return value
+    return _env_number("DFCACHE_WRITE_THREADS", int, lambda v: v >= 1,
+                       "give a positive number of threads (1: no parallel writes).")
 
 
 def progress_interval() -> float:
@@ -218,16 +208,9 @@ def progress_interval() -> float:
     ($DFCACHE_PROGRESS_INTERVAL, default 10; 0: a line at every step). A terminal gets bars."""
     import math
 
-    raw = os.environ.get("DFCACHE_PROGRESS_INTERVAL", "").strip()
-    if not raw:
-        return 10.0
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not (math.isfinite(value) and value >= 0):
-        raise UsageError(f"DFCACHE_PROGRESS_INTERVAL={raw!r}: give a number of seconds (0: a line at every step).")
-    return value
+    value = _env_number("DFCACHE_PROGRESS_INTERVAL", float, lambda v: math.isfinite(v) and v >= 0,
+                        "give a number of seconds (0: a line at every step).")
+    return 10.0 if value is None else value
 
 
 def dfcache_home() -> Path:
