@@ -818,20 +818,13 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         # About 2 GB of rows a run (12 runs by default; the 27B preset's full set is 13 GB a run).
         m = max(1, min(args.samples, int(2e9 // (args.seq_len * bytes_per_token))))
         c_offsets, c_ids = offsets[: m + 1], ids[: int(offsets[m])]
-        old = os.environ.get("DFCACHE_WRITE_THREADS")
         runs: dict[int, list[float]] = {n: [] for n in counts}
-        try:
-            for rep in range(args.write_threads_reps):
-                k = rep % len(counts)
-                for n in counts[k:] + counts[:k]:
-                    os.environ["DFCACHE_WRITE_THREADS"] = str(n)
+        for rep in range(args.write_threads_reps):
+            k = rep % len(counts)
+            for n in counts[k:] + counts[:k]:
+                with env_set("DFCACHE_WRITE_THREADS", str(n)):
                     st_n, dt_n, _ = direct_extract(Fake(), c_offsets, c_ids, f"store-only-t{n}", stage="bench_store_only")
-                    runs[n].append(st_n.tokens / dt_n)
-        finally:
-            if old is None:
-                os.environ.pop("DFCACHE_WRITE_THREADS", None)
-            else:
-                os.environ["DFCACHE_WRITE_THREADS"] = old
+                runs[n].append(st_n.tokens / dt_n)
         import statistics
 
         curve = {str(n): round(statistics.median(v), 1) for n, v in runs.items()}
@@ -929,16 +922,11 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
                 sys.setswitchinterval(v["switch"])
             if v.get("trust"):
                 rx._verdicts(target).update({(len(bt.samples), bt.length): True for bt, _ in eb})
-            old_graphs = os.environ.get("DFCACHE_CUDA_GRAPHS")
-            if v.get("graphs"):
-                os.environ["DFCACHE_CUDA_GRAPHS"] = v["graphs"]
+            graphs = env_set("DFCACHE_CUDA_GRAPHS", v["graphs"]) if v.get("graphs") else contextlib.nullcontext()
             try:
-                st, dt, _ = direct_extract(target, offsets, ids, name)
+                with graphs:
+                    st, dt, _ = direct_extract(target, offsets, ids, name)
             finally:
-                if old_graphs is None:
-                    os.environ.pop("DFCACHE_CUDA_GRAPHS", None)
-                else:
-                    os.environ["DFCACHE_CUDA_GRAPHS"] = old_graphs
                 rx.WRITER_THREADS = old_t
                 sys.setswitchinterval(old_sw)
                 rx._verdicts(target).clear()
@@ -987,16 +975,9 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
             return total / 1e6
 
         for name, env in (("no CUDA graphs", "0"), ("CUDA graphs", "1")):
-            old = os.environ.get("DFCACHE_CUDA_GRAPHS")
-            os.environ["DFCACHE_CUDA_GRAPHS"] = env
-            try:
-                with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    st, dt, _ = direct_extract(target, offsets, ids, f"profile-{env}")
-            finally:
-                if old is None:
-                    os.environ.pop("DFCACHE_CUDA_GRAPHS", None)
-                else:
-                    os.environ["DFCACHE_CUDA_GRAPHS"] = old
+            with env_set("DFCACHE_CUDA_GRAPHS", env), \
+                    tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                st, dt, _ = direct_extract(target, offsets, ids, f"profile-{env}")
             ev = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
             kern = [(e.time_range.start, e.time_range.end) for e in ev if not e.name.startswith(("Memcpy", "Memset"))]
             copies = [(e.time_range.start, e.time_range.end) for e in ev if e.name.startswith("Memcpy")]
