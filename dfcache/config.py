@@ -178,14 +178,15 @@ def cuda_graphs() -> bool:
 
 def cuda_lanes() -> int:
     """CUDA streams the hidden-state extraction runs its forwards on side by side ($DFCACHE_CUDA_LANES:
-    1, the default, one forward at a time; or 2). Each lane replays its own CUDA graphs, and a shape
+    2, the default, or 1, one forward at a time). Each lane replays its own CUDA graphs, and a shape
     runs side by side only after a check of the pair that it keeps every bit
-    (``runner.models.lanes``), so stored rows are the same either way. Off by default until its
-    speed is measured on a GPU (written 2026-12-07 when no device could be started; the run is
-    ``bench/results/gpu/run_2026-12-07-lanes.sh``)."""
+    (``runner.models.lanes``), so stored rows are the same either way; the memory plan drops to one
+    lane where the second does not fit. Two lanes measured faster in every run on an H100
+    (2026-12-07: the 27B-shaped extraction 10,051 vs 9,799 tok/s, medians of two each in turns;
+    8B-shaped 22,697 and 22,004 vs 21,567; ``bench/results/gpu/gpu_extract_*_lanes_h100_2026-12-07.*``)."""
     value = _env_number("DFCACHE_CUDA_LANES", int, lambda v: v in (1, 2),
-                        "give 2 (forwards side by side) or 1 (one forward at a time, the default).")
-    return 1 if value is None else value
+                        "give 2 (forwards side by side, the default) or 1 (one forward at a time).")
+    return 2 if value is None else value
 
 
 def segment_bytes() -> int:

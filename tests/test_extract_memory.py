@@ -133,17 +133,17 @@ def test_a_model_built_in_memory_is_bound_with_load_targets_checks(tiny_target):
 
 
 def test_cuda_lanes_setting(monkeypatch):
-    """$DFCACHE_CUDA_LANES: 1 (the default) or 2, anything else is a usage error naming the fix (more
+    """$DFCACHE_CUDA_LANES: 2 (the default) or 1, anything else is a usage error naming the fix (more
     lanes are not offered: the pair check covers two)."""
     from dfcache.config import cuda_lanes
     from dfcache.errors import UsageError
 
     monkeypatch.delenv("DFCACHE_CUDA_LANES", raising=False)
-    assert cuda_lanes() == 1
-    monkeypatch.setenv("DFCACHE_CUDA_LANES", " 2 ")
     assert cuda_lanes() == 2
+    monkeypatch.setenv("DFCACHE_CUDA_LANES", " 1 ")
+    assert cuda_lanes() == 1
     for bad in ("0", "two", "-3", "3"):
         monkeypatch.setenv("DFCACHE_CUDA_LANES", bad)
         with pytest.raises(UsageError) as e:
             cuda_lanes()
-        assert f"DFCACHE_CUDA_LANES={bad!r}" in str(e.value) and str(e.value).endswith("or 1 (one forward at a time, the default).")
+        assert f"DFCACHE_CUDA_LANES={bad!r}" in str(e.value) and str(e.value).endswith("or 1 (one forward at a time).")

@@ -142,4 +142,5 @@ class Lanes:
         return {"lanes": len(self.streams), "max_tokens": self.max_tokens, "side_by_side": self.side_by_side,
                 "checked": dict(self.checked),
                 "captured": [list(g.captured) for g in self.graphs],
+                "refused": [dict(g.refused) for g in self.graphs],
                 "replays": sum(g.replays for g in self.graphs)}

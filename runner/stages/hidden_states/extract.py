@@ -21,7 +21,7 @@ really used are reported (``ExtractStats.extra["batch_shapes"]``).
 On CUDA the forwards go through :class:`runner.models.graphs.ForwardGraphs`: a shape seen twice
 is captured as a CUDA graph, checked bit for bit against the eager forward, and replayed (one
 launch per forward instead of a thousand from a thread that shares the GIL with the writers).
-With ``DFCACHE_CUDA_LANES=2`` and room in the memory plan, they run on two CUDA streams side by
+With ``DFCACHE_CUDA_LANES=2`` (the default) and room in the memory plan, they run on two CUDA streams side by
 side (:mod:`runner.models.lanes`), each lane with its own graphs, a shape only once a pair run
 side by side gave the bits of the same pair run one after the other.
 
@@ -552,8 +552,8 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
                     def rows_of(chunk: list[int]) -> np.ndarray:
                         return np.stack([token_ids[int(offsets[s]):int(offsets[s]) + L] for s in chunk])
 
-                    def run(chunk: list[int], done=None) -> None:
-                        outs, stream = forward(rows_of(chunk)) if done is None else done
+                    def run(chunk: list[int], result=None) -> None:
+                        outs, stream = forward(rows_of(chunk)) if result is None else result
                         shape = (len(chunk), L)
                         used[shape] = used.get(shape, 0) + 1
                         runs.append((outs, [(row, 0, int(offsets[s]), L) for row, s in enumerate(chunk)], stream))
@@ -580,9 +580,9 @@ def extract(target, token_ids: np.ndarray, offsets: np.ndarray, sinks: list[Laye
                         pair = chunks[i:i + 2]
                         if (lanes is not None and len(pair) == 2 and len(pair[0]) == len(pair[1])
                                 and lanes.ready_to_check((len(pair[0]), L), layers)):
-                            for chunk, done in zip(pair, lanes.check_pair(launch, rows_of(pair[0]),
-                                                                          rows_of(pair[1]), layers)):
-                                run(chunk, done)
+                            for chunk, result in zip(pair, lanes.check_pair(launch, rows_of(pair[0]),
+                                                                            rows_of(pair[1]), layers)):
+                                run(chunk, result)
                             if lanes.verdict((len(pair[0]), L), layers) is False and log is not None:
                                 log(f"hidden states: forwards of {len(pair[0])}x{L} tokens changed bits side by side; "
                                     "they run one at a time")
