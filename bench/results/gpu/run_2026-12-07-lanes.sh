@@ -6,6 +6,9 @@
 # ("dfcache extract (equal)") runs with 2 lanes (DFCACHE_CUDA_LANES=2 below). carry [".whl"].
 #   bash bench/results/gpu/run_2026-12-07-lanes.sh 27b     (about 6 minutes)
 #   bash bench/results/gpu/run_2026-12-07-lanes.sh 8b      (about 6 minutes)
+# Ran 2026-12-07 late on an H100 as `27b notest` and `8b notest` (the bench without the tests; 6.5
+# and 8 minutes): gpu_extract_{27b_128,8b_256}_lanes_h100_2026-12-07.*; lanes are the default since.
+# .whl needs google_crc32c too (zarr 3.1.6 imports it): the first call of that session failed without it.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 # the judged row with lanes on (the candidate default); the A/B sets 1 and 2 itself
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 DFCACHE_CUDA_LANES=2
