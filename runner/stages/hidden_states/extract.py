@@ -21,9 +21,9 @@ really used are reported (``ExtractStats.extra["batch_shapes"]``).
 On CUDA the forwards go through :class:`runner.models.graphs.ForwardGraphs`: a shape seen twice
 is captured as a CUDA graph, checked bit for bit against the eager forward, and replayed (one
 launch per forward instead of a thousand from a thread that shares the GIL with the writers).
-With ``DFCACHE_CUDA_LANES=2`` (the default) and room in the memory plan, they run on two CUDA streams side by
-side (:mod:`runner.models.lanes`), each lane with its own graphs, a shape only once a pair run
-side by side gave the bits of the same pair run one after the other.
+With ``DFCACHE_CUDA_LANES=2`` (the default) and room in the memory plan, they run on two CUDA
+streams side by side (:mod:`runner.models.lanes`), each lane with its own graphs, a shape only
+once a pair run side by side gave the bits of the same pair run one after the other.
 
 Overlap, per window:
 
