@@ -489,6 +489,9 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         offsets, ids = equal.spec.offsets, equal.spec.ids
         runs: dict[str, list[float]] = {"1": [], "2": []}
         extra = {}
+
+        def rates() -> dict:
+            return {n: [round(x, 1) for x in v] for n, v in runs.items()}
         for r in range(args.lanes_reps):
             if r and time.perf_counter() - T0 > args.budget_s:  # (2026-12-07: a 4th turn ran past the 470 s cap)
                 log(f"lanes: {r} turn(s) each, past --budget-s {args.budget_s}")
@@ -502,14 +505,14 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
                 extra[n] = {k: v for k, v in st.extra.items() if k != "forward_gpu_ms"}
                 log(f"lanes {n}, run {r + 1}: {st.tokens / dt:,.0f} tok/s ({st.tokens / dt / bare:.3f}x bare); "
                     f"{extra[n].get('lanes')}")
-                b.res["lanes_ab"] = {"tok_per_s": {k: [round(x, 1) for x in v] for k, v in runs.items()}}
+                b.res["lanes_ab"] = {"tok_per_s": rates()}
                 b.save()  # each turn's figure kept, whatever cuts the run short
         med = {n: statistics.median(v) for n, v in runs.items()}
-        b.res["lanes_ab"] = {"tok_per_s": {n: [round(x, 1) for x in v] for n, v in runs.items()},
+        b.res["lanes_ab"] = {"tok_per_s": rates(),
                              "median": {n: round(v, 1) for n, v in med.items()},
                              "vs_bare": {n: round(v / bare, 3) for n, v in med.items()}, "stats": extra}
         for n in ("1", "2"):
-            row(f"dfcache extract (equal), {n} lane{'s' if n == '2' else ''}, median of {args.lanes_reps}",
+            row(f"dfcache extract (equal), {n} lane{'s' if n == '2' else ''}, median of {len(runs[n])}",
                 "fla" if "fla" in targets else "torch", int(offsets[-1]),
                 int(offsets[-1]) / med[n], bare)
 
@@ -528,7 +531,6 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
         dt = time.perf_counter() - t - ctx.last_lossy_check_s
         st = ctx.last_extract_stats
         row(f"dfcache extract ({label})", kernel, int(tok.spec.offsets[-1]), dt, bare_rate)
-        b.save()  # the judged row kept before the optional phases after it
         if st:
             b.res.setdefault("extract_stats", {})[f"{kernel}/{label}"] = {
                 "tokens": st.tokens, "batches": st.batches, "windows": st.windows, "wall_s": st.wall_s,
@@ -537,6 +539,7 @@ def run(b: Bench, np, torch, work, model_dir, store_dir, naive_dir, layers) -> i
             log(f"extract stats {kernel}/{label}: "
                 f"{ {k: v for k, v in b.res['extract_stats'][f'{kernel}/{label}'].items() if k != 'forward_gpu_ms'} }")
         keys.setdefault(f"{kernel}/{label}", {}).update(nodes)  # layer -> node
+        b.save()  # the judged row and its statistics kept before the optional phases after it
 
     caches = {"fla": RunCache(), "torch": RunCache()}  # one loaded target per kernel, reused by every run
     targets: dict = {}
