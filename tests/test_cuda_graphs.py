@@ -90,11 +90,15 @@ def test_extraction_with_graphs_stores_eager_bits(target, tmp_path):
 
 
 @pytest.mark.parametrize("lanes", ["2", "1"])
-def test_extraction_on_lanes_stores_eager_bits(target, tmp_path, monkeypatch, lanes):
+def test_extraction_on_lanes_stores_eager_bits(tiny_target, tmp_path, monkeypatch, lanes):
     """Forwards side by side on two CUDA streams (runner/models/lanes.py) store the bits of
     one-sample eager forwards; a shape runs side by side only after its pair check passed."""
+    from runner.models.target import load_target, resolve_kernel
     from runner.stages.hidden_states.extract import _verdicts
 
+    # A target of its own: graphs, lanes and their verdicts are kept per loaded target, and the
+    # tests above (two lanes by default) would leave this shape captured and its pair checked.
+    target = load_target(tiny_target, resolve_kernel("torch", "cuda", "float32", "sdpa"))
     monkeypatch.setenv("DFCACHE_CUDA_LANES", lanes)
     # as at hidden 4096: a pair of 24-token samples is taken to change bits, so one sample a forward
     _verdicts(target)[(2, 24)] = False
