@@ -59,6 +59,24 @@ def test_split_reads_return_the_rows_and_recycle_only_dropped_results(tmp_path, 
     assert again.ctypes.data in used and np.array_equal(view, data[13:17])
 
 
+def test_the_buffer_recycled_is_the_free_one_taken_last():
+    """A result buffer goes again to the free base taken most recently (its lines likely still
+    cached), whatever its size, never to one still referred to; none large enough: a new one."""
+    r = _pools._Recycler()
+    mib = 1 << 20
+    a, b = r.take(2 * mib), r.take(3 * mib)
+    base_of = {a.ctypes.data: "a", b.ctypes.data: "b"}
+    del a, b  # b was taken last
+    c = r.take(mib)
+    assert base_of.get(c.ctypes.data) == "b"
+    d = r.take(mib)  # b's base is c's: the other one
+    assert base_of.get(d.ctypes.data) == "a"
+    e = r.take(4 * mib)  # neither is free (nor large enough)
+    assert e.ctypes.data not in base_of and len(e) == 4 * mib
+    del c, d, e
+    assert r.take(4 * mib).ctypes.data not in base_of  # the 4 MiB base, taken last
+
+
 @pytest.mark.parametrize("mapped", [False, True])
 @pytest.mark.parametrize("change", ["in place, just committed", "in place, remembered", "replaced"])
 def test_a_chunk_changed_on_disk_is_checked_again_in_the_same_process(tmp_path, split, monkeypatch, mapped, change):

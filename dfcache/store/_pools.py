@@ -72,7 +72,15 @@ class _Recycler:
     handed out is a view of a pooled base array; every view, and every tensor or array made
     from one, keeps the base referenced, so a base whose reference count is back to the pool's
     own is unused and is filled again. Bases are anonymous maps (no hugepage advice: on the
-    development VMs a read into a madvised, never-backed region was several times slower)."""
+    development VMs a read into a madvised, never-backed region was several times slower).
+
+    The free base taken is the one taken most recently (large enough), not the smallest that
+    fits: its lines are likely still in the last-level cache, so filling it, and the caller's
+    next pass over it, do not go to memory. A training epoch of the per-layer layout (items of
+    1-8 MB, a 32 MiB L3; ``python -m bench.recycle_variants``: DataLoader at 0 workers, each item
+    cloned) took 3-12 % less CPU than with the smallest base that fits in seven of eight
+    in-process A/B runs, 2 % more in one (e.g. medians 30.6 vs 33.5, 31.2 vs 32.4, 39.5 vs 41.1
+    ms; 2-core AMD EPYC VM, 2026-12-08); the one-sample read row did not move (17 MB results)."""
 
     KEEP = 6  # bases kept per process
     MAX_BYTES = 64 << 20  # larger results are plain allocations
@@ -88,26 +96,23 @@ class _Recycler:
         import sys
 
         with self._lock:
-            bases = self._bases
-            best = None
-            for i in range(len(bases)):
+            bases = self._bases  # least recently taken first
+            for i in range(len(bases) - 1, -1, -1):
                 # 2 = the list's reference and getrefcount's argument: no view of it is alive
-                if bases[i].nbytes >= nbytes and sys.getrefcount(bases[i]) == 2 and (
-                        best is None or bases[i].nbytes < bases[best].nbytes):
-                    best = i
-            if best is None:
-                import mmap
+                if bases[i].nbytes >= nbytes and sys.getrefcount(bases[i]) == 2:
+                    bases.append(bases.pop(i))
+                    return bases[-1][:nbytes]
+            import mmap
 
-                cap = -(-nbytes // (1 << 20)) * (1 << 20) or (1 << 20)
-                base = np.frombuffer(mmap.mmap(-1, cap), dtype=np.uint8)
-                if len(bases) >= self.KEEP:
-                    free = [i for i in range(len(bases)) if sys.getrefcount(bases[i]) == 2]
-                    if not free:
-                        return base[:nbytes]  # all in use: this one is not kept
-                    bases.pop(min(free, key=lambda i: bases[i].nbytes))
-                bases.append(base)
-                best = len(bases) - 1
-            return bases[best][:nbytes]
+            cap = -(-nbytes // (1 << 20)) * (1 << 20) or (1 << 20)
+            base = np.frombuffer(mmap.mmap(-1, cap), dtype=np.uint8)
+            if len(bases) >= self.KEEP:
+                free = [i for i in range(len(bases)) if sys.getrefcount(bases[i]) == 2]
+                if not free:
+                    return base[:nbytes]  # all in use: this one is not kept
+                bases.pop(min(free, key=lambda i: bases[i].nbytes))  # too small for this one
+            bases.append(base)
+            return base[:nbytes]
 
 
 _recycler = _Recycler()
