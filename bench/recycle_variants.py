@@ -20,8 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-
 from ._common import alternate, cpu_now, med, rmtree
 
 
@@ -47,8 +45,8 @@ def main(argv=None) -> int:
     import torch
 
     from dfcache.store import _pools
-    from dfcache.training import HiddenStateDataset
     from dfcache.store._reader import RACY_NS
+    from dfcache.training import HiddenStateDataset
     from runner.core.samples import StoredSamples
     from runner.peers.export import export, specforge_relpath
 

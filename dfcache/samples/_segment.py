@@ -7,6 +7,7 @@ document that reads and ``dfcache verify`` make.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -265,7 +266,8 @@ def read_side_by_side(parts: list[tuple[Segment, int]], name: str, out: np.ndarr
     One part after the other on the caller's thread: splitting the parts across reader threads
     was measured (bench ``training``, 2026-12-04) and was no faster on 2 cores at 0 workers,
     slower with DataLoader workers, which already share the cores."""
-    widths = [int(np.prod(seg.reader(name).shape[1:], dtype=np.int64)) for seg, _ in parts]
+    # math.prod: 0.15 us a call against np.prod's 2.5, on every training item's read
+    widths = [math.prod(map(int, seg.reader(name).shape[1:])) for seg, _ in parts]
     if out.ndim != 2 or out.shape[1] != sum(widths):
         raise UsageError(f"out= must be 2-D with {sum(widths)} columns (the arrays' widths summed), "
                          f"not {out.shape}.")

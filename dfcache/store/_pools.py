@@ -8,6 +8,7 @@ numpy is imported on first use (``np = LazyModule("numpy")``): opening a store n
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 
@@ -122,7 +123,7 @@ def recycled_empty(shape: tuple, dtype) -> np.ndarray:
     """An uninitialised array like ``np.empty``, in a recycled buffer when it is large (see
     :class:`_Recycler`): for results handed to a caller who drops them before the next ones."""
     dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(map(int, shape)) * dtype.itemsize  # (np.prod: 2.5 us a call, math.prod 0.15)
     buf = _recycler.take(nbytes) if nbytes >= (1 << 20) else None
     if buf is None:
         return np.empty(shape, dtype=dtype)
