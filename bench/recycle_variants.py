@@ -23,22 +23,7 @@ from pathlib import Path
 from ._common import alternate, cpu_now, med, rmtree
 
 
-def _smallest_fit(self, nbytes: int):
-    """The previous policy: the smallest free base that fits; else a new one (as now)."""
-    if nbytes > self.MAX_BYTES:
-        return None
-    with self._lock:
-        fits = [b for b in self._bases if b.nbytes >= nbytes and sys.getrefcount(b) == 3]  # list, b, arg
-        if fits:
-            return min(fits, key=lambda b: b.nbytes)[:nbytes]
-    return _last_taken(self, nbytes)  # none free and large enough: a new base, kept as now
-
-
-_last_taken = None
-
-
 def main(argv=None) -> int:
-    global _last_taken
     ap = argparse.ArgumentParser(prog="python -m bench.recycle_variants")
     ap.add_argument("--reps", type=int, default=21)
     args = ap.parse_args(argv)
@@ -63,7 +48,17 @@ def main(argv=None) -> int:
                                                 [k for _, k in layer_sets], [str(i) for i in range(len(tok[1]))]))
         theirs = _SpecForge([str(root / "specforge" / specforge_relpath(i)) for i in range(len(h.lengths))], True)
         time.sleep(RACY_NS / 1e9 + 0.2)  # chunks settled, as a trainer finds them
-        _last_taken = _pools._Recycler.take
+        last_taken = _pools._Recycler.take
+
+        def smallest_fit(self, nbytes: int):
+            """The previous policy: the smallest free base that fits; none: a new one, as now."""
+            if nbytes > self.MAX_BYTES:
+                return None
+            with self._lock:  # a reference each: the list's, the loop's, getrefcount's argument
+                fits = [b for b in self._bases if b.nbytes >= nbytes and sys.getrefcount(b) == 3]
+                if fits:
+                    return min(fits, key=lambda b: b.nbytes)[:nbytes]
+            return last_taken(self, nbytes)
 
         def epoch(ds, take=None):
             def go():
@@ -77,10 +72,10 @@ def main(argv=None) -> int:
             return go
 
         try:
-            times = alternate({"last taken": epoch(ours, _last_taken), "smallest fit": epoch(ours, _smallest_fit),
+            times = alternate({"last taken": epoch(ours, last_taken), "smallest fit": epoch(ours, smallest_fit),
                                "specforge": epoch(theirs)}, args.reps)
         finally:
-            _pools._Recycler.take = _last_taken
+            _pools._Recycler.take = last_taken
         print(f"{len(h.lengths)} samples, {h.states.nbytes / 1e6:.0f} MB, CPU ms an epoch, median of {args.reps}:")
         for name, ts in times.items():
             print(f"  {name:13s} {med(ts) * 1e3:6.1f} ms  ({med(times['specforge']) / med(ts):.2f}x of specforge)")
